@@ -1,0 +1,330 @@
+"""Where am I running? Rank, node-local rank, node, job and time left, from the launcher.
+
+Every launcher describes the processes it starts in environment variables, each in
+its own dialect. :func:`detect` reads them without importing mpi4py, so it works
+before ``MPI_Init`` (to pick a GPU before the first CUDA allocation) and in a process
+that never uses MPI::
+
+    from hpc import env
+    job = env.detect()
+    print(job.rank, job.size, job.local_rank, job.seconds_left)
+
+Precedence: a variable set per *process* by the launcher that started it beats one
+set per *job*. Under ``mpirun``/``mpiexec`` inside a Slurm allocation the children
+inherit the batch script's ``SLURM_PROCID=0`` (or, on remote nodes, the rank of the
+daemon that srun started there), which describes the daemon, not the MPI process. So
+the launchers are consulted in this order, and the first one whose rank variable is
+set describes the process:
+
+1. Open MPI ``mpirun``/``prterun``: ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``
+   (``OMPI_COMM_WORLD_NODE_RANK`` stands in for a missing local rank);
+2. MPICH/Hydra ``mpiexec`` (and ``srun --mpi=pmi2``): ``PMI_RANK``, ``PMI_SIZE``,
+   ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``;
+3. any PMIx server (``prterun``, ``srun --mpi=pmix``): ``PMIX_RANK``, and
+   ``PMIX_LOCAL_RANK``/``PMIX_LOCAL_SIZE`` where the server exports them;
+4. Slurm's ``srun``: ``SLURM_PROCID``, ``SLURM_LOCALID``, the step size
+   (``SLURM_STEP_NUM_TASKS``, which inside a step wins over the job's ``SLURM_NTASKS``
+   or ``SLURM_NPROCS``), and the local size from ``SLURM_STEP_TASKS_PER_NODE`` (or
+   ``SLURM_TASKS_PER_NODE``) indexed by ``SLURM_NODEID``.
+
+When srun itself started the process (``SLURM_PROCID`` equals the launcher's rank and
+the step size equals its size), Slurm's per-task variables fill what the PMI
+variables leave out (local rank, node index) and ``launcher`` is ``"slurm"``.
+Job-level facts (job id, time left) come from Slurm whatever the launcher.
+
+Where nothing says how the ranks are spread over nodes, all ranks are assumed to share
+one node (``local_rank = rank``); :func:`from_mpi` asks MPI for the truth.
+
+Empty variables count as unset. A malformed value raises ``ValueError`` naming the
+variable and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+LAUNCHERS = ("slurm", "openmpi", "mpich", "pmix", "none")
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """Where this process runs.
+
+    Attributes:
+        rank: index of this process in the world, ``0 <= rank < size``.
+        size: number of processes in the world.
+        local_rank: index of this process among those on its node.
+        local_size: number of processes on this node.
+        node: the node's name (``SLURMD_NODENAME`` under srun, else the hostname).
+        node_index: index of this node among the world's nodes, None when unknown.
+        nodes: number of nodes in the world, None when unknown.
+        job_id: the batch system's job id, None outside a job.
+        launcher: who started the process: ``"slurm"``, ``"openmpi"``, ``"mpich"``,
+            ``"pmix"`` or ``"none"``.
+        seconds_left: seconds until the job's end time (0 when past), None when the
+            batch system does not say.
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node: str = ""
+    node_index: int | None = 0
+    nodes: int | None = 1
+    job_id: str | None = None
+    launcher: str = "none"
+    seconds_left: float | None = None
+
+
+_ITEM = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+
+
+def parse_tasks_per_node(s: str, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Expand Slurm's compressed tasks-per-node list: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
+
+    Args:
+        s: the value, comma-separated items ``N`` or ``N(xREPEAT)``.
+        name: the variable it came from, for the error message.
+
+    Raises:
+        ValueError: ``s`` is not of that form (spaces, empty items, zero counts).
+    """
+    counts: list[int] = []
+    for item in s.split(","):
+        m = _ITEM.fullmatch(item)
+        if m is None or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < 1):
+            raise ValueError(
+                f"{name}={s!r} is not a Slurm tasks-per-node list: expected items like "
+                f"'2' or '2(x3)' separated by commas, got item {item!r}"
+            )
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _get(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    """The first of ``names`` that is set to a non-empty value, as ``(name, value)``."""
+    for name in names:
+        value = environ.get(name, "")
+        if value != "":
+            return name, value
+    return None
+
+
+def _int(environ: Mapping[str, str], *names: str, minimum: int = 0) -> tuple[str, int] | None:
+    """The first of ``names`` that is set, parsed as an integer ``>= minimum``."""
+    found = _get(environ, *names)
+    if found is None:
+        return None
+    name, value = found
+    if not re.fullmatch(r"\d+", value) or int(value) < minimum:
+        raise ValueError(
+            f"{name}={value!r} is not an integer >= {minimum}; the launcher or the job "
+            f"script set it wrongly (unset it to let hpc.env ignore it)"
+        )
+    return name, int(value)
+
+
+def _below(what: tuple[str, int], limit: tuple[str, int]) -> None:
+    if what[1] >= limit[1]:
+        raise ValueError(
+            f"{what[0]}={what[1]} is not below {limit[0]}={limit[1]}; "
+            f"the launcher variables contradict each other"
+        )
+
+
+# (launcher, rank, size, local rank, local size); Slurm is handled by _slurm().
+_LAUNCHER_VARS = (
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_NODE_RANK"), "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID",), "MPI_LOCALNRANKS"),
+    ("pmix", "PMIX_RANK", None, ("PMIX_LOCAL_RANK",), "PMIX_LOCAL_SIZE"),
+)
+
+
+def _slurm(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """What Slurm's per-task variables say about this process, or None outside srun."""
+    rank = _int(environ, "SLURM_PROCID")
+    if rank is None:
+        return None
+    size = _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", minimum=1)
+    if size is None and rank[1] == 0:
+        # A batch script of a job submitted without -n: the batch shell is one process.
+        size = ("SLURM_PROCID", 1)
+    out: dict[str, Any] = {"rank": rank, "size": size, "local_rank": _int(environ, "SLURM_LOCALID")}
+    if size is not None:
+        _below(rank, size)
+    node_index = _int(environ, "SLURM_NODEID")
+    out["node_index"] = node_index
+    per_node = _get(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    out["nodes"] = out["local_size"] = None
+    if per_node is not None:
+        counts = parse_tasks_per_node(per_node[1], per_node[0])
+        out["nodes"] = len(counts)
+        index = node_index[1] if node_index is not None else 0
+        if index >= len(counts):
+            raise ValueError(
+                f"SLURM_NODEID={index} is out of range for {per_node[0]}={per_node[1]!r} "
+                f"({len(counts)} nodes)"
+            )
+        out["local_size"] = (per_node[0], counts[index])
+    if out["local_rank"] is not None and out["local_size"] is not None:
+        _below(out["local_rank"], out["local_size"])
+    return out
+
+
+def _seconds_left(environ: Mapping[str, str], clock: Callable[[], float]) -> float | None:
+    end = _int(environ, "SLURM_JOB_END_TIME")
+    if end is None:
+        return None
+    return max(0.0, float(end[1]) - clock())
+
+
+def detect(
+    environ: Mapping[str, str] | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+    hostname: str | None = None,
+) -> JobEnv:
+    """Read the launcher's variables into a :class:`JobEnv` (see the module docstring).
+
+    Args:
+        environ: the environment to read; ``os.environ`` by default.
+        clock: returns the current epoch time; used for ``seconds_left``.
+        hostname: the node name when no Slurm variable gives it; ``socket.gethostname()``
+            by default.
+
+    Returns:
+        A world of size 1 when no launcher variable is set.
+
+    Raises:
+        ValueError: a variable is malformed, or the variables contradict each other;
+            the message names the variable and its value.
+    """
+    environ = os.environ if environ is None else environ
+    slurm = _slurm(environ)
+    fields: dict[str, Any] = {}
+    launcher = "none"
+    for name, rank_var, size_var, local_rank_vars, local_size_var in _LAUNCHER_VARS:
+        rank = _int(environ, rank_var)
+        if rank is None:
+            continue
+        launcher = name
+        size = _int(environ, size_var, minimum=1) if size_var else None
+        fields = {"rank": rank, "size": size, "local_rank": _int(environ, *local_rank_vars),
+                  "local_size": _int(environ, local_size_var, minimum=1),
+                  "node_index": None, "nodes": None}
+        break
+    # srun started this process itself when Slurm agrees on rank and size; Slurm then
+    # fills what the PMI variables leave out. Under a nested mpirun it cannot agree
+    # on every rank, and its per-task variables describe the daemon instead.
+    if slurm is not None and (
+        launcher == "none"
+        or (slurm["rank"][1] == fields["rank"][1] and slurm["size"] is not None
+            and (fields["size"] is None or slurm["size"][1] == fields["size"][1]))
+    ):
+        launcher = "slurm"
+        for key, value in slurm.items():
+            if fields.get(key) is None:
+                fields[key] = value
+    if launcher == "none":
+        fields = {}
+    elif fields["size"] is None:
+        raise ValueError(
+            f"{fields['rank'][0]}={fields['rank'][1]} is set but no variable gives the number "
+            f"of ranks (OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_STEP_NUM_TASKS); "
+            f"use hpc.env.from_mpi(comm) to ask MPI instead"
+        )
+    values = {k: (v[1] if isinstance(v, tuple) else v) for k, v in fields.items()}
+    rank, size = values.get("rank", 0), values.get("size", 1)
+    if fields:
+        _below(fields["rank"], fields["size"])
+        if fields["local_rank"] is not None and fields["local_size"] is not None:
+            _below(fields["local_rank"], fields["local_size"])
+    local_rank, local_size = values.get("local_rank"), values.get("local_size")
+    if local_rank is None or local_size is None:
+        # Nothing says how ranks are spread over nodes: assume they share this one.
+        local_rank, local_size = rank, size
+    if local_size == size:
+        values["node_index"], values["nodes"] = 0, 1
+
+    node = environ.get("SLURMD_NODENAME", "") if launcher == "slurm" else ""
+    job = _get(environ, "SLURM_JOB_ID", "SLURM_JOBID")
+    return JobEnv(
+        rank=rank,
+        size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        node=node or hostname or socket.gethostname(),
+        node_index=values.get("node_index"),
+        nodes=values.get("nodes"),
+        job_id=job[1] if job else None,
+        launcher=launcher,
+        seconds_left=_seconds_left(environ, clock),
+    )
+
+
+# Variables whose presence means a process manager started this process, even for a
+# single rank (``mpiexec -n 1``): then MPI_Init will join that launch.
+_PROCESS_MANAGER_VARS = (
+    "OMPI_COMM_WORLD_SIZE",  # Open MPI mpirun/prterun
+    "PMIX_RANK", "PMIX_NAMESPACE",  # any PMIx server (prterun, srun --mpi=pmix)
+    "PMI_RANK", "PMI_FD", "PMI_PORT",  # PMI-1/2: MPICH Hydra, srun --mpi=pmi2, Flux
+)
+
+
+def is_mpi_launch(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher started this process, so importing mpi4py is worth it.
+
+    True when a process manager is present (any of ``OMPI_COMM_WORLD_SIZE``,
+    ``PMIX_RANK``, ``PMIX_NAMESPACE``, ``PMI_RANK``, ``PMI_FD``, ``PMI_PORT``), or when
+    an srun step has more than one task (``SLURM_STEP_NUM_TASKS > 1``). Job-level
+    Slurm variables do not count: a batch script running ``python train.py`` without
+    srun sees ``SLURM_NTASKS`` of the job but is a single process. Never raises;
+    malformed values count as "not a launch".
+    """
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name, "") != "" for name in _PROCESS_MANAGER_VARS):
+        return True
+    step_size = environ.get("SLURM_STEP_NUM_TASKS", "")
+    return step_size.isdigit() and int(step_size) > 1
+
+
+def from_mpi(comm: Any, environ: Mapping[str, str] | None = None) -> JobEnv:
+    """Ask MPI where this process runs; job facts still come from :func:`detect`.
+
+    Collective: every rank of ``comm`` calls it.
+
+    Args:
+        comm: an initialised mpi4py communicator, or an object whose ``mpi_comm``
+            attribute is one (an ``mpidl`` Communicator).
+        environ: passed to :func:`detect` for the job id, launcher and time left.
+
+    Returns:
+        A JobEnv whose rank, size, local rank/size, node index and node count are MPI's:
+        the node-local group is ``Split_type(COMM_TYPE_SHARED)``, nodes are numbered in
+        the order of their lowest rank.
+    """
+    from mpi4py import MPI
+
+    comm = getattr(comm, "mpi_comm", None) or comm
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        leader = int(local_rank == 0)
+        nodes = comm.allreduce(leader, op=MPI.SUM)
+        before = comm.exscan(leader, op=MPI.SUM)  # leaders on lower ranks; None on rank 0
+        node_index = local.bcast(before or 0, root=0)
+    finally:
+        local.Free()
+    # After the collectives, so a malformed variable cannot leave other ranks waiting.
+    job = detect(environ)
+    return dataclasses.replace(
+        job, rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local_rank,
+        local_size=local_size, node_index=node_index, nodes=nodes,
+    )

@@ -1,0 +1,427 @@
+"""Reverse-mode automatic differentiation on raw xp arrays.
+
+A :class:`Tensor` holds an array (``.data``: NumPy or CuPy), its gradient (``.grad``)
+and the :class:`Function` that made it. ``Function.forward``/``backward`` work on raw
+arrays, as in Chainer; ``Function.apply`` runs forward and records the graph.
+``Tensor.backward()`` walks the graph once, in reverse topological order, and frees each
+node's saved arrays as soon as its backward has run.
+
+Leaf tensors (parameters) can carry *post-accumulate hooks*: a callback that fires the
+moment the leaf's gradient is final for this backward pass (every function that used the
+leaf has contributed). Data parallelism uses it to start a bucket's allreduce while the
+rest of backward is still running.
+"""
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import threading
+from types import ModuleType
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy
+
+from mpidl.backend import get_array_module
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """Whether operations record a graph (False inside :func:`no_grad`)."""
+    return getattr(_state, "grad_enabled", True)
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Context manager: operations inside record no graph (evaluation, optimizer steps)."""
+    previous = is_grad_enabled()
+    _state.grad_enabled = False
+    try:
+        yield
+    finally:
+        _state.grad_enabled = previous
+
+
+class HookHandle:
+    """Returned by hook registration; ``remove()`` unregisters the hook."""
+
+    def __init__(self, hooks: list, hook: Callable) -> None:
+        self._hooks = hooks
+        self._hook = hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class Tensor:
+    """An xp array with an optional gradient and the graph that produced it.
+
+    Args:
+        data: an array (NumPy or CuPy), or anything ``numpy.asarray`` accepts.
+        requires_grad: accumulate a gradient into ``.grad`` during backward.
+        name: optional label (parameters get their dotted name).
+    """
+
+    __array_priority__ = 200  # so that ``ndarray + Tensor`` defers to Tensor.__radd__
+
+    def __init__(self, data: Any, requires_grad: bool = False, name: str | None = None) -> None:
+        if isinstance(data, Tensor):
+            data = data.data
+        if get_array_module(data) is numpy and not isinstance(data, numpy.ndarray):
+            data = numpy.asarray(data)
+        self.data = data
+        self.grad: Any = None
+        self.requires_grad = requires_grad
+        self.creator: Function | None = None
+        self.name = name
+        self._post_accumulate_hooks: list[Callable[[Tensor], None]] = []
+
+    # -- array-like properties ------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def size(self) -> int:
+        return self.data.size
+
+    @property
+    def xp(self) -> ModuleType:
+        """The array module of ``.data`` (numpy or cupy)."""
+        return get_array_module(self.data)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.creator is None
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({self.data!r}{grad})"
+
+    def item(self) -> float:
+        """The value of a one-element tensor as a Python number (syncs a device array)."""
+        return self.data.item()
+
+    def numpy(self) -> numpy.ndarray:
+        """A NumPy copy of ``.data`` (from the device if needed)."""
+        from mpidl.backend import as_numpy
+
+        return as_numpy(self.data)
+
+    def detach(self) -> "Tensor":
+        """The same data, cut from the graph."""
+        return Tensor(self.data, requires_grad=False)
+
+    # -- hooks ----------------------------------------------------------------------
+    def register_post_accumulate_grad_hook(self, hook: Callable[["Tensor"], None]) -> HookHandle:
+        """Call ``hook(tensor)`` when this leaf's ``.grad`` is final in a backward pass.
+
+        Fires once per ``backward()`` in which the tensor received a gradient, right
+        after its last contribution was accumulated, while backward goes on for the rest
+        of the graph. (Same name and meaning as PyTorch's.)
+        """
+        if not self.is_leaf:
+            raise RuntimeError("post-accumulate hooks can only be registered on leaf tensors")
+        self._post_accumulate_hooks.append(hook)
+        return HookHandle(self._post_accumulate_hooks, hook)
+
+    # -- backward -------------------------------------------------------------------
+    def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) into ``.grad`` of every leaf that requires grad.
+
+        Args:
+            grad: the gradient flowing into this tensor; defaults to 1 for a scalar.
+            retain_graph: keep the graph (and saved arrays) for a second backward.
+        """
+        if grad is None:
+            if self.data.size != 1:
+                raise RuntimeError(
+                    f"backward() without a gradient needs a scalar, got shape {self.shape}; "
+                    "reduce it (sum or mean) first or pass grad="
+                )
+            grad = self.xp.ones_like(self.data)
+        elif isinstance(grad, Tensor):
+            grad = grad.data
+        backward(self, grad, retain_graph=retain_graph)
+
+    # -- operators: thin wrappers over mpidl.functions ---------------------------------
+    def __add__(self, other: Any) -> "Tensor":
+        return _F().add(self, other)
+
+    def __radd__(self, other: Any) -> "Tensor":
+        return _F().add(other, self)
+
+    def __sub__(self, other: Any) -> "Tensor":
+        return _F().sub(self, other)
+
+    def __rsub__(self, other: Any) -> "Tensor":
+        return _F().sub(other, self)
+
+    def __mul__(self, other: Any) -> "Tensor":
+        return _F().mul(self, other)
+
+    def __rmul__(self, other: Any) -> "Tensor":
+        return _F().mul(other, self)
+
+    def __truediv__(self, other: Any) -> "Tensor":
+        return _F().div(self, other)
+
+    def __rtruediv__(self, other: Any) -> "Tensor":
+        return _F().div(other, self)
+
+    def __neg__(self) -> "Tensor":
+        return _F().neg(self)
+
+    def __pow__(self, exponent: float) -> "Tensor":
+        return _F().pow(self, exponent)
+
+    def __matmul__(self, other: Any) -> "Tensor":
+        return _F().matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> "Tensor":
+        return _F().matmul(other, self)
+
+    def __getitem__(self, index: Any) -> "Tensor":
+        return _F().getitem(self, index)
+
+    def reshape(self, *shape: Any) -> "Tensor":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return _F().reshape(self, shape)
+
+    def transpose(self, *axes: Any) -> "Tensor":
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        return _F().transpose(self, axes or None)
+
+    @property
+    def T(self) -> "Tensor":
+        return _F().transpose(self, None)
+
+    def sum(self, axis: Any = None, keepdims: bool = False) -> "Tensor":
+        return _F().sum(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: Any = None, keepdims: bool = False) -> "Tensor":
+        return _F().mean(self, axis=axis, keepdims=keepdims)
+
+
+_functions_module: ModuleType | None = None
+
+
+def _F() -> ModuleType:
+    # mpidl.functions imports this module, so the operators find it lazily.
+    global _functions_module
+    if _functions_module is None:
+        import mpidl.functions
+
+        _functions_module = mpidl.functions
+    return _functions_module
+
+
+class Function:
+    """One differentiable operation on raw arrays.
+
+    Subclasses implement ``forward(*arrays)`` returning an array (or a tuple of arrays)
+    and ``backward(*output_grads)`` returning one gradient per input (or None for an
+    input that needs none). Keyword arguments of ``apply`` become attributes, so
+    ``Sum.apply(x, axis=1)`` can read ``self.axis``. ``backward`` may receive None for an
+    output that got no gradient only when ``forward`` returned several outputs.
+    """
+
+    generation = 0
+    inputs: tuple | None = None
+
+    def __init__(self, **params: Any) -> None:
+        self.__dict__.update(params)
+
+    @property
+    def needs_input_grad(self) -> tuple[bool, ...]:
+        """Per input, whether ``backward`` must compute its gradient.
+
+        Valid inside ``backward`` (the graph holds the inputs then): an input that is a
+        constant (a raw array, a scalar, a tensor without ``requires_grad``) needs none,
+        so a backward can skip that work and return None for it.
+        """
+        if self.inputs is None:
+            raise RuntimeError("needs_input_grad is only known while backward runs")
+        return tuple(isinstance(x, Tensor) and x.requires_grad for x in self.inputs)
+
+    def forward(self, *xs: Any) -> Any:
+        raise NotImplementedError
+
+    def backward(self, *gys: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *inputs: Any, **params: Any) -> Any:
+        """Run forward on the inputs' arrays; record the graph if any input needs grad."""
+        f = cls(**params)
+        xs = [x.data if isinstance(x, Tensor) else x for x in inputs]
+        ys = f.forward(*xs)
+        single = not isinstance(ys, tuple)
+        if single:
+            ys = (ys,)
+        needs_grad = is_grad_enabled() and any(
+            isinstance(x, Tensor) and x.requires_grad for x in inputs
+        )
+        outputs = tuple(Tensor(y, requires_grad=needs_grad) for y in ys)
+        if needs_grad:
+            f.inputs = tuple(inputs)
+            f.generation = max(
+                (x.creator.generation for x in inputs if isinstance(x, Tensor) and x.creator),
+                default=0,
+            ) + 1
+            # Outputs are held through their position only: the Function keeps no
+            # reference to the output tensors, so a dropped branch frees its memory.
+            f.n_outputs = len(outputs)
+            for i, y in enumerate(outputs):
+                y.creator = f
+                y._output_index = i
+        return outputs[0] if single else outputs
+
+    def release(self) -> None:
+        """Drop the inputs and anything saved for backward (after backward has run)."""
+        self.inputs = None
+        keep = {"generation", "n_outputs"}
+        for key in [k for k in self.__dict__ if k not in keep]:
+            del self.__dict__[key]
+
+
+def _accumulate(acc: Any, g: Any) -> Any:
+    if acc is None:
+        return g
+    return acc + g
+
+
+_backward_passes = itertools.count(1)
+
+
+def current_backward_pass() -> int:
+    """A number that identifies the running (or last) backward pass.
+
+    Changes at every call of :func:`backward`; a Function can use it to tell a second
+    use of the same leaf within one pass from a new pass (the embedding functions
+    gather the rows they touched per pass this way).
+    """
+    return getattr(_state, "backward_pass", 0)
+
+
+def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
+    """Backpropagate ``grad`` from ``root`` through the recorded graph.
+
+    Functions run in decreasing generation, so every function runs once, after all of
+    its outputs' gradients are complete. Leaf gradients are accumulated into ``.grad``
+    (in place when ``.grad`` already exists, so it may be a view into a bucket).
+    """
+    _state.backward_pass = next(_backward_passes)
+    if root.creator is None:
+        if root.requires_grad:
+            _accumulate_leaf(root, grad)
+            _fire(root)
+        return
+
+    # Pass 1: find every function and count, per leaf, how many (function, input)
+    # edges will deliver a gradient, so a leaf's hooks fire when its last one arrives.
+    pending_leaf: dict[int, int] = {}
+    leaves: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    stack = [root.creator]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen or f.inputs is None:
+            continue
+        seen.add(id(f))
+        for x in f.inputs:
+            if isinstance(x, Tensor) and x.requires_grad:
+                if x.creator is None:
+                    pending_leaf[id(x)] = pending_leaf.get(id(x), 0) + 1
+                    leaves[id(x)] = x
+                else:
+                    stack.append(x.creator)
+
+    # Pass 2: run backward. Output gradients wait in a dict keyed by function id.
+    counter = itertools.count()
+    heap: list = [(-root.creator.generation, next(counter), root.creator)]
+    grads: dict[int, list] = {id(root.creator): [None] * root.creator.n_outputs}
+    grads[id(root.creator)][root._output_index] = grad
+    queued = {id(root.creator)}
+    while heap:
+        _, _, f = heapq.heappop(heap)
+        gys = grads.pop(id(f))
+        if f.inputs is None:
+            raise RuntimeError(
+                "backward through a graph that was already freed; "
+                "pass retain_graph=True to the first backward()"
+            )
+        gxs = f.backward(*gys) if len(gys) > 1 else f.backward(gys[0])
+        if not isinstance(gxs, tuple):
+            gxs = (gxs,)
+        inputs = f.inputs
+        if not retain_graph:
+            f.release()
+        for x, gx in zip(inputs, gxs):
+            if not (isinstance(x, Tensor) and x.requires_grad):
+                continue
+            if x.creator is None:
+                if gx is not None:
+                    _accumulate_leaf(x, gx)
+                pending_leaf[id(x)] -= 1
+                if pending_leaf[id(x)] == 0 and x.grad is not None:
+                    _fire(x)
+                continue
+            if gx is None:
+                continue
+            c = x.creator
+            slot = grads.setdefault(id(c), [None] * c.n_outputs)
+            slot[x._output_index] = _accumulate(slot[x._output_index], gx)
+            if id(c) not in queued:
+                queued.add(id(c))
+                heapq.heappush(heap, (-c.generation, next(counter), c))
+
+    # A branch whose gradients were all None never ran, so its leaves' counts did not
+    # reach zero; their hooks still fire, at the end.
+    for key, left in pending_leaf.items():
+        if left > 0 and leaves[key].grad is not None:
+            _fire(leaves[key])
+
+
+def _accumulate_leaf(x: Tensor, g: Any) -> None:
+    if g.shape != x.data.shape:
+        raise RuntimeError(
+            f"gradient of shape {g.shape} for a tensor of shape {x.data.shape} "
+            f"({x.name or 'unnamed'}): a Function.backward returned a wrong shape"
+        )
+    if x.grad is None:
+        # A function may return the same array for several inputs (add does), so the
+        # leaf gets its own copy; later accumulation writes into it in place.
+        x.grad = g.astype(x.data.dtype, copy=True)
+    else:
+        x.grad += g
+
+
+def _fire(x: Tensor) -> None:
+    for hook in list(x._post_accumulate_hooks):
+        hook(x)
+
+
+def as_tensor(x: Any) -> Tensor:
+    """Wrap an array (or scalar) as a constant Tensor; a Tensor is returned as is."""
+    return x if isinstance(x, Tensor) else Tensor(x)
+
+
+def tensors_data(xs: Sequence[Any]) -> list:
+    """The raw arrays of a sequence of Tensors/arrays."""
+    return [x.data if isinstance(x, Tensor) else x for x in xs]

@@ -1,0 +1,137 @@
+"""Array backends: NumPy on the CPU, CuPy on the GPU, the same code for both.
+
+This is the only module of mpidl that imports cupy, and it does so lazily: importing
+mpidl never initialises CUDA. Everything else finds its array module from its
+arguments (``xp = get_array_module(x)``), as Chainer does.
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy
+
+_cupy: ModuleType | None = None
+_cupy_checked = False
+
+
+def cupy_module() -> ModuleType | None:
+    """The cupy module if it can be imported, else None (never raises)."""
+    global _cupy, _cupy_checked
+    if not _cupy_checked:
+        _cupy_checked = True
+        try:
+            import cupy  # noqa: F401  (optional: the [gpu] extra)
+
+            _cupy = cupy
+        except Exception:  # ImportError, or a CUDA driver error at import
+            _cupy = None
+    return _cupy
+
+
+def _is_cupy_array(x: Any) -> bool:
+    # Decide by the type's module so that a cupy array is recognised without importing
+    # cupy for every numpy call.
+    return type(x).__module__.split(".", 1)[0] == "cupy"
+
+
+def get_array_module(*arrays: Any) -> ModuleType:
+    """Return ``cupy`` if any argument is a CuPy array, else ``numpy``.
+
+    Arguments may be arrays, mpidl Tensors (their ``.data`` is looked at), scalars or None.
+    """
+    for a in arrays:
+        a = getattr(a, "data", a) if not isinstance(a, numpy.ndarray) else a
+        if _is_cupy_array(a):
+            return cupy_module()  # type: ignore[return-value]
+    return numpy
+
+
+def is_cupy(xp: ModuleType) -> bool:
+    """True when ``xp`` is the cupy module."""
+    return xp is not numpy and getattr(xp, "__name__", "") == "cupy"
+
+
+def get_xp(name: str) -> ModuleType:
+    """The array module named ``"numpy"``/``"cpu"`` or ``"cupy"``/``"gpu"``.
+
+    Raises:
+        RuntimeError: cupy was asked for but cannot be imported; names the extra to install.
+    """
+    name = name.lower()
+    if name in ("numpy", "cpu", "np"):
+        return numpy
+    if name in ("cupy", "gpu", "cuda"):
+        cp = cupy_module()
+        if cp is None:
+            raise RuntimeError(
+                "the GPU backend needs CuPy, which cannot be imported here; "
+                "install it with `pip install mpidl[gpu]` (cupy-cuda12x) on a machine with CUDA"
+            )
+        return cp
+    raise ValueError(f"unknown array backend {name!r}; use 'numpy' or 'cupy'")
+
+
+def as_numpy(x: Any) -> numpy.ndarray:
+    """Return ``x`` as a NumPy array (copies device arrays to the host)."""
+    x = getattr(x, "data", x) if not isinstance(x, numpy.ndarray) else x
+    if _is_cupy_array(x):
+        return x.get()
+    return numpy.asarray(x)
+
+
+def to_device(x: Any, xp: ModuleType) -> Any:
+    """Return ``x`` as an array of module ``xp`` (a no-op when it already is one)."""
+    if xp is numpy:
+        return as_numpy(x)
+    return xp.asarray(x)
+
+
+def synchronize(x: Any = None) -> None:
+    """Wait until the work queued on the current CUDA stream is done.
+
+    A no-op for NumPy arrays (and when ``x`` is None and CuPy was never used). MPI reads
+    device buffers directly, so a CuPy array must be synchronised before it is handed to
+    MPI: the kernel that produced it may still be running on the stream.
+    """
+    if x is not None:
+        x = getattr(x, "data", x) if not isinstance(x, numpy.ndarray) else x
+        if not _is_cupy_array(x):
+            return
+    elif not _cupy_checked or _cupy is None:
+        return
+    cp = cupy_module()
+    if cp is not None:
+        cp.cuda.get_current_stream().synchronize()
+
+
+def select_device(local_rank: int | None = None) -> int | None:
+    """Make GPU ``local_rank % device_count`` the current CuPy device.
+
+    Call before the first CUDA allocation. ``local_rank`` defaults to the node-local rank
+    that :mod:`hpc.env` reads from the launcher. Devices are counted inside
+    ``CUDA_VISIBLE_DEVICES`` (Slurm's ``--gpus-per-task`` gives each task one visible
+    device, which is then device 0). Returns the device id, or None without CuPy/GPUs.
+    """
+    cp = cupy_module()
+    if cp is None:
+        return None
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        return None
+    if count == 0:
+        return None
+    if local_rank is None:
+        from hpc import env
+
+        local_rank = env.detect().local_rank
+    device = local_rank % count
+    cp.cuda.Device(device).use()
+    return device
+
+
+def default_xp() -> ModuleType:
+    """The array module chosen by ``MPIDL_BACKEND`` (``numpy`` unless set to ``cupy``)."""
+    return get_xp(os.environ.get("MPIDL_BACKEND", "numpy"))

@@ -1,0 +1,75 @@
+"""The ``mpidl`` command: one entry point, a sub-command per task.
+
+Run under a launcher for several ranks::
+
+    mpiexec -n 2 mpidl train                 # the built-in reviews task
+    srun --mpi=pmix mpidl train my.toml --epochs=3
+    mpiexec -n 3 mpidl run my_script.py ARGS # a user's script, aborting all ranks on error
+    mpidl shard --from-csv reviews.csv --text-col review --label-col sentiment data/
+    mpidl info
+
+Every sub-command runs under the global exception hook (:mod:`mpidl.excepthook`): an
+unhandled exception on one rank prints ``rank N/size: <traceback>`` and aborts the
+whole job instead of leaving the other ranks hanging in a collective.
+"""
+from __future__ import annotations
+
+import importlib
+import runpy
+import sys
+from typing import Callable, Sequence
+
+# name -> ("module:function", one-line help). Modules are imported only when their
+# command runs, so `mpidl info` does not pay for h5py and `mpidl shard` not for MPI.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("mpidl.train.command:main", "train a model data-parallel (default: the reviews task)"),
+    "eval": ("mpidl.train.command:eval_main", "evaluate a run's checkpoint on a dataset"),
+    "shard": ("mpidl.data.command:main", "write or verify a sharded HDF5 dataset"),
+    "plot": ("mpidl.train.plot:main", "plot a run's metrics to PNG (needs the [plot] extra)"),
+    "info": ("mpidl.info:main", "report MPI, ranks, nodes, GPUs, library versions"),
+    "sbatch": ("hpc.sbatch:main", "render a Slurm batch script for a site profile"),
+    "demo": ("mpidl.demo:main", "a short demonstration of the communicator on all ranks"),
+    "run": ("mpidl.cli:run_main", "run a Python script with the abort-all-ranks exception hook"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: mpidl COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`mpidl COMMAND --help` describes a command."]
+    return "\n".join(lines)
+
+
+def _resolve(target: str) -> Callable[[Sequence[str]], int | None]:
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def run_main(argv: Sequence[str]) -> int:
+    """``mpidl run SCRIPT.py [ARGS]``: run a script as ``__main__`` under the hook."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mpidl run SCRIPT.py [ARGS ...]\n\n"
+              "Runs SCRIPT.py as __main__ (sys.argv = [SCRIPT.py, ARGS...]). An unhandled\n"
+              "exception on any rank prints that rank's traceback and aborts every rank.")
+        return 0 if argv else 2
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mpidl`` console script and ``python -m mpidl``."""
+    from mpidl import excepthook
+
+    excepthook.install()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"mpidl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    code = _resolve(COMMANDS[name][0])(rest)
+    return int(code or 0)

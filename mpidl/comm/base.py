@@ -1,0 +1,165 @@
+"""The Communicator contract shared by the MPI and the single-process implementations.
+
+Every method is collective unless its docstring says otherwise: all ranks of the group
+call it, in the same order, with arrays of the same shape and dtype (the exceptions,
+``allgatherv`` and ``*_obj``, say what may differ). Arrays are NumPy or CuPy; results
+are arrays of the same module.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+OPS = ("sum", "max", "min", "prod")
+
+
+class DistributedError(RuntimeError):
+    """An error that every rank of a communicator raises together.
+
+    Raised by :meth:`Communicator.check` on all ranks when any rank failed a check, so
+    the job ends cleanly instead of hanging in the next collective.
+
+    Attributes:
+        failed_ranks: the ranks that reported the failure.
+        messages: rank -> that rank's message, for the failing ranks.
+    """
+
+    def __init__(self, message: str, failed_ranks: Sequence[int] = (),
+                 messages: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failed_ranks = list(failed_ranks)
+        self.messages = dict(messages or {})
+
+
+def check_op(op: str) -> str:
+    """Validate a reduction name; returns it lower-cased (not collective)."""
+    name = op.lower()
+    if name not in OPS:
+        raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(OPS)}")
+    return name
+
+
+def split_counts(n: int, parts: int) -> list[int]:
+    """``n`` items into ``parts`` nearly equal counts, the first ``n % parts`` one larger.
+
+    The one splitting rule of mpidl (reduce_scatter blocks, per-rank batch shares).
+    """
+    base, extra = divmod(n, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+class Communicator:
+    """A fixed group of ranks.
+
+    Every method is collective unless its docstring says otherwise: all ranks of the
+    group call it, in the same order, with arrays of the same shape and dtype.
+
+    Attributes:
+        rank: this process's rank in the group, ``0 <= rank < size``.
+        size: number of ranks.
+        local_rank: rank among the group's ranks on this node.
+        local_size: number of the group's ranks on this node.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    # -- agreement ------------------------------------------------------------------
+    def check(self, ok: bool, message: str) -> None:
+        """Raise DistributedError on every rank if ``ok`` is False on any rank.
+
+        Collective: all ranks call it. The error names the failing ranks and carries
+        each failing rank's ``message`` (ranks that passed may pass any message).
+        """
+        results = self.allgather_obj((bool(ok), None if ok else str(message)))
+        failed = [r for r, (good, _) in enumerate(results) if not good]
+        if not failed:
+            return
+        messages = {r: results[r][1] for r in failed}
+        lines = [f"rank {r}: {messages[r]}" for r in failed]
+        summary = f"check failed on rank{'s' if len(failed) > 1 else ''} " \
+                  f"{', '.join(map(str, failed))} of {self.size}"
+        raise DistributedError(summary + "\n" + "\n".join(lines), failed, messages)
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any rank (a logical OR).
+
+        Collective. Use it where ranks must take the same branch, for example
+        "stop at this step boundary" after a signal reached only some ranks.
+        """
+        return any(self.allgather_obj(bool(flag)))
+
+    # -- the collectives every implementation provides ----------------------------------
+    def allreduce_(self, x: Any, op: str = "sum") -> Any:
+        raise NotImplementedError
+
+    def allreduce(self, x: Any, op: str = "sum") -> Any:
+        """Return a new array: the elementwise reduction of ``x`` over all ranks.
+
+        Collective: same shape and dtype on every rank.
+        """
+        y = x.copy()
+        return self.allreduce_(y, op)
+
+    def bcast_(self, x: Any, root: int = 0) -> Any:
+        raise NotImplementedError
+
+    def allgather(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def allgatherv(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+        raise NotImplementedError
+
+    def alltoall(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def sendrecv(self, x: Any, dest: int, source: int) -> Any:
+        raise NotImplementedError
+
+    def iallreduce_(self, x: Any, op: str = "sum") -> "Request":
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def allgather_obj(self, obj: Any) -> list:
+        raise NotImplementedError
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        raise NotImplementedError
+
+    def split(self, color: int, key: int | None = None) -> "Communicator":
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Release the underlying MPI communicator (not collective for size 1)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+class Request:
+    """Handle of a non-blocking collective (returned by ``iallreduce_``).
+
+    Not collective by itself, but every rank must eventually ``wait()`` on its handle.
+    """
+
+    def test(self) -> bool:
+        """Progress the operation; True when it has completed (never blocks)."""
+        return True
+
+    def wait(self) -> Any:
+        """Block until complete; returns the result array (the in-place buffer)."""
+        raise NotImplementedError
+
+
+class CompletedRequest(Request):
+    """A request that was complete when made (size-1 groups)."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result

@@ -1,0 +1,346 @@
+"""Communicator over mpi4py: buffer-based collectives on NumPy and CuPy arrays.
+
+Arrays go to MPI through the buffer protocol (NumPy) or ``__cuda_array_interface__``
+(CuPy), never pickled. A CuPy array is handed to MPI directly when the MPI library is
+CUDA-aware (the functional probe of :mod:`hpc.gpu` decides, once) and staged through
+pinned host memory otherwise (:mod:`mpidl.comm.staged`). Messages larger than
+``max_message_bytes`` (2 GiB by default: MPI counts are C ints) are split into chunks.
+
+Setting ``MPIDL_CHECK_COLLECTIVES=1`` makes every array collective first compare the
+operation, shape and dtype across ranks and raise :class:`DistributedError` naming the
+ranks that differ, instead of hanging or corrupting memory. It costs one small
+allgather per call, so it is for debugging.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from mpidl.backend import get_array_module, is_cupy
+from mpidl.comm.base import Communicator, DistributedError, Request, check_op, split_counts  # noqa: F401
+from mpidl.comm.staged import Stager
+
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _mpi_op(op: str):
+    MPI = _mpi()
+    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[check_op(op)]
+
+
+def _contiguous(x: Any, what: str) -> Any:
+    if not x.flags.c_contiguous:
+        raise ValueError(
+            f"{what} needs a C-contiguous array (got shape {x.shape}, strides {x.strides}); "
+            "pass xp.ascontiguousarray(x)"
+        )
+    return x
+
+
+class MpiRequest(Request):
+    """Handle of a (possibly chunked) non-blocking collective."""
+
+    def __init__(self, requests: list, result: Any, finish: Callable[[], None]) -> None:
+        self._requests = requests
+        self._result = result
+        self._finish = finish
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done and _mpi().Request.Testall(self._requests):
+            self._complete()
+        return self._done
+
+    def wait(self) -> Any:
+        if not self._done:
+            _mpi().Request.Waitall(self._requests)
+            self._complete()
+        return self._result
+
+    def _complete(self) -> None:
+        self._done = True
+        self._finish()
+
+
+class MpiCommunicator(Communicator):
+    """A group of MPI processes (over a ``Dup`` of the communicator it is given).
+
+    Args:
+        comm: an mpi4py communicator; it is duplicated, so mpidl's traffic never
+            matches messages of the caller's own. Collective over ``comm``.
+        cuda_aware: pass CuPy arrays straight to MPI (True), stage them through host
+            memory (False), or decide by the probe of :mod:`hpc.gpu` on first use (None).
+    """
+
+    def __init__(self, comm: Any, cuda_aware: bool | None = None) -> None:
+        MPI = _mpi()
+        self.mpi_comm = comm.Dup()
+        self.rank = self.mpi_comm.Get_rank()
+        self.size = self.mpi_comm.Get_size()
+        # The node-local group is found now, while every rank is in this collective
+        # constructor: a lazy Split_type would be collective behind an attribute read.
+        self.node_comm = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = self.node_comm.Get_rank()
+        self.local_size = self.node_comm.Get_size()
+        self.max_message_bytes = MAX_MESSAGE_BYTES
+        self.check_collectives = os.environ.get("MPIDL_CHECK_COLLECTIVES", "0") not in ("", "0")
+        self._stager = Stager(self, cuda_aware)
+
+    # -- helpers ----------------------------------------------------------------------
+    def _chunks(self, n: int, itemsize: int) -> list[tuple[int, int]]:
+        """Element ranges of at most ``max_message_bytes`` covering ``range(n)``."""
+        step = max(1, self.max_message_bytes // itemsize)
+        return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
+
+    def _verify(self, name: str, x: Any, **extra: Any) -> None:
+        if not self.check_collectives:
+            return
+        mine = (name, tuple(x.shape), str(x.dtype), tuple(sorted(extra.items())))
+        everyone = self.allgather_obj(mine)
+        bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
+        self.check(not bad, f"collective mismatch: rank 0 called {everyone[0]}, "
+                            f"ranks {bad} called {[everyone[r] for r in bad]}")
+
+    def _device(self, x: Any, mode: str) -> tuple[Any, Callable[[], None]]:
+        """The buffer to hand MPI for ``x`` and a function to call when MPI is done.
+
+        ``mode`` is "in" (send buffer), "out" (receive buffer) or "inout" (in place).
+        """
+        if is_cupy(get_array_module(x)):
+            return self._stager.stage(x, mode)
+        return x, _nothing
+
+    # -- collectives ------------------------------------------------------------------
+    def allreduce_(self, x: Any, op: str = "sum") -> Any:
+        """Reduce ``x`` elementwise over all ranks, in place; returns ``x``.
+
+        Collective: every rank passes a C-contiguous array of the same shape and dtype
+        and the same ``op`` ("sum", "max", "min", "prod").
+        """
+        MPI = _mpi()
+        _contiguous(x, "allreduce_")
+        self._verify("allreduce_", x, op=op)
+        buf, finish = self._device(x, "inout")
+        flat = buf.reshape(-1)
+        mop = _mpi_op(op)
+        for i, j in self._chunks(flat.size, flat.itemsize):
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, flat[i:j], op=mop)
+        finish()
+        return x
+
+    def iallreduce_(self, x: Any, op: str = "sum") -> MpiRequest:
+        """Start an in-place allreduce of ``x``; returns a handle with ``test``/``wait``.
+
+        Collective: as :meth:`allreduce_`; every rank must ``wait()`` (or ``test()``
+        until True) and must not touch ``x`` before then. Open MPI progresses the
+        operation only inside MPI calls, so calling ``test()`` between compute steps is
+        what makes it overlap.
+        """
+        MPI = _mpi()
+        _contiguous(x, "iallreduce_")
+        self._verify("iallreduce_", x, op=op)
+        buf, finish = self._device(x, "inout")
+        flat = buf.reshape(-1)
+        mop = _mpi_op(op)
+        reqs = [self.mpi_comm.Iallreduce(MPI.IN_PLACE, flat[i:j], op=mop)
+                for i, j in self._chunks(flat.size, flat.itemsize)]
+        return MpiRequest(reqs, x, finish)
+
+    def bcast_(self, x: Any, root: int = 0) -> Any:
+        """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``.
+
+        Collective: same shape and dtype everywhere, same ``root``.
+        """
+        _contiguous(x, "bcast_")
+        self._verify("bcast_", x, root=root)
+        buf, finish = self._device(x, "inout")
+        flat = buf.reshape(-1)
+        for i, j in self._chunks(flat.size, flat.itemsize):
+            self.mpi_comm.Bcast(flat[i:j], root=root)
+        finish()
+        return x
+
+    def allgather(self, x: Any) -> Any:
+        """Return every rank's ``x`` stacked: shape ``(size, *x.shape)``, row r from rank r.
+
+        Collective: same shape and dtype on every rank.
+        """
+        xp = get_array_module(x)
+        x = xp.ascontiguousarray(x)
+        self._verify("allgather", x)
+        out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
+        src, release = self._device(x, "in")
+        dst, finish = self._device(out, "out")
+        flat_src = src.reshape(-1)
+        flat_dst = dst.reshape(self.size, -1)
+        chunks = self._chunks(flat_src.size, flat_src.itemsize * self.size)
+        if len(chunks) == 1:
+            self.mpi_comm.Allgather(flat_src, flat_dst)
+        else:
+            bxp = get_array_module(src)  # numpy when the device array was staged
+            for i, j in chunks:
+                part = bxp.empty((self.size, j - i), dtype=x.dtype)
+                self.mpi_comm.Allgather(bxp.ascontiguousarray(flat_src[i:j]), part)
+                flat_dst[:, i:j] = part
+        finish()
+        release()
+        return out
+
+    def allgatherv(self, x: Any) -> Any:
+        """Concatenate every rank's ``x`` along axis 0, in rank order.
+
+        Collective: ``x.shape[1:]`` and dtype must match on every rank; ``x.shape[0]``
+        may differ (zero included).
+        """
+        xp = get_array_module(x)
+        x = xp.ascontiguousarray(x)
+        shapes = self.allgather_obj((tuple(x.shape[1:]), str(x.dtype)))
+        bad = [r for r, s in enumerate(shapes) if s != shapes[0]]
+        self.check(not bad, f"allgatherv: trailing shape/dtype {shapes[self.rank]} "
+                            f"differs from rank 0's {shapes[0]}")
+        rows = [int(n) for n in self.allgather_obj(int(x.shape[0]))]
+        row_items = 1
+        for d in x.shape[1:]:
+            row_items *= d
+        out = xp.empty((sum(rows),) + x.shape[1:], dtype=x.dtype)
+        total_bytes = sum(rows) * row_items * x.itemsize
+        if total_bytes <= self.max_message_bytes:
+            counts = [n * row_items for n in rows]
+            displs = [sum(counts[:r]) for r in range(self.size)]
+            src, release = self._device(x, "in")
+            dst, finish = self._device(out, "out")
+            self.mpi_comm.Allgatherv(src.reshape(-1), [dst.reshape(-1), (counts, displs)])
+            finish()
+            release()
+        else:  # beyond one message: broadcast each rank's block in chunks
+            start = 0
+            for r, n in enumerate(rows):
+                block = out[start:start + n]
+                if r == self.rank:
+                    block[...] = x
+                self.bcast_(block, root=r)
+                start += n
+        return out
+
+    def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+        """Reduce ``x`` over all ranks and return this rank's block of the result.
+
+        ``x`` is split along axis 0 into ``size`` blocks as evenly as possible (the first
+        ``x.shape[0] % size`` blocks get one more row); rank r receives block r.
+        Collective: same shape and dtype on every rank, same ``op``.
+        """
+        xp = get_array_module(x)
+        x = xp.ascontiguousarray(x)
+        self._verify("reduce_scatter", x, op=op)
+        rows = split_counts(x.shape[0], self.size)
+        start = sum(rows[: self.rank])
+        if x.nbytes > self.max_message_bytes:  # rare: reduce in chunks, then keep our rows
+            full = self.allreduce_(x.copy(), op)
+            return full[start:start + rows[self.rank]].copy()
+        row_items = x.size // x.shape[0] if x.shape[0] else 0
+        out = xp.empty((rows[self.rank],) + x.shape[1:], dtype=x.dtype)
+        src, release = self._device(x, "in")
+        dst, finish = self._device(out, "out")
+        self.mpi_comm.Reduce_scatter(src.reshape(-1), dst.reshape(-1),
+                                     [n * row_items for n in rows], op=_mpi_op(op))
+        finish()
+        release()
+        return out
+
+    def alltoall(self, x: Any) -> Any:
+        """Exchange blocks: block j of ``x`` (``x[j]``) goes to rank j.
+
+        Returns ``y`` with ``y[i]`` = block ``rank`` of rank i's ``x``. Collective:
+        ``x.shape[0] == size`` and the same shape and dtype on every rank.
+        """
+        xp = get_array_module(x)
+        if x.shape[:1] != (self.size,):
+            raise ValueError(f"alltoall needs x.shape[0] == size == {self.size}, "
+                             f"got shape {x.shape}")
+        x = xp.ascontiguousarray(x)
+        self._verify("alltoall", x)
+        out = xp.empty_like(x)
+        src, release = self._device(x, "in")
+        dst, finish = self._device(out, "out")
+        s2, d2 = src.reshape(self.size, -1), dst.reshape(self.size, -1)
+        chunks = self._chunks(s2.shape[1], s2.itemsize * self.size)
+        if len(chunks) == 1:
+            self.mpi_comm.Alltoall(s2, d2)
+        else:
+            bxp = get_array_module(src)  # numpy when the device array was staged
+            for i, j in chunks:
+                part = bxp.empty((self.size, j - i), dtype=x.dtype)
+                self.mpi_comm.Alltoall(bxp.ascontiguousarray(s2[:, i:j]), part)
+                d2[:, i:j] = part
+        finish()
+        release()
+        return out
+
+    def sendrecv(self, x: Any, dest: int, source: int) -> Any:
+        """Send ``x`` to ``dest`` and return the array received from ``source``.
+
+        Point-to-point in pairs: rank ``source`` must send to this rank in the same call,
+        with the same shape and dtype (a ring shift is the usual use).
+        """
+        xp = get_array_module(x)
+        x = xp.ascontiguousarray(x)
+        out = xp.empty_like(x)
+        src, release = self._device(x, "in")
+        dst, finish = self._device(out, "out")
+        fs, fd = src.reshape(-1), dst.reshape(-1)
+        for tag, (i, j) in enumerate(self._chunks(fs.size, fs.itemsize)):
+            self.mpi_comm.Sendrecv(fs[i:j], dest=dest, sendtag=tag,
+                                   recvbuf=fd[i:j], source=source, recvtag=tag)
+        finish()
+        release()
+        return out
+
+    def barrier(self) -> None:
+        """Wait until every rank has called barrier. Collective."""
+        self.mpi_comm.Barrier()
+
+    def allgather_obj(self, obj: Any) -> list:
+        """Return the list of every rank's ``obj`` (pickled; for small metadata only).
+
+        Collective; the objects may differ between ranks.
+        """
+        return self.mpi_comm.allgather(obj)
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """Return root's ``obj`` on every rank (pickled; for small metadata only).
+
+        Collective; non-root ranks may pass anything (None).
+        """
+        return self.mpi_comm.bcast(obj, root=root)
+
+    def split(self, color: int, key: int | None = None) -> "MpiCommunicator":
+        """Ranks passing the same ``color`` form a new communicator.
+
+        Collective over this group. Ranks in the new group are ordered by ``key``
+        (default: the rank here). Returns a new :class:`MpiCommunicator`.
+        """
+        part = self.mpi_comm.Split(color, self.rank if key is None else key)
+        try:
+            return MpiCommunicator(part, cuda_aware=self._stager.cuda_aware)
+        finally:
+            part.Free()
+
+    def free(self) -> None:
+        """Free the duplicated MPI communicators. Collective."""
+        for c in (self.node_comm, self.mpi_comm):
+            if c is not None and not _mpi().Is_finalized():
+                c.Free()
+        self.node_comm = self.mpi_comm = None
+
+
+def _nothing() -> None:
+    pass
+
+
+__all__ = ["MpiCommunicator", "MpiRequest", "DistributedError", "MAX_MESSAGE_BYTES"]

@@ -1,0 +1,18 @@
+"""Helpers for tests of mpidl code, ours and users': collective verdicts, tolerances.
+
+Import from here: ``from mpidl.testing import assert_all_ranks, tolerance``.
+"""
+from mpidl.testing.collective import (
+    assert_all_ranks,
+    assert_allclose_all_ranks,
+    describe_mismatch,
+)
+from mpidl.testing.tolerance import allclose, tolerance
+
+__all__ = [
+    "assert_all_ranks",
+    "assert_allclose_all_ranks",
+    "describe_mismatch",
+    "allclose",
+    "tolerance",
+]

@@ -1,0 +1,99 @@
+"""Launch a command on k MPI ranks from a test, with a wall-clock limit.
+
+A hang must become a failure, never a stuck CI: every launch has a timeout, after which
+the whole process group is killed and :class:`LaunchTimeout` says what was running.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+
+class LaunchTimeout(AssertionError):
+    """The launched job did not finish within its wall-clock limit."""
+
+
+@dataclass
+class Launched:
+    """Outcome of :func:`mpiexec`: exit status, output, and seconds taken."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` next to this Python (the Open MPI wheel's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = here if os.path.exists(here) else shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError(
+            "no mpiexec found next to the Python interpreter or on PATH; install the "
+            "Open MPI wheel with `pip install mpidl[mpi]` or load your site's MPI module")
+    return found
+
+
+def mpiexec_command(n: int, args: Sequence[str]) -> list[str]:
+    """The command line that runs ``args`` on ``n`` ranks with this machine's launcher."""
+    cmd = [mpiexec_path(), "-n", str(n)]
+    if _is_open_mpi(cmd[0]):
+        # CI machines may report fewer slots than ranks; oversubscribing is what we want.
+        cmd += ["--oversubscribe"]
+    return cmd + list(args)
+
+
+def _is_open_mpi(path: str) -> bool:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
+
+
+def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a launched job: one thread per rank, root allowed."""
+    env = dict(os.environ)
+    # Open MPI refuses to run as root (CI containers) without both of these.
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run(cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
+        cwd: str | None = None) -> Launched:
+    """Run ``cmd`` in its own process group; kill the group after ``timeout`` seconds."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(env or launch_env()), cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise LaunchTimeout(
+            f"{' '.join(cmd)} did not finish in {timeout:.0f} s (killed).\n"
+            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}") from None
+    return Launched(proc.returncode, out, err, time.monotonic() - t0)
+
+
+def mpiexec(n: int, args: Sequence[str], timeout: float = 120,
+            env: Mapping[str, str] | None = None, cwd: str | None = None) -> Launched:
+    """Run ``args`` (e.g. ``[sys.executable, "-m", "mpidl", ...]``) on ``n`` ranks."""
+    return run(mpiexec_command(n, args), timeout, launch_env(env), cwd)

@@ -1,0 +1,33 @@
+"""Shared fixtures: the world communicator, and the array modules to run on."""
+from __future__ import annotations
+
+import pytest
+
+from mpidl.backend import cupy_module
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """The world communicator (size 1 without a launcher)."""
+    from mpidl.comm import world
+
+    return world()
+
+
+def _xp_params():
+    import numpy
+
+    params = [pytest.param(numpy, id="numpy")]
+    cp = cupy_module()
+    params.append(pytest.param(
+        cp, id="cupy",
+        marks=[pytest.mark.gpu] + ([] if cp is not None else
+                                   [pytest.mark.skip(reason="CuPy/GPU not available here")]),
+    ))
+    return params
+
+
+@pytest.fixture(params=_xp_params())
+def xp(request):
+    """Each test body runs on numpy and, where a GPU is present, on cupy (as CuPy's tests do)."""
+    return request.param

@@ -1,0 +1,140 @@
+"""Run the whole test suite: the single-process tests once, the MPI tests at 1, 2 and 3 ranks.
+
+Usage (from the repository root, in the environment mpidl is installed in)::
+
+    python tests/run.py                  # everything
+    python tests/run.py --sizes 2        # only the MPI tests, at 2 ranks
+    python tests/run.py --no-mpi         # only the single-process tests
+    python tests/run.py -- -k sampler    # extra arguments go to every pytest
+
+Each MPI size runs as ``mpiexec -n N python tests/run.py --worker ...``: every rank runs
+pytest with the ``--with-mpi`` flag of pytest-mpi and writes a JUnit XML report; rank 0
+prints its output, the other ranks' output goes to a log that is shown if they fail. The
+run fails if any rank of any size fails, and every launch has a wall-clock limit, so a
+hang is a failure rather than a stuck CI. The last line sums up all runs:
+``suite: N passed, N failed, N skipped``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # so that `python tests/run.py` finds mpidl from a checkout too
+
+SINGLE = ["tests/unit", "tests/integration", "tests/slurm"]
+MPI = ["tests/mpi"]
+
+
+def _counts(xml_path: str) -> dict[str, int]:
+    """passed/failed/skipped from a pytest JUnit XML report (all zero if it is missing)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    if not os.path.exists(xml_path):
+        return counts
+    root = ET.parse(xml_path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    for s in suites:
+        tests, skipped = int(s.get("tests", 0)), int(s.get("skipped", 0))
+        failed = int(s.get("failures", 0)) + int(s.get("errors", 0))
+        counts["failed"] += failed
+        counts["skipped"] += skipped
+        counts["passed"] += tests - failed - skipped
+    return counts
+
+
+def worker(report_dir: str, pytest_args: list[str]) -> int:
+    """One rank of an MPI test run (started by mpiexec)."""
+    from hpc.env import detect
+
+    rank = detect().rank
+    if rank != 0:
+        log = open(os.path.join(report_dir, f"rank-{rank}.log"), "w")
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    import pytest
+
+    xml = os.path.join(report_dir, f"rank-{rank}.xml")
+    return int(pytest.main(["--with-mpi", f"--junitxml={xml}", *pytest_args]))
+
+
+def run_single(pytest_args: list[str], report_dir: str, timeout: float) -> tuple[int, dict]:
+    xml = os.path.join(report_dir, "single.xml")
+    cmd = [sys.executable, "-m", "pytest", *SINGLE, f"--junitxml={xml}", *pytest_args]
+    print(f"\n=== single-process tests: {' '.join(cmd[3:])}", flush=True)
+    try:
+        code = subprocess.run(cmd, cwd=ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"!!! single-process tests did not finish in {timeout:.0f} s", flush=True)
+        code = 1
+    # pytest exits 5 when nothing was collected: not a failure for a partial checkout.
+    return (0 if code == 5 else code), _counts(xml)
+
+
+def run_mpi(size: int, pytest_args: list[str], report_dir: str, timeout: float) -> tuple[int, dict]:
+    from mpidl.testing.launch import LaunchTimeout, mpiexec
+
+    sub = os.path.join(report_dir, f"mpi-{size}")
+    os.makedirs(sub, exist_ok=True)
+    args = [sys.executable, os.path.join(HERE, "run.py"), "--worker", sub, "--", *MPI, *pytest_args]
+    print(f"\n=== MPI tests on {size} rank{'s' if size > 1 else ''}", flush=True)
+    try:
+        result = mpiexec(size, args, timeout=timeout, cwd=ROOT)
+    except LaunchTimeout as e:
+        print(f"!!! {e}", flush=True)
+        return 1, _counts(os.path.join(sub, "rank-0.xml"))
+    sys.stdout.write(result.stdout)
+    sys.stdout.write(result.stderr)
+    code = result.returncode
+    for rank in range(1, size):
+        if _counts(os.path.join(sub, f"rank-{rank}.xml"))["failed"] or code not in (0, 5):
+            log = os.path.join(sub, f"rank-{rank}.log")
+            if os.path.exists(log):
+                print(f"--- output of rank {rank} ---\n{open(log).read()[-20000:]}", flush=True)
+    missing = [r for r in range(size) if not os.path.exists(os.path.join(sub, f"rank-{r}.xml"))]
+    if missing:
+        print(f"!!! ranks {missing} wrote no report", flush=True)
+        code = code or 1
+    return (0 if code == 5 else code), _counts(os.path.join(sub, "rank-0.xml"))
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--worker"]:
+        rest = argv[2:]
+        return worker(argv[1], rest[1:] if rest[:1] == ["--"] else rest)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1,2,3", help="MPI sizes to run tests/mpi at")
+    parser.add_argument("--no-mpi", action="store_true", help="skip the MPI tests")
+    parser.add_argument("--no-single", action="store_true", help="skip the single-process tests")
+    parser.add_argument("--timeout", type=float, default=1800, help="limit per launch, seconds")
+    parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
+    args = parser.parse_args(argv)
+
+    total = {"passed": 0, "failed": 0, "skipped": 0}
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="mpidl-tests-") as report_dir:
+        runs = [] if args.no_single else [("single-process", lambda: run_single(
+            args.pytest_args, report_dir, args.timeout))]
+        if not args.no_mpi:
+            for n in (int(s) for s in args.sizes.split(",") if s):
+                runs.append((f"MPI at {n} ranks", lambda n=n: run_mpi(
+                    n, args.pytest_args, report_dir, args.timeout)))
+        for name, run in runs:
+            code, counts = run()
+            for k in total:
+                total[k] += counts[k]
+            if code != 0:
+                failures.append(f"{name} (exit {code})")
+    print()
+    if failures:
+        print("FAILED: " + "; ".join(failures))
+    print(f"suite: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
