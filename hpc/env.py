@@ -27,10 +27,15 @@ set describes the process:
    or ``SLURM_NPROCS``), and the local size from ``SLURM_STEP_TASKS_PER_NODE`` (or
    ``SLURM_TASKS_PER_NODE``) indexed by ``SLURM_NODEID``.
 
-When srun itself started the process (``SLURM_PROCID`` equals the launcher's rank and
-the step size equals its size), Slurm's per-task variables fill what the PMI
-variables leave out (local rank, node index) and ``launcher`` is ``"slurm"``.
+When srun itself started the process (an srun step whose ``SLURM_PROCID`` and
+``SLURM_STEP_NUM_TASKS`` equal the PMI rank and size), Slurm's per-task variables fill
+what the PMI variables leave out (local rank, node index) and ``launcher`` is
+``"slurm"``.
 Job-level facts (job id, time left) come from Slurm whatever the launcher.
+
+A launcher's local rank is unique on its node but need not follow world-rank order
+(Open MPI 5 numbers ranks in its mapping order); ``Split_type`` orders by world rank.
+Pick one source for GPU binding and keep it.
 
 Where nothing says how the ranks are spread over nodes, all ranks are assumed to share
 one node (``local_rank = rank``); :func:`from_mpi` asks MPI for the truth.
@@ -185,6 +190,61 @@ def _seconds_left(environ: Mapping[str, str], clock: Callable[[], float]) -> flo
     return max(0.0, float(end[1]) - clock())
 
 
+def parse_slurm_duration(s: str) -> float | None:
+    """Seconds in a Slurm duration as squeue prints it: ``D-HH:MM:SS``, ``HH:MM:SS``, ``MM:SS``.
+
+    With days the fields read from the hour (``D-HH[:MM[:SS]]``), without them from the
+    second (``[[HH:]MM:]SS``). Returns None for ``UNLIMITED``, ``NOT_SET``, ``INVALID``.
+
+    Raises:
+        ValueError: ``s`` is none of these forms.
+    """
+    s = s.strip()
+    if s.upper() in ("UNLIMITED", "NOT_SET", "INVALID", "INFINITE"):
+        return None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+(?::\d+){0,2})", s)
+    if m is None:
+        raise ValueError(f"{s!r} is not a Slurm duration like '1-02:03:04', '02:03:04' or '03:04'")
+    fields = [int(f) for f in m.group(2).split(":")]
+    if m.group(1) is not None:
+        hours, minutes, seconds = (fields + [0, 0])[:3]
+    else:
+        hours, minutes, seconds = ([0, 0] + fields)[-3:]
+    days = int(m.group(1) or 0)
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def time_left(environ: Mapping[str, str] | None = None, *,
+              clock: Callable[[], float] = time.time, timeout: float = 10) -> float | None:
+    """Seconds until this job's end: ``SLURM_JOB_END_TIME``, else ask ``squeue``.
+
+    Slurm before 23.02 does not export the end time, so this falls back to
+    ``squeue -h -j $SLURM_JOB_ID -o %L``: a query to the controller, so call it from one
+    rank (rank 0) and broadcast, never from every rank of a large job. None outside a
+    job, for a job without a time limit, or when squeue cannot answer.
+    """
+    environ = os.environ if environ is None else environ
+    left = _seconds_left(environ, clock)
+    job = _get(environ, "SLURM_JOB_ID", "SLURM_JOBID")
+    if left is not None or job is None:
+        return left
+    import shutil
+    import subprocess
+
+    squeue = shutil.which("squeue")
+    # Without a config file a Slurm client looks the controller up by DNS SRV records,
+    # a network query off the machine; inside a job slurmd exports SLURM_CONF.
+    configured = os.environ.get("SLURM_CONF") or os.path.exists("/etc/slurm/slurm.conf")
+    if squeue is None or not configured:
+        return None
+    try:
+        out = subprocess.run([squeue, "-h", "-j", job[1], "-o", "%L"], capture_output=True,
+                             text=True, timeout=timeout)
+        return parse_slurm_duration(out.stdout.strip()) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 def detect(
     environ: Mapping[str, str] | None = None,
     *,
@@ -220,12 +280,15 @@ def detect(
                   "local_size": _int(environ, local_size_var, minimum=1),
                   "node_index": None, "nodes": None}
         break
-    # srun started this process itself when Slurm agrees on rank and size; Slurm then
-    # fills what the PMI variables leave out. Under a nested mpirun it cannot agree
-    # on every rank, and its per-task variables describe the daemon instead.
+    # srun started this process itself when it is an srun step (only srun sets the
+    # step size) that agrees on rank and size; Slurm then fills what the PMI variables
+    # leave out. OMPI_COMM_WORLD_* come from Open MPI's own mpirun only, so beside them
+    # Slurm's per-task variables describe a daemon or the batch shell.
     if slurm is not None and (
         launcher == "none"
-        or (slurm["rank"][1] == fields["rank"][1] and slurm["size"] is not None
+        or (launcher != "openmpi" and slurm["size"] is not None
+            and slurm["size"][0] == "SLURM_STEP_NUM_TASKS"
+            and slurm["rank"][1] == fields["rank"][1]
             and (fields["size"] is None or slurm["size"][1] == fields["size"][1]))
     ):
         launcher = "slurm"

@@ -358,6 +358,9 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
     grads: dict[int, list] = {id(root.creator): [None] * root.creator.n_outputs}
     grads[id(root.creator)][root._output_index] = grad
     queued = {id(root.creator)}
+    # Leaves that got a gradient in this pass: only they fire hooks (a leaf may hold a
+    # .grad from an earlier pass and get nothing in this one).
+    received: set[int] = set()
     while heap:
         _, _, f = heapq.heappop(heap)
         gys = grads.pop(id(f))
@@ -378,8 +381,9 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
             if x.creator is None:
                 if gx is not None:
                     _accumulate_leaf(x, gx)
+                    received.add(id(x))
                 pending_leaf[id(x)] -= 1
-                if pending_leaf[id(x)] == 0 and x.grad is not None:
+                if pending_leaf[id(x)] == 0 and id(x) in received:
                     _fire(x)
                 continue
             if gx is None:
@@ -394,7 +398,7 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
     # A branch whose gradients were all None never ran, so its leaves' counts did not
     # reach zero; their hooks still fire, at the end.
     for key, left in pending_leaf.items():
-        if left > 0 and leaves[key].grad is not None:
+        if left > 0 and key in received:
             _fire(leaves[key])
 
 
@@ -407,7 +411,8 @@ def _accumulate_leaf(x: Tensor, g: Any) -> None:
     if x.grad is None:
         # A function may return the same array for several inputs (add does), so the
         # leaf gets its own copy; later accumulation writes into it in place.
-        x.grad = g.astype(x.data.dtype, copy=True)
+        # xp.array (not astype) so that a NumPy scalar from 0-d arithmetic becomes an array.
+        x.grad = get_array_module(x.data).array(g, dtype=x.data.dtype, copy=True)
     else:
         x.grad += g
 

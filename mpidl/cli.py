@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 # name -> ("module:function", one-line help). Modules are imported only when their
 # command runs, so `mpidl info` does not pay for h5py and `mpidl shard` not for MPI.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("mpidl.train.command:main", "train a model data-parallel (default: the reviews task)"),
+    "train": ("mpidl.train.command:main",
+              "train a model data-parallel (default: the reviews task)"),
     "eval": ("mpidl.train.command:eval_main", "evaluate a run's checkpoint on a dataset"),
     "shard": ("mpidl.data.command:main", "write or verify a sharded HDF5 dataset"),
     "plot": ("mpidl.train.plot:main", "plot a run's metrics to PNG (needs the [plot] extra)"),

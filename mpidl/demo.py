@@ -45,7 +45,8 @@ def main(argv: Sequence[str]) -> int:
         nodes = sorted(set(hosts))
         print(f"ranks: {comm.size}")
         print(f"nodes: {len(nodes)} ({', '.join(nodes)})")
-        print(f"allreduce of rank ids: {int(ranks[0])} (expected {comm.size * (comm.size - 1) // 2})")
+        expected = comm.size * (comm.size - 1) // 2
+        print(f"allreduce of rank ids: {int(ranks[0])} (expected {expected})")
         mb = x.nbytes / 2**20
         print(f"allreduce of {mb:.1f} MiB float32: {seconds * 1e3:.2f} ms "
               f"({x.nbytes / seconds / 1e9:.2f} GB/s algorithm bandwidth)")

@@ -100,6 +100,9 @@ class Communicator:
         y = x.copy()
         return self.allreduce_(y, op)
 
+    def reduce_(self, x: Any, root: int = 0, op: str = "sum") -> Any:
+        raise NotImplementedError
+
     def bcast_(self, x: Any, root: int = 0) -> Any:
         raise NotImplementedError
 

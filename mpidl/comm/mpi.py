@@ -17,7 +17,7 @@ import os
 from typing import Any, Callable
 
 from mpidl.backend import get_array_module, is_cupy
-from mpidl.comm.base import Communicator, DistributedError, Request, check_op, split_counts  # noqa: F401
+from mpidl.comm.base import Communicator, Request, check_op, split_counts
 from mpidl.comm.staged import Stager
 
 MAX_MESSAGE_BYTES = 2**31 - 1
@@ -29,7 +29,10 @@ def _mpi():
     return MPI
 
 
-def _mpi_op(op: str):
+def _mpi_op(op: Any):
+    """An MPI op from its name; an mpi4py ``MPI.Op`` (a custom reduction) passes through."""
+    if not isinstance(op, str):
+        return op
     MPI = _mpi()
     return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[check_op(op)]
 
@@ -101,7 +104,8 @@ class MpiCommunicator(Communicator):
     def _verify(self, name: str, x: Any, **extra: Any) -> None:
         if not self.check_collectives:
             return
-        mine = (name, tuple(x.shape), str(x.dtype), tuple(sorted(extra.items())))
+        params = tuple(sorted((k, str(v)) for k, v in extra.items()))
+        mine = (name, tuple(x.shape), str(x.dtype), params)
         everyone = self.allgather_obj(mine)
         bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
         self.check(not bad, f"collective mismatch: rank 0 called {everyone[0]}, "
@@ -121,7 +125,8 @@ class MpiCommunicator(Communicator):
         """Reduce ``x`` elementwise over all ranks, in place; returns ``x``.
 
         Collective: every rank passes a C-contiguous array of the same shape and dtype
-        and the same ``op`` ("sum", "max", "min", "prod").
+        and the same ``op`` ("sum", "max", "min", "prod", or an mpi4py ``MPI.Op`` for a
+        custom reduction such as the 16-bit float sums of gradient compression).
         """
         MPI = _mpi()
         _contiguous(x, "allreduce_")
@@ -151,6 +156,26 @@ class MpiCommunicator(Communicator):
         reqs = [self.mpi_comm.Iallreduce(MPI.IN_PLACE, flat[i:j], op=mop)
                 for i, j in self._chunks(flat.size, flat.itemsize)]
         return MpiRequest(reqs, x, finish)
+
+    def reduce_(self, x: Any, root: int = 0, op: Any = "sum") -> Any:
+        """Reduce ``x`` over all ranks into root's ``x``, in place; returns ``x``.
+
+        Collective: same shape, dtype, ``root`` and ``op`` everywhere. Only root's ``x``
+        holds the result; the other ranks' ``x`` are left as they were.
+        """
+        MPI = _mpi()
+        _contiguous(x, "reduce_")
+        self._verify("reduce_", x, root=root, op=op)
+        buf, finish = self._device(x, "inout")
+        flat = buf.reshape(-1)
+        mop = _mpi_op(op)
+        for i, j in self._chunks(flat.size, flat.itemsize):
+            if self.rank == root:
+                self.mpi_comm.Reduce(MPI.IN_PLACE, flat[i:j], op=mop, root=root)
+            else:
+                self.mpi_comm.Reduce(flat[i:j], None, op=mop, root=root)
+        finish()
+        return x
 
     def bcast_(self, x: Any, root: int = 0) -> Any:
         """Overwrite ``x`` on every rank with root's ``x``, in place; returns ``x``.
@@ -343,4 +368,4 @@ def _nothing() -> None:
     pass
 
 
-__all__ = ["MpiCommunicator", "MpiRequest", "DistributedError", "MAX_MESSAGE_BYTES"]
+__all__ = ["MpiCommunicator", "MpiRequest", "MAX_MESSAGE_BYTES"]

@@ -25,6 +25,12 @@ class SingleCommunicator(Communicator):
         check_op(op)
         return x
 
+    def reduce_(self, x: Any, root: int = 0, op: str = "sum") -> Any:
+        """In place: root's reduction over one rank is ``x``."""
+        check_op(op)
+        self._check_peer(root, "root")
+        return x
+
     def bcast_(self, x: Any, root: int = 0) -> Any:
         """In place: ``x`` is root's value already."""
         self._check_peer(root, "root")

@@ -7,6 +7,7 @@ from mpidl.testing.collective import (
     assert_allclose_all_ranks,
     describe_mismatch,
 )
+from mpidl.testing.gradcheck import gradcheck, numerical_grad
 from mpidl.testing.tolerance import allclose, tolerance
 
 __all__ = [
@@ -14,5 +15,7 @@ __all__ = [
     "assert_allclose_all_ranks",
     "describe_mismatch",
     "allclose",
+    "gradcheck",
+    "numerical_grad",
     "tolerance",
 ]

@@ -145,7 +145,8 @@ def test_large_messages_are_chunked(comm, xp):
     assert_allclose_all_ranks(
         comm, g, numpy.stack([ranked(numpy, (5, 5), "int64", r) for r in range(comm.size)]),
         what="chunked allgather")
-    assert_allclose_all_ranks(comm, ring, ranked(numpy, (33,), "int32", (comm.rank - 1) % comm.size),
+    left = (comm.rank - 1) % comm.size
+    assert_allclose_all_ranks(comm, ring, ranked(numpy, (33,), "int32", left),
                               what="chunked sendrecv")
     assert_allclose_all_ranks(
         comm, ir, sum(ranked(numpy, (40,), "float32", r) for r in range(comm.size)),

@@ -1,0 +1,136 @@
+"""Loss functions: fused softmax cross-entropy, mean squared error.
+
+:func:`softmax_cross_entropy` takes logits and integer class labels and never builds
+one-hot targets or a separate log-softmax: forward keeps the probabilities, backward is
+``(softmax - onehot) * coefficient`` in one pass over them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from mpidl.autograd import Function, Tensor
+from mpidl.backend import get_array_module, to_device
+from mpidl.functions.math import sum_last_axis
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class SoftmaxCrossEntropy(Function):
+    def forward(self, logits, labels):
+        xp = get_array_module(logits)
+        n_classes = logits.shape[-1]
+        x = logits.reshape(-1, n_classes)  # (N, C)
+        t = labels.reshape(-1)  # (N,)
+        self.labels_shape = labels.shape
+        if self.ignore_index is not None:
+            valid = t != self.ignore_index
+            t = xp.where(valid, t, 0)
+        else:
+            valid = None
+        if xp is numpy and t.size and (t.min() < 0 or t.max() >= n_classes):
+            bad = t[(t < 0) | (t >= n_classes)][0]
+            raise ValueError(
+                f"softmax_cross_entropy: label {bad} is out of range for {n_classes} classes "
+                f"(labels must lie in [0, {n_classes}) or equal ignore_index="
+                f"{self.ignore_index})"
+            )
+        rows = xp.arange(t.shape[0])
+        shifted = x - x.max(axis=1, keepdims=True)  # (N, C), max is 0: exp cannot overflow
+        picked = shifted[rows, t]  # (N,)
+        e = xp.exp(shifted, out=shifted)
+        s = sum_last_axis(e, keepdims=False)
+        nll = xp.log(s)
+        nll -= picked  # -log softmax[label] = logsumexp - logit[label]
+        e /= s[:, None]
+        self.probs, self.t, self.valid, self.rows = e, t, valid, rows
+        if valid is not None:
+            nll *= valid
+        if self.reduction == "none":
+            return nll.reshape(labels.shape)
+        total = nll.sum()
+        if self.reduction == "sum":
+            return xp.asarray(total)
+        # Mean over the labels that count; a batch with none of them has loss 0 (and a
+        # zero gradient) rather than NaN.
+        count = valid.sum() if valid is not None else t.shape[0]
+        self.count = xp.maximum(count, 1).astype(x.dtype) if valid is not None else max(count, 1)
+        return xp.asarray(total / self.count).astype(x.dtype, copy=False)
+
+    def backward(self, gy):
+        probs, t, valid, rows = self.probs, self.t, self.valid, self.rows
+        if self.reduction == "none":
+            coef = gy.reshape(-1)
+        elif self.reduction == "sum":
+            coef = gy.reshape(1)
+        else:
+            coef = (gy / self.count).reshape(1)
+        coef = coef.astype(probs.dtype, copy=False)
+        if valid is not None:
+            coef = coef * valid
+        if coef.shape[0] == 1 and valid is None:
+            g = probs * coef[0]
+            g[rows, t] -= coef[0]
+        else:
+            coef = get_array_module(probs).broadcast_to(coef, t.shape)
+            g = probs * coef[:, None]
+            g[rows, t] -= coef
+        return g.reshape(self.logits_shape), None
+
+
+def softmax_cross_entropy(
+    logits: Any,
+    labels: Any,
+    ignore_index: int | None = None,
+    reduction: str = "mean",
+) -> Tensor:
+    """Cross-entropy of softmax(logits) against integer labels, fused.
+
+    Args:
+        logits: ``(..., C)`` unnormalised scores.
+        labels: integer class ids of shape ``logits.shape[:-1]``.
+        ignore_index: a label value that contributes no loss and no gradient (padding).
+        reduction: ``"mean"`` over the non-ignored labels (0 when there are none),
+            ``"sum"``, or ``"none"`` for the per-label losses of shape ``labels.shape``.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}; use one of {_REDUCTIONS}")
+    if isinstance(labels, Tensor):
+        labels = labels.data
+    xp = get_array_module(logits)
+    if get_array_module(labels) is not xp:
+        labels = to_device(labels, xp)  # host labels for device logits
+    if labels.dtype.kind not in "iu":
+        raise TypeError(
+            f"softmax_cross_entropy: labels must be integer class ids, got dtype {labels.dtype}"
+        )
+    lshape = tuple(logits.shape)
+    tshape = tuple(labels.shape)
+    if lshape[:-1] != tshape:
+        raise ValueError(
+            f"softmax_cross_entropy: labels of shape {tshape} do not match logits of shape "
+            f"{lshape}; labels must have shape {lshape[:-1]}"
+        )
+    return SoftmaxCrossEntropy.apply(
+        logits, labels, ignore_index=ignore_index, reduction=reduction, logits_shape=lshape
+    )
+
+
+class MeanSquaredError(Function):
+    def forward(self, a, b):
+        xp = get_array_module(a, b)
+        self.diff = a - b
+        return xp.asarray((self.diff * self.diff).mean()).astype(self.diff.dtype, copy=False)
+
+    def backward(self, gy):
+        na, nb = self.needs_input_grad
+        g = self.diff * (gy * gy.dtype.type(2.0 / max(self.diff.size, 1)))
+        return (g if na else None), (-g if nb else None)
+
+
+def mean_squared_error(a: Any, b: Any) -> Tensor:
+    """``mean((a - b) ** 2)`` over all elements; ``a`` and ``b`` have the same shape."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"mean_squared_error: shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
+    return MeanSquaredError.apply(a, b)

@@ -1,0 +1,72 @@
+"""A small GPT: a causal transformer language model (Radford et al. 2019; nanoGPT's layout)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from mpidl import functions as F
+from mpidl.autograd import Tensor
+from mpidl.nn import init
+from mpidl.nn.container import ModuleList
+from mpidl.nn.embedding import Embedding
+from mpidl.nn.linear import Linear, linear
+from mpidl.nn.module import Module, Parameter, as_input, default_dtype
+from mpidl.nn.norm import LayerNorm
+from mpidl.nn.transformer import TransformerEncoderLayer
+
+
+class GPT(Module):
+    """Token + position embeddings, causal pre-LN blocks, final LayerNorm, output projection.
+
+    ids ``(B, T)`` with ``T <= seq_len`` -> next-token logits ``(B, T, vocab)``. By default
+    the output projection is the token embedding's transpose (weight tying, Press & Wolf
+    2017), so the table is one parameter, ``tok.weight``; its gradient is then dense (every
+    row gets one from the output layer), so sparse embedding-gradient exchange must not
+    be used for it. ``tie_weights=False`` adds a separate ``head.weight`` ``(vocab, D)``.
+    Embeddings start as N(0, 0.02²), GPT-2's scale; the blocks use GELU's tanh form as
+    GPT-2 does.
+
+    Args:
+        vocab: vocabulary size.
+        seq_len: context length (number of learned positions).
+        dim: model width.
+        layers: number of blocks.
+        heads: attention heads per block.
+        ffn: feed-forward hidden width (default ``4 * dim``).
+        dropout: residual-branch dropout.
+        tie_weights: share the token embedding with the output projection.
+        seed, rng, dtype: see :mod:`mpidl.nn.init`; float32 by default.
+    """
+
+    def __init__(self, vocab: int = 8000, seq_len: int = 128, dim: int = 128, layers: int = 2,
+                 heads: int = 4, ffn: int | None = None, dropout: float = 0.0,
+                 tie_weights: bool = True, *,
+                 seed: int | None = None, rng: numpy.random.Generator | None = None,
+                 dtype: Any = None) -> None:
+        super().__init__()
+        rng = init.make_rng(seed, rng)
+        dtype = default_dtype(dtype)
+        self.vocab, self.seq_len, self.tie_weights = vocab, seq_len, tie_weights
+        self.tok = Embedding(vocab, dim, std=0.02, rng=rng, dtype=dtype)
+        self.pos = Parameter(init.normal((seq_len, dim), 0.02, rng, dtype))
+        self.blocks = ModuleList(
+            TransformerEncoderLayer(dim, heads, ffn or 4 * dim, dropout, causal=True,
+                                    approximate="tanh", rng=rng, dtype=dtype)
+            for _ in range(layers)
+        )
+        self.norm = LayerNorm(dim, dtype=dtype)
+        if not tie_weights:
+            self.head = Linear(dim, vocab, bias=False, rng=rng, dtype=dtype)
+
+    def forward(self, ids: Any) -> Tensor:
+        ids = as_input(ids)
+        t = ids.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.seq_len}")
+        pos = self.pos if t == self.seq_len else F.getitem(self.pos, slice(0, t))
+        x = F.add(self.tok(ids), pos)  # (B, T, D)
+        for block in self.blocks:
+            x = block(x)
+        weight = self.tok.weight if self.tie_weights else self.head.weight
+        return linear(self.norm(x), weight)  # (B, T, vocab)

@@ -1,0 +1,51 @@
+"""A multilayer perceptron: Linear layers with ReLU between them."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy
+
+from mpidl import functions as F
+from mpidl.autograd import Tensor
+from mpidl.nn import init
+from mpidl.nn.container import ModuleList
+from mpidl.nn.linear import Linear
+from mpidl.nn.module import Module
+
+
+class MLP(Module):
+    """``sizes[0] -> sizes[1] -> ReLU -> ... -> sizes[-1]`` (no activation on the output).
+
+    Parameters ``layers.<i>.weight`` / ``layers.<i>.bias``. Inputs ``(B, sizes[0])``
+    (anything of ``sizes[0]`` features per sample: images are flattened), outputs
+    ``(B, sizes[-1])`` logits.
+
+    Args:
+        sizes: layer widths, input first.
+        seed, rng: where the initial values come from (see :mod:`mpidl.nn.init`).
+        dtype: parameter dtype (float32 by default).
+    """
+
+    def __init__(self, sizes: Sequence[int], *, seed: int | None = None,
+                 rng: numpy.random.Generator | None = None, dtype: Any = None) -> None:
+        super().__init__()
+        if len(sizes) < 2:
+            raise ValueError(f"MLP needs at least an input and an output size, got {sizes}")
+        rng = init.make_rng(seed, rng)
+        self.sizes = tuple(int(s) for s in sizes)
+        self.layers = ModuleList(
+            Linear(a, b, rng=rng, dtype=dtype) for a, b in zip(self.sizes, self.sizes[1:])
+        )
+
+    def forward(self, x: Any) -> Tensor:
+        if x.ndim != 2:
+            x = F.reshape(x, (x.shape[0], -1))  # (B, ...) -> (B, features)
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < n - 1:
+                x = F.relu(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return " -> ".join(map(str, self.sizes))

@@ -1,0 +1,105 @@
+"""Text classifiers over token ids: a bag of words, and a small transformer encoder."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from mpidl import functions as F
+from mpidl.autograd import Tensor
+from mpidl.backend import get_array_module
+from mpidl.nn import init
+from mpidl.nn.container import ModuleList
+from mpidl.nn.embedding import Embedding, EmbeddingBag
+from mpidl.nn.linear import Linear
+from mpidl.nn.module import Module, Parameter, as_input, default_dtype
+from mpidl.nn.transformer import TransformerEncoderLayer
+
+
+class BagOfWords(Module):
+    """Mean of the token embeddings -> Linear -> ReLU -> Linear: ids ``(B, L)`` -> ``(B, classes)``.
+
+    Every token counts, padding included (as ``torch.nn.EmbeddingBag(mode="mean")`` on
+    fixed-length rows), so the padding id's embedding is learned like any other.
+
+    Args:
+        vocab: vocabulary size.
+        dim: embedding width.
+        hidden: width of the hidden layer.
+        classes: number of classes.
+        seed, rng, dtype: see :mod:`mpidl.nn.init`; float32 by default.
+    """
+
+    def __init__(self, vocab: int = 20000, dim: int = 128, hidden: int = 256, classes: int = 2,
+                 *, seed: int | None = None, rng: numpy.random.Generator | None = None,
+                 dtype: Any = None) -> None:
+        super().__init__()
+        rng = init.make_rng(seed, rng)
+        self.embed = EmbeddingBag(vocab, dim, rng=rng, dtype=dtype)
+        self.fc1 = Linear(dim, hidden, rng=rng, dtype=dtype)
+        self.fc2 = Linear(hidden, classes, rng=rng, dtype=dtype)
+
+    def forward(self, ids: Any) -> Tensor:
+        return self.fc2(F.relu(self.fc1(self.embed(ids))))
+
+
+class TransformerClassifier(Module):
+    """Token + learned position embeddings, pre-LN encoder layers, mean over time, Linear.
+
+    ids ``(B, T)`` with ``T <= seq_len`` -> logits ``(B, classes)``. There is no final
+    LayerNorm (the PyTorch reference model of the benchmarks has none either).
+
+    With ``pad_id`` set, padding positions are left out: keys equal to ``pad_id`` get no
+    attention and the mean pools over the other positions only. With ``pad_id=None``
+    (the default, and the benchmark model) every position counts.
+
+    Args:
+        vocab: vocabulary size.
+        seq_len: the longest sequence (number of learned positions).
+        dim: model width.
+        layers: number of encoder layers.
+        heads: attention heads per layer.
+        ffn: feed-forward hidden width.
+        classes: number of classes.
+        dropout: residual-branch dropout in the encoder layers.
+        pad_id: the padding token id to mask out, or None.
+        seed, rng, dtype: see :mod:`mpidl.nn.init`; float32 by default.
+    """
+
+    def __init__(self, vocab: int = 8000, seq_len: int = 128, dim: int = 128, layers: int = 2,
+                 heads: int = 4, ffn: int = 512, classes: int = 2, dropout: float = 0.0,
+                 pad_id: int | None = None, *, seed: int | None = None,
+                 rng: numpy.random.Generator | None = None, dtype: Any = None) -> None:
+        super().__init__()
+        rng = init.make_rng(seed, rng)
+        dtype = default_dtype(dtype)
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.tok = Embedding(vocab, dim, rng=rng, dtype=dtype)
+        self.pos = Parameter(init.normal((seq_len, dim), 0.02, rng, dtype))
+        self.layers = ModuleList(
+            TransformerEncoderLayer(dim, heads, ffn, dropout, rng=rng, dtype=dtype)
+            for _ in range(layers)
+        )
+        self.head = Linear(dim, classes, rng=rng, dtype=dtype)
+
+    def forward(self, ids: Any) -> Tensor:
+        ids = as_input(ids)
+        b, t = ids.shape
+        if t > self.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.seq_len}")
+        pos = self.pos if t == self.seq_len else F.getitem(self.pos, slice(0, t))
+        x = F.add(self.tok(ids), pos)  # (B, T, D) + (T, D)
+        mask = keep = None
+        if self.pad_id is not None:
+            xp = get_array_module(ids)
+            keep = ids != self.pad_id  # (B, T)
+            mask = keep[:, None, None, :]  # (B, 1, 1, T): every query sees non-pad keys
+        for layer in self.layers:
+            x = layer(x, mask=mask)
+        if keep is None:
+            pooled = F.mean(x, axis=1)  # (B, D)
+        else:
+            w = keep.astype(x.dtype)
+            w /= xp.maximum(w.sum(axis=1, keepdims=True), 1)  # (B, T), rows sum to 1
+            pooled = F.sum(F.mul(x, w[:, :, None]), axis=1)
+        return self.head(pooled)

@@ -1,0 +1,261 @@
+"""Modules and Parameters: the containers that hold a model's trainable arrays.
+
+A :class:`Module` registers every :class:`Parameter` and sub-Module assigned to one of its
+attributes, in the order of assignment. That order is the model's parameter order: it is
+the same on every rank that runs the same constructor, and it is the order the gradient
+buckets of data parallelism, the optimizer state and the checkpoints use.
+
+    class TwoLayer(Module):
+        def __init__(self, rng):
+            super().__init__()
+            self.fc1 = Linear(4, 8, rng=rng)      # parameters fc1.weight, fc1.bias
+            self.fc2 = Linear(8, 2, rng=rng)      # then fc2.weight, fc2.bias
+
+        def forward(self, x):
+            return self.fc2(F.relu(self.fc1(x)))
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Iterator
+
+import numpy
+
+from mpidl.autograd import Tensor
+from mpidl.backend import get_array_module, to_device
+
+
+class Parameter(Tensor):
+    """A trainable leaf Tensor: ``requires_grad`` is always True.
+
+    Args:
+        data: the initial array (NumPy or CuPy). It is used as is, not copied: the
+            Parameter's ``.data`` is that array, and optimizers update it in place.
+        name: optional label; :meth:`Module.named_parameters` gives the dotted name.
+    """
+
+    def __init__(self, data: Any, name: str | None = None) -> None:
+        super().__init__(data, requires_grad=True, name=name)
+
+    def __repr__(self) -> str:
+        return f"Parameter(shape={self.shape}, dtype={self.dtype})"
+
+
+class Module:
+    """Base class of layers and models.
+
+    Subclasses call ``super().__init__()`` first, assign Parameters and sub-Modules to
+    attributes, and implement ``forward``. Calling the module calls ``forward``.
+    """
+
+    training: bool
+
+    def __init__(self) -> None:
+        # Both dicts keep insertion order; ``_order`` interleaves them so that the
+        # parameter order is the order of assignment, whatever the kind of member.
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_order", [])
+        object.__setattr__(self, "training", True)
+
+    # -- registration ---------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_order" not in self.__dict__:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ must call super().__init__() before "
+                f"assigning attribute {name!r}"
+            )
+        params, modules, order = self._parameters, self._modules, self._order
+        if isinstance(value, (Parameter, Module)):
+            # Re-assigning keeps the original position, as in PyTorch, so replacing a
+            # layer does not reorder the buckets.
+            params.pop(name, None)
+            modules.pop(name, None)
+            if name not in order:
+                order.append(name)
+            (params if isinstance(value, Parameter) else modules)[name] = value
+            self.__dict__.pop(name, None)
+            return
+        if name in params or name in modules:
+            # Assigning a plain value (None, an array) over a member unregisters it.
+            params.pop(name, None)
+            modules.pop(name, None)
+            order.remove(name)
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: members live in the two dicts.
+        d = self.__dict__
+        if "_parameters" in d and name in d["_parameters"]:
+            return d["_parameters"][name]
+        if "_modules" in d and name in d["_modules"]:
+            return d["_modules"][name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._parameters or name in self._modules:
+            self._parameters.pop(name, None)
+            self._modules.pop(name, None)
+            self._order.remove(name)
+        else:
+            object.__delattr__(self, name)
+
+    # -- traversal ------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """Yield ``(dotted_name, parameter)`` in registration order, depth first.
+
+        A Parameter shared by two members (tied weights) is yielded once, under the
+        first name that reaches it.
+        """
+        seen: set[int] = set()
+        for name, p in self._named_parameters_all(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _named_parameters_all(self, prefix: str) -> Iterator[tuple[str, Parameter]]:
+        for name in self._order:
+            if name in self._parameters:
+                yield prefix + name, self._parameters[name]
+            else:
+                yield from self._modules[name]._named_parameters_all(prefix + name + ".")
+
+    def parameters(self) -> list[Parameter]:
+        """The parameters in registration order (see :meth:`named_parameters`)."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        """Yield ``(dotted_name, module)`` for this module (name ``""``) and all below it."""
+        yield prefix.rstrip("."), self
+        for name in self._order:
+            if name in self._modules:
+                yield from self._modules[name].named_modules(prefix + name + ".")
+
+    def children(self) -> list["Module"]:
+        """The direct sub-modules in registration order."""
+        return [self._modules[n] for n in self._order if n in self._modules]
+
+    def num_parameters(self) -> int:
+        """The total number of scalars in all parameters."""
+        return sum(int(p.size) for p in self.parameters())
+
+    # -- modes ----------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Module":
+        """Set training mode here and below (dropout active); returns self."""
+        for _, m in self.named_modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        """Set evaluation mode here and below (dropout is the identity); returns self."""
+        return self.train(False)
+
+    # -- gradients ------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero every parameter's gradient.
+
+        Args:
+            set_to_none: drop the gradient arrays instead. The default fills the existing
+                arrays with zeros in place, because data parallelism makes ``.grad`` a
+                view into a flat bucket that must never be replaced.
+        """
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.fill(0)
+
+    # -- state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A flat ``{dotted_name: array}`` of every parameter, in parameter order.
+
+        The values are the parameters' live arrays, not copies: they change when the
+        optimizer steps. Copy them (``{k: v.copy() ...}``) for a snapshot; a checkpoint
+        writer that stores them immediately needs no copy.
+        """
+        return {name: p.data for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Copy arrays from ``state`` into the parameters, in place.
+
+        The parameters keep their array objects (so an optimizer, or a bucket whose
+        views they are, stays valid); values are cast to the parameter's dtype and
+        moved to its device.
+
+        Args:
+            state: ``{dotted_name: array}`` as made by :meth:`state_dict`.
+            strict: raise when a parameter has no entry or an entry names no parameter.
+                Shape mismatches raise whatever ``strict`` says.
+
+        Raises:
+            KeyError: (strict) missing or unexpected names, all listed.
+            ValueError: an entry's shape differs from its parameter's.
+        """
+        params = dict(self.named_parameters())
+        missing = [k for k in params if k not in state]
+        unexpected = [k for k in state if k not in params]
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing keys {missing}")
+            if unexpected:
+                parts.append(f"unexpected keys {unexpected}")
+            raise KeyError(
+                f"load_state_dict into {type(self).__name__}: " + "; ".join(parts)
+                + " (pass strict=False to load the names that match)"
+            )
+        bad = [
+            f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(p.shape)}"
+            for k, p in params.items()
+            if k in state and tuple(state[k].shape) != tuple(p.shape)
+        ]
+        if bad:
+            raise ValueError(
+                f"load_state_dict into {type(self).__name__}: shape mismatch for "
+                + "; ".join(bad) + " (was the model built with the same configuration?)"
+            )
+        for k, p in params.items():
+            if k in state:
+                xp = get_array_module(p.data)
+                p.data[...] = to_device(state[k], xp)
+
+    def to(self, xp: ModuleType) -> "Module":
+        """Move every parameter (and gradient) to array module ``xp``; returns self.
+
+        The parameters get new arrays, so call this before building the optimizer.
+        """
+        for p in self.parameters():
+            p.data = to_device(p.data, xp)
+            if p.grad is not None:
+                p.grad = to_device(p.grad, xp)
+        return self
+
+    # -- calling --------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward()")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        """The text inside this module's parentheses in ``repr`` (override)."""
+        return ""
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}({self.extra_repr()}"]
+        for name, m in self._modules.items():
+            sub = repr(m).replace("\n", "\n  ")
+            lines.append(f"  ({name}): {sub}")
+        if len(lines) == 1:
+            return lines[0] + ")"
+        return "\n".join(lines) + "\n)"
+
+
+def as_input(x: Any) -> Any:
+    """The raw array of a Tensor; arrays and other values pass through unchanged."""
+    return x.data if isinstance(x, Tensor) else x
+
+
+def default_dtype(dtype: Any) -> numpy.dtype:
+    """The parameter dtype: ``dtype`` if given, float32 otherwise."""
+    return numpy.dtype(numpy.float32 if dtype is None else dtype)

@@ -1,0 +1,112 @@
+"""Flat gradient buckets: parameters' ``.grad`` are views into a few contiguous arrays.
+
+One allreduce per bucket instead of one per parameter (a per-parameter allreduce pays
+MPI's latency for every bias vector), and no packing copies: backward accumulates each
+gradient straight into its slice of the bucket, so the bucket is ready to send the
+moment its last gradient is final.
+
+Parameters are assigned in *reverse* registration order, because backward produces
+the last layer's gradients first: the first bucket fills first and its allreduce starts
+while backward is still working through the earlier layers (PyTorch DDP does the same).
+Each bucket holds one dtype. The assignment depends only on the parameter list and the
+bucket size, so it is identical on every rank, and so is the order of the collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+@dataclass
+class Bucket:
+    """A contiguous gradient buffer shared by several parameters.
+
+    Attributes:
+        index: position in the fixed launch order.
+        flat: the 1-D xp array holding every member's gradient.
+        params: the member parameters.
+        views: each member's gradient view into ``flat`` (what ``.grad`` must be).
+        pending: members whose gradient is not final yet in this backward pass.
+        request: the in-flight non-blocking allreduce, if any.
+        wire: the 16-bit host copy of ``flat`` when gradients are compressed.
+    """
+
+    index: int
+    flat: Any
+    params: list = field(default_factory=list)
+    views: list = field(default_factory=list)
+    pending: int = 0
+    request: Any = None
+    wire: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.nbytes)
+
+    def attach(self) -> None:
+        """Make every member's ``.grad`` its view again.
+
+        A user may have replaced or dropped a gradient (``zero_grad(set_to_none=True)``);
+        a dropped one restarts from zero, a replaced one is copied into the view.
+        """
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                if p.grad is None:
+                    view[...] = 0
+                else:
+                    view[...] = p.grad
+                p.grad = view
+
+
+def plan_buckets(params: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets of about ``bucket_bytes`` each.
+
+    Walks the parameters in reverse order; a bucket closes when adding the next
+    parameter would pass ``bucket_bytes`` (a single larger parameter gets a bucket of
+    its own) or when the dtype changes. Pure function of shapes and dtypes.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    dtype = None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.data.nbytes
+        if current and (p.data.dtype != dtype or size + nbytes > bucket_bytes):
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        dtype = p.data.dtype
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build_buckets(params: Sequence[Any], bucket_bytes: int) -> list[Bucket]:
+    """Allocate one zeroed flat array per bucket and attach the parameters' grads to it.
+
+    Any gradient the parameters already hold is copied into the bucket, so building
+    buckets in the middle of an accumulation loses nothing.
+    """
+    buckets = []
+    for index, members in enumerate(plan_buckets(params, bucket_bytes)):
+        first = params[members[0]].data
+        xp = _xp(first)
+        total = sum(params[i].data.size for i in members)
+        bucket = Bucket(index=index, flat=xp.zeros(total, dtype=first.dtype))
+        start = 0
+        for i in members:
+            p = params[i]
+            bucket.params.append(p)
+            bucket.views.append(bucket.flat[start:start + p.data.size].reshape(p.data.shape))
+            start += p.data.size
+        bucket.attach()
+        buckets.append(bucket)
+    return buckets
+
+
+def _xp(x: Any) -> Any:
+    from mpidl.backend import get_array_module
+
+    return get_array_module(x)

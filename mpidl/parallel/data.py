@@ -1,0 +1,302 @@
+"""Data parallelism: one model replica per rank, gradients averaged with MPI allreduce.
+
+The user's loop stays plain::
+
+    dp = DataParallel(model, comm)
+    opt = AdamW(model.parameters(), lr=1e-3)
+    for x, y, n in loader:                  # this rank's share of a global batch of n
+        loss = softmax_cross_entropy(dp(x), y, reduction="sum")
+        dp.backward(loss, global_count=n)   # grads = mean over the global batch
+        opt.step(); opt.zero_grad()
+
+What happens inside:
+
+- At construction every rank's parameter list (names, shapes, dtypes) is compared; a
+  mismatch raises :class:`~mpidl.comm.DistributedError` on every rank naming the first
+  differing parameter and the ranks. Then rank 0's parameters are broadcast.
+- Gradients live in flat per-dtype buckets (``param.grad`` are views into them, see
+  :mod:`mpidl.parallel.buckets`). During backward, a parameter's post-accumulate hook
+  counts down its bucket; a bucket whose gradients are all final starts its
+  non-blocking allreduce at once, while backward goes on. Buckets start in a fixed
+  order (a ready bucket waits for the ones before it), so every rank issues the same
+  collectives in the same order. Later hooks call ``test()`` on the requests in flight:
+  Open MPI progresses a non-blocking collective only inside MPI calls.
+- ``backward(loss, global_count=n)`` seeds backward with ``1/n`` instead of 1, so the
+  allreduced *sum* is the mean over the global batch, with no extra pass over the
+  gradients. Ranks with fewer samples (or none, in the last step of an epoch) simply
+  contribute less: the result is the gradient of the whole global batch.
+- Embedding tables can exchange only the rows a batch touched (see
+  :mod:`mpidl.parallel.sparse`), chosen automatically per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+from mpidl.autograd import Tensor
+from mpidl.backend import get_array_module
+from mpidl.comm.base import Communicator
+from mpidl.parallel.buckets import Bucket, build_buckets
+from mpidl.parallel import compression as wire
+
+
+class DataParallel:
+    """Replicate ``model`` on every rank of ``comm`` and average its gradients.
+
+    Construction is collective over ``comm``.
+
+    Args:
+        model: an :class:`mpidl.nn.Module`, built identically on every rank.
+        comm: the communicator of the replicas (``mpidl.comm.world()``).
+        bucket_mb: bucket size in MiB. Smaller buckets start communicating earlier in
+            backward; larger ones pay MPI's per-call latency less often. 4 MiB was the
+            fastest on shared memory here (see benchmarks/README.md); multi-node
+            networks often prefer larger.
+        compression: None, "float16" or "bfloat16": the dtype gradients travel in.
+        hierarchical: node-local reduce, allreduce among node leaders, node-local
+            broadcast (pass an int to group that many consecutive ranks per "node").
+        sparse_embeddings: exchange only touched rows of embedding tables whose
+            gradients are row-sparse (the default, chosen per step when cheaper).
+        broadcast: copy rank 0's parameters to every rank at construction.
+    """
+
+    def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,
+                 compression: str | None = None, hierarchical: bool | int = False,
+                 sparse_embeddings: bool = True, broadcast: bool = True) -> None:
+        if compression is not None and compression not in wire.WIRE_DTYPES:
+            raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
+        self.module = model
+        self.comm = comm
+        self.compression = compression if comm.size > 1 else None
+        self.named = list(model.named_parameters())
+        self._check_same_parameters()
+        if broadcast:
+            self.broadcast_parameters()
+
+        params = [p for _, p in self.named]
+        self.sparse = [p for p in params if sparse_embeddings and _is_row_sparse(model, p)]
+        dense = [p for p in params if not any(p is s for s in self.sparse)]
+        self.buckets: list[Bucket] = build_buckets(dense, int(bucket_mb * 2**20))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sparse_rows: dict[int, Any] = {}
+
+        self.reducer: Any = comm
+        if hierarchical and comm.size > 1:
+            if compression is not None:
+                raise ValueError("hierarchical allreduce and compression cannot be combined yet; "
+                                 "choose one")
+            from mpidl.comm.hierarchical import HierarchicalCommunicator
+
+            per_node = None if hierarchical is True else int(hierarchical)
+            self.reducer = HierarchicalCommunicator(comm, ranks_per_node=per_node)
+
+        self._syncing = True
+        self._next_launch = 0
+        self._in_backward = False
+        self.comm_wait_seconds = 0.0  # time the last backward blocked on communication
+        self.sparse_used = False  # whether the last sync used the sparse row exchange
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
+                         for _, p in self.named]
+
+    # -- construction-time agreement ------------------------------------------------------
+    def _check_same_parameters(self) -> None:
+        """Raise DistributedError on every rank unless all ranks built the same parameters."""
+        mine = [(n, tuple(p.data.shape), str(p.data.dtype)) for n, p in self.named]
+        everyone = self.comm.allgather_obj(mine)
+        reference = everyone[0]
+        problems = []
+        for r, theirs in enumerate(everyone[1:], start=1):
+            if theirs == reference:
+                continue
+            for k, (a, b) in enumerate(zip(theirs, reference)):
+                if a != b:
+                    problems.append(
+                        f"parameter #{k}: rank {r} has {a[0]!r} shape {a[1]} {a[2]}, "
+                        f"rank 0 has {b[0]!r} shape {b[1]} {b[2]}")
+                    break
+            else:
+                problems.append(
+                    f"rank {r} has {len(theirs)} parameters, rank 0 has {len(reference)}")
+        bad = self.comm.rank != 0 and everyone[self.comm.rank] != reference
+        detail = "; ".join(problems)
+        self.comm.check(not bad, "the model differs between ranks: " + detail +
+                        ". Build the same model (same code, sizes and dtype) on every rank.")
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Overwrite every rank's parameters with root's. Collective."""
+        for _, p in self.named:
+            self.comm.bcast_(p.data, root=root)
+
+    def broadcast_optimizer_state(self, optimizer: Any, root: int = 0) -> None:
+        """Give every rank root's optimizer state (after resuming on root only). Collective.
+
+        Root's ``state_dict()`` layout (keys, shapes, dtypes, scalars) is broadcast as
+        metadata, the arrays through the buffer API, then every rank loads it.
+        """
+        state = optimizer.state_dict() if self.comm.rank == root else {}
+        layout = {k: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else ("scalar", v)
+                  for k, v in state.items()}
+        layout = self.comm.bcast_obj(layout, root=root)
+        xp = get_array_module(self.named[0][1].data) if self.named else None
+        new = {}
+        for key, (shape, meta) in layout.items():
+            if shape == "scalar":
+                new[key] = meta
+                continue
+            arr = xp.ascontiguousarray(state[key]) if self.comm.rank == root else \
+                xp.empty(shape, dtype=meta)
+            new[key] = self.comm.bcast_(arr, root=root)
+        optimizer.load_state_dict(new)
+
+    # -- forward / backward ---------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> list:
+        return self.module.parameters()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next ``backward`` outside syncs them all.
+
+        For gradient accumulation over micro-batches: pass the *total* sample count of
+        all micro-batches as ``global_count`` to every ``backward`` in the cycle.
+        """
+        previous = self._syncing
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def backward(self, loss: Tensor, global_count: int | None = None) -> None:
+        """Backward of ``loss`` with overlapped gradient allreduce.
+
+        Collective (unless inside :meth:`no_sync`). ``loss`` is this rank's *sum* of
+        per-sample losses; ``global_count`` is the number of samples in the global batch
+        (all ranks together), so the gradients become the mean over the global batch.
+        Without ``global_count``, ``loss`` is taken as already normalised and the
+        gradients are summed over ranks and divided by ``size`` (the mean of per-rank
+        means, right only when every rank has the same number of samples).
+        """
+        xp = loss.xp
+        seed = 1.0 / global_count if global_count else 1.0
+        for b in self.buckets:
+            b.attach()
+            b.pending = len(b.params)
+        self._next_launch = 0
+        self._in_backward = True
+        try:
+            loss.backward(xp.full(loss.shape, seed, dtype=loss.dtype))
+        finally:
+            self._in_backward = False
+        self._record_sparse_rows()
+        if not self._syncing:
+            return
+        t0 = time.perf_counter()
+        self._launch_ready(flush=True)
+        for b in self.buckets:
+            self._finish(b)
+        self._sync_sparse()
+        if not global_count and self.comm.size > 1:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad *= 1.0 / self.comm.size
+        self.comm_wait_seconds = time.perf_counter() - t0
+
+    # -- hooks and launching ---------------------------------------------------------------
+    def _on_grad_final(self, p: Tensor) -> None:
+        if not (self._in_backward and self._syncing):
+            return
+        bucket = self._bucket_of.get(id(p))
+        if bucket is not None:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready(flush=False)
+        for b in self.buckets[:self._next_launch]:
+            if b.request is not None:
+                b.request.test()  # drive MPI progress while backward computes
+
+    def _launch_ready(self, flush: bool) -> None:
+        """Start buckets in order: each one once it (and every earlier one) is ready."""
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.pending > 0 and not flush:
+                return
+            self._start(b)
+            self._next_launch += 1
+
+    def _start(self, b: Bucket) -> None:
+        if self.comm.size == 1:
+            return
+        if self.compression is None:
+            b.request = self.reducer.iallreduce_(b.flat)
+            return
+        b.wire = wire.compress(b.flat, self.compression, out=b.wire)
+        b.request = self.comm.iallreduce_(b.wire, op=wire.wire_sum_op(self.compression))
+
+    def _finish(self, b: Bucket) -> None:
+        if b.request is None:
+            return
+        b.request.wait()
+        b.request = None
+        if self.compression is not None:
+            wire.decompress(b.wire, self.compression, b.flat)
+
+    # -- sparse embedding rows --------------------------------------------------------------
+    def _record_sparse_rows(self) -> None:
+        xp = None
+        for p in self.sparse:
+            rows = getattr(p, "grad_rows", None)
+            if rows is None:
+                continue
+            p.grad_rows = None  # consumed: a later pass that skips the table adds no rows
+            xp = xp or get_array_module(p.data)
+            seen = self._sparse_rows.get(id(p))
+            self._sparse_rows[id(p)] = rows if seen is None else xp.union1d(seen, rows)
+
+    def _sync_sparse(self) -> None:
+        from mpidl.parallel.sparse import allreduce_rows_
+
+        used = False
+        for p in self.sparse:
+            xp = get_array_module(p.data)
+            if p.grad is None:  # no rank-local gradient (e.g. an empty batch)
+                p.grad = xp.zeros_like(p.data)
+            rows = self._sparse_rows.pop(id(p), None)
+            if rows is None:
+                rows = xp.zeros(0, dtype=xp.int64)
+            if self.comm.size > 1:
+                used = allreduce_rows_(self.comm, p.grad, rows) or used
+        self.sparse_used = used
+
+    def checksum(self) -> float:
+        """Sum of every parameter value in float64, on this rank (not collective)."""
+        total = 0.0
+        for _, p in self.named:
+            total += float(p.data.astype("float64").sum())
+        return total
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (its parameters' ``.grad`` stay as they are)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.reducer is not self.comm:
+            self.reducer.free()
+
+
+def _is_row_sparse(model: Any, p: Tensor) -> bool:
+    """Whether ``p`` is only ever an embedding table (so its gradient is row-sparse).
+
+    A table tied to a dense use (an output projection sharing the embedding weight)
+    gets a dense gradient, so it must stay in the dense buckets.
+    """
+    from mpidl.nn import Embedding, EmbeddingBag
+
+    holders = [m for _, m in model.named_modules()
+               if any(v is p for v in vars(m).get("_parameters", {}).values())]
+    return bool(holders) and all(isinstance(m, (Embedding, EmbeddingBag)) for m in holders)

@@ -1,0 +1,212 @@
+"""DataParallel on any number of ranks: N ranks x batch b == 1 rank x batch N*b.
+
+Every rank also trains a local single-process reference on the whole global batch and
+compares; verdicts are collective. Models are small versions of the reference models,
+in float64 so that "the same up to float tolerance" is a tight statement.
+"""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from mpidl.comm import DistributedError, split_counts
+from mpidl.functions import softmax_cross_entropy
+from mpidl.models import bow, mlp, transformer
+from mpidl.optim import SGD, AdamW
+from mpidl.parallel import DataParallel
+from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+VOCAB, SEQ = 40, 6
+
+
+def small_mlp(dtype="float64"):
+    return mlp(sizes=(12, 16, 16, 3), seed=7, dtype=dtype)
+
+
+def small_transformer(dtype="float64"):
+    return transformer(vocab=VOCAB, seq_len=SEQ, dim=8, layers=1, heads=2, ffn=16,
+                       classes=3, seed=7, dtype=dtype)
+
+
+def small_bow(dtype="float64", vocab=500):
+    return bow(vocab=vocab, dim=8, hidden=8, classes=3, seed=7, dtype=dtype)
+
+
+def batches(kind, steps, global_batch, seed=0, vocab=VOCAB):
+    """The same global batches on every rank (a function of the seed only)."""
+    rng = numpy.random.default_rng(seed)
+    for _ in range(steps):
+        if kind == "mlp":
+            x = rng.standard_normal((global_batch, 12))
+        else:
+            x = rng.integers(1, vocab, size=(global_batch, SEQ))
+        yield x, rng.integers(0, 3, size=global_batch)
+
+
+def my_share(comm, x, y):
+    counts = split_counts(len(x), comm.size)
+    start = sum(counts[:comm.rank])
+    return x[start:start + counts[comm.rank]], y[start:start + counts[comm.rank]]
+
+
+def train_reference(model, opt, data):
+    for x, y in data:
+        loss = softmax_cross_entropy(model(x), y, reduction="mean")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def train_parallel(comm, dp, opt, data):
+    for x, y in data:
+        xs, ys = my_share(comm, x, y)
+        loss = softmax_cross_entropy(dp(xs), ys, reduction="sum")
+        dp.backward(loss, global_count=len(x))
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_same_parameters(comm, model, reference, scale=1.0):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_allclose_all_ranks(comm, p.data, q.data, scale=scale, what=name)
+
+
+def make_opt(kind, params):
+    return SGD(params, lr=0.1, momentum=0.9) if kind == "sgd" else \
+        AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("model_fn, kind", [(small_mlp, "mlp"), (small_transformer, "tokens")])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_n_ranks_match_one_rank_with_the_global_batch(comm, model_fn, kind, optim):
+    steps, global_batch = 3, 4 * comm.size
+    model, ref = model_fn(), model_fn()
+    dp = DataParallel(model, comm, bucket_mb=0.001)
+    data = list(batches(kind, steps, global_batch))
+    train_parallel(comm, dp, make_opt(optim, model.parameters()), data)
+    train_reference(ref, make_opt(optim, ref.parameters()), data)
+    assert_same_parameters(comm, model, ref, scale=100)
+
+
+@pytest.mark.parametrize("global_batch", [7, 2])
+def test_uneven_and_empty_rank_batches_give_the_global_gradient(comm, global_batch):
+    # 7 over 3 ranks is 3+2+2; 2 over 3 ranks leaves rank 2 with nothing.
+    model, ref = small_transformer(), small_transformer()
+    dp = DataParallel(model, comm)
+    train_parallel(comm, dp, make_opt("sgd", model.parameters()),
+                   batches("tokens", 2, global_batch))
+    train_reference(ref, make_opt("sgd", ref.parameters()), batches("tokens", 2, global_batch))
+    assert_same_parameters(comm, model, ref, scale=100)
+
+
+def test_replicas_stay_identical(comm):
+    model = small_mlp("float32")
+    dp = DataParallel(model, comm)
+    opt = AdamW(model.parameters(), lr=0.01)
+    train_parallel(comm, dp, opt, batches("mlp", 4, 3 * comm.size + 1))
+    sums = comm.allgather_obj(dp.checksum())
+    assert_all_ranks(comm, len(set(sums)) == 1, f"checksums differ: {sums}")
+
+
+def test_no_sync_accumulation_equals_one_larger_batch(comm):
+    m = 3
+    model, ref = small_mlp(), small_mlp()
+    dp = DataParallel(model, comm)
+    opt, ref_opt = SGD(model.parameters(), lr=0.1), SGD(ref.parameters(), lr=0.1)
+    (x, y), = batches("mlp", 1, m * 2 * comm.size)
+    micro = numpy.array_split(numpy.arange(len(x)), m)
+    for k, idx in enumerate(micro):
+        xs, ys = my_share(comm, x[idx], y[idx])
+        loss = softmax_cross_entropy(dp(xs), ys, reduction="sum")
+        if k < m - 1:
+            with dp.no_sync():
+                dp.backward(loss, global_count=len(x))
+        else:
+            dp.backward(loss, global_count=len(x))
+    opt.step()
+    train_reference(ref, ref_opt, [(x, y)])
+    assert_same_parameters(comm, model, ref)
+
+
+@pytest.mark.parametrize("bucket_mb", [1e-5, 0.002, 1000])
+def test_bucket_size_does_not_change_the_result(comm, bucket_mb):
+    model, ref = small_mlp(), small_mlp()
+    dp = DataParallel(model, comm, bucket_mb=bucket_mb)
+    train_parallel(comm, dp, SGD(model.parameters(), lr=0.1), batches("mlp", 2, 5))
+    train_reference(ref, SGD(ref.parameters(), lr=0.1), batches("mlp", 2, 5))
+    expected = len(list(model.parameters())) if bucket_mb == 1e-5 else None
+    ok = expected is None or len(dp.buckets) == expected
+    assert_all_ranks(comm, ok, f"{len(dp.buckets)} buckets")
+    assert_same_parameters(comm, model, ref)
+
+
+def test_a_rank_with_a_different_model_gets_a_clear_error_everywhere(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    sizes = (12, 16, 16, 3) if comm.rank != comm.size - 1 else (12, 16, 17, 3)
+    with pytest.raises(DistributedError) as info:
+        DataParallel(mlp(sizes=sizes, seed=7), comm)
+    text = str(info.value)
+    ok = f"rank {comm.size - 1} has" in text and "rank 0 has" in text and "shape" in text
+    assert_all_ranks(comm, ok, text)
+
+
+def test_parameters_are_broadcast_from_rank_0(comm):
+    model = mlp(sizes=(4, 5, 2), seed=comm.rank)  # different weights on every rank
+    DataParallel(model, comm)
+    root = mlp(sizes=(4, 5, 2), seed=0)
+    assert_same_parameters(comm, model, root)
+
+
+@pytest.mark.parametrize("compression", ["float16", "bfloat16"])
+def test_compressed_gradients_stay_close_to_full_precision(comm, compression):
+    model, ref = small_mlp("float32"), small_mlp("float32")
+    dp = DataParallel(model, comm, compression=compression)
+    train_parallel(comm, dp, SGD(model.parameters(), lr=0.1), batches("mlp", 2, 2 * comm.size))
+    train_reference(ref, SGD(ref.parameters(), lr=0.1), batches("mlp", 2, 2 * comm.size))
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_allclose_all_ranks(comm, p.data, q.data, dtype=compression, what=name)
+
+
+@pytest.mark.parametrize("per_node", [True, 2])
+def test_hierarchical_allreduce_matches_flat(comm, per_node):
+    model, ref = small_mlp(), small_mlp()
+    dp = DataParallel(model, comm, hierarchical=per_node)
+    train_parallel(comm, dp, SGD(model.parameters(), lr=0.1), batches("mlp", 2, 3 * comm.size))
+    train_reference(ref, SGD(ref.parameters(), lr=0.1), batches("mlp", 2, 3 * comm.size))
+    assert_same_parameters(comm, model, ref)
+    dp.remove_hooks()
+
+
+def test_sparse_embedding_exchange_matches_dense(comm):
+    vocab = 5000  # few rows touched per step: the sparse exchange is chosen
+    model, dense_model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab), small_bow(vocab=vocab)
+    dp = DataParallel(model, comm)
+    dense = DataParallel(dense_model, comm, sparse_embeddings=False)
+    data = list(batches("tokens", 2, 2 * comm.size + 1, vocab=vocab))
+    train_parallel(comm, dp, SGD(model.parameters(), lr=0.5), data)
+    train_parallel(comm, dense, SGD(dense_model.parameters(), lr=0.5), data)
+    train_reference(ref, SGD(ref.parameters(), lr=0.5), data)
+    assert_all_ranks(comm, len(dp.sparse) == 1 and (dp.sparse_used or comm.size == 1),
+                     f"sparse tables {len(dp.sparse)}, used {dp.sparse_used}")
+    assert_same_parameters(comm, model, ref)
+    assert_same_parameters(comm, dense_model, ref)
+
+
+def test_optimizer_state_is_broadcast_for_resume(comm):
+    model = small_mlp()
+    dp = DataParallel(model, comm)
+    opt = AdamW(model.parameters(), lr=0.01)
+    if comm.rank == 0:  # only rank 0 "resumed": it has state, the others have none
+        x, y = next(batches("mlp", 1, 4))
+        softmax_cross_entropy(model(x), y).backward()
+        opt.step()
+    dp.broadcast_optimizer_state(opt)
+    state = opt.state_dict()
+    arrays = sorted(k for k, v in state.items() if hasattr(v, "shape"))
+    digest = [float(numpy.asarray(state[k], dtype="float64").sum()) for k in arrays]
+    everyone = comm.allgather_obj((arrays, digest, state.get("step")))
+    assert_all_ranks(comm, all(e == everyone[0] for e in everyone) and arrays,
+                     f"optimizer state differs: {everyone[comm.rank]} vs {everyone[0]}")

@@ -1,0 +1,221 @@
+"""Reference models: sizes, determinism, agreement with PyTorch, and that they learn."""
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+import mpidl.models as models
+from mpidl import functions as F
+from mpidl.autograd import Tensor
+from mpidl.optim import SGD, Adam
+from mpidl.testing import allclose
+
+F64 = numpy.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_blas_thread():
+    """Train with one BLAS thread: on a shared 2-core machine, OpenBLAS's threads
+    spin-wait for each other on these small matrices and a step gets ~20x slower."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+@pytest.mark.parametrize("name,count", [
+    ("mlp", 1_863_690), ("bow", 2_593_538), ("transformer", 1_437_186),
+])
+def test_reference_models_have_the_pytorch_parameter_counts(name, count):
+    # performance.md section 3: mlp 1.86 M, bow 2.59 M, transformer 1.44 M.
+    assert models.build(name).num_parameters() == count
+
+
+def test_models_map_arrays_or_tensors_to_logits():
+    rng = numpy.random.default_rng(0)
+    x = rng.standard_normal((3, 784)).astype(numpy.float32)
+    assert models.mlp(seed=0)(x).shape == (3, 10)
+    assert models.mlp(seed=0)(Tensor(x.reshape(3, 28, 28))).shape == (3, 10)
+    ids = rng.integers(0, 50, size=(2, 7))
+    assert models.bow(vocab=50, seed=0)(ids).shape == (2, 2)
+    small = dict(vocab=50, seq_len=8, dim=16, layers=1, heads=2)
+    assert models.transformer(**small, ffn=32, seed=0)(Tensor(ids)).shape == (2, 2)
+    logits = models.gpt(**small, seed=0)(ids)
+    assert logits.shape == (2, 7, 50) and logits.dtype == numpy.float32
+    with pytest.raises(ValueError, match="seq_len=8"):
+        models.gpt(**small, seed=0)(numpy.zeros((1, 9), dtype=numpy.int64))
+    with pytest.raises(ValueError, match="unknown model"):
+        models.build("resnet")
+
+
+def test_gpt_is_causal_and_ties_its_output_to_the_embedding():
+    model = models.gpt(vocab=20, seq_len=6, dim=8, layers=1, heads=2, seed=0)
+    assert "tok.weight" in dict(model.named_parameters())
+    assert not any(n.startswith("head") for n, _ in model.named_parameters())
+    ids = numpy.array([[1, 2, 3, 4, 5, 6]])
+    changed = ids.copy()
+    changed[0, 4] = 9
+    a, b = model(ids).data, model(changed).data
+    numpy.testing.assert_array_equal(a[:, :4], b[:, :4])  # the past does not see the future
+    assert not numpy.allclose(a[:, 4:], b[:, 4:])
+    untied = models.gpt(vocab=20, seq_len=6, dim=8, layers=1, heads=2, tie_weights=False)
+    assert untied.num_parameters() == model.num_parameters() + 20 * 8
+
+
+def params_digest(model):
+    h = hashlib.sha256()
+    for name, a in model.state_dict().items():
+        h.update(name.encode() + a.tobytes())
+    return h.hexdigest()
+
+
+def test_same_seed_builds_bit_identical_models_in_another_process():
+    code = ("import mpidl.models as m, hashlib\n"
+            "h = hashlib.sha256()\n"
+            "for n, a in m.transformer(vocab=100, seq_len=8, seed=11).state_dict().items():\n"
+            "    h.update(n.encode() + a.tobytes())\n"
+            "print(h.hexdigest())\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60, check=True).stdout.strip()
+    assert out == params_digest(models.transformer(vocab=100, seq_len=8, seed=11))
+    assert out != params_digest(models.transformer(vocab=100, seq_len=8, seed=12))
+
+
+def test_float64_models_for_gradient_checks():
+    model = models.bow(vocab=30, dim=4, hidden=5, dtype=F64, seed=0)
+    assert all(p.dtype == F64 for p in model.parameters())
+
+
+class TorchTransformer:
+    """The PyTorch reference transformer classifier of the benchmarks, built with our weights."""
+
+    def __init__(self, torch, ours):
+        nn = torch.nn
+        vocab, dim = ours.tok.weight.shape
+        layer = ours.layers[0]
+        self.torch = torch
+        self.tok = nn.Embedding(vocab, dim, dtype=torch.float64)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, layer.self_attn.heads, layer.linear1.out_features,
+                                       dropout=0.0, activation="gelu", norm_first=True,
+                                       batch_first=True, dtype=torch.float64)
+            for _ in ours.layers)
+        self.head = nn.Linear(dim, ours.head.out_features, dtype=torch.float64)
+        self.pos = nn.Parameter(torch.from_numpy(ours.pos.data.copy()))
+        ref = {"tok.weight": self.tok.weight, "head.weight": self.head.weight,
+               "head.bias": self.head.bias}
+        for i, tl in enumerate(self.layers):
+            for k, v in tl.named_parameters():
+                ours_name = k.replace("in_proj_weight", "in_proj.weight").replace(
+                    "in_proj_bias", "in_proj.bias")
+                ref[f"layers.{i}.{ours_name}"] = v
+        with torch.no_grad():
+            for k, v in ref.items():
+                v.copy_(torch.from_numpy(ours.state_dict()[k]))
+        self.named = dict(ref, pos=self.pos)
+
+    def __call__(self, ids):
+        x = self.tok(ids) + self.pos[: ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(dim=1))
+
+
+def test_transformer_logits_and_gradients_match_pytorch():
+    torch = pytest.importorskip("torch")
+    ours = models.transformer(vocab=40, seq_len=6, dim=8, layers=2, heads=2, ffn=12,
+                              dtype=F64, seed=0)
+    ref = TorchTransformer(torch, ours)
+    rng = numpy.random.default_rng(1)
+    ids, labels = rng.integers(0, 40, size=(3, 6)), numpy.array([0, 1, 1])
+    logits = ours(ids)
+    F.softmax_cross_entropy(logits, labels).backward()
+    t_logits = ref(torch.from_numpy(ids))
+    torch.nn.functional.cross_entropy(t_logits, torch.from_numpy(labels)).backward()
+    assert allclose(logits.data, t_logits.detach().numpy())
+    for name, p in ours.named_parameters():
+        assert allclose(p.grad, ref.named[name].grad.numpy()), name
+
+
+def test_small_mlp_fits_a_separable_problem_exactly():
+    rng = numpy.random.default_rng(0)
+    x = rng.standard_normal((128, 10)).astype(numpy.float32)
+    y = (x @ rng.standard_normal((10, 3))).argmax(axis=1)  # linearly separable labels
+    model = models.mlp(sizes=(10, 32, 3), seed=0)
+    opt = Adam(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        opt.zero_grad()
+        F.softmax_cross_entropy(model(x), y).backward()
+        opt.step()
+    assert (model(x).data.argmax(axis=1) == y).mean() == 1.0
+
+
+def order_task(rng, n, seq_len=12, vocab=10):
+    """Sequences with one token 1 and one token 2: label 1 iff the 1 comes first."""
+    ids = rng.integers(3, vocab, size=(n, seq_len))
+    pos = numpy.argsort(rng.random((n, seq_len)), axis=1)[:, :2]
+    rows = numpy.arange(n)
+    ids[rows, pos[:, 0]] = 1
+    ids[rows, pos[:, 1]] = 2
+    return ids, (pos[:, 0] < pos[:, 1]).astype(numpy.int64)
+
+
+def test_small_transformer_learns_which_token_comes_first():
+    rng = numpy.random.default_rng(0)
+    model = models.transformer(vocab=10, seq_len=12, dim=32, layers=1, heads=2, ffn=64,
+                               seed=0)
+    opt = Adam(model.parameters(), lr=3e-3)
+    for _ in range(250):
+        ids, y = order_task(rng, 64)
+        opt.zero_grad()
+        F.softmax_cross_entropy(model(ids), y).backward()
+        opt.step()
+    ids, y = order_task(numpy.random.default_rng(99), 512)
+    accuracy = (model.eval()(ids).data.argmax(axis=1) == y).mean()
+    assert accuracy > 0.9, accuracy
+
+
+def test_transformer_pad_mask_ignores_padding():
+    model = models.transformer(vocab=10, seq_len=6, dim=8, layers=1, heads=2, ffn=16,
+                               pad_id=0, seed=0)
+    padded = model(numpy.array([[3, 4, 5, 0, 0, 0]])).data
+    # The same tokens without the padding give the same logits: padding is invisible.
+    assert allclose(padded, model(numpy.array([[3, 4, 5]])).data, scale=10)
+
+
+def test_gpt_learns_a_deterministic_successor_sequence():
+    rng = numpy.random.default_rng(0)
+    model = models.gpt(vocab=16, seq_len=8, dim=32, layers=1, heads=2, seed=0)
+    opt = SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for _ in range(60):
+        start = rng.integers(0, 16, size=(32, 1))
+        seq = (start + numpy.arange(9)) % 16  # next token = token + 1
+        opt.zero_grad()
+        loss = F.softmax_cross_entropy(model(seq[:, :-1]), seq[:, 1:])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 2.0 and losses[-1] < 0.3, (losses[0], losses[-1])
+
+
+@pytest.mark.gpu
+def test_model_moved_to_cupy_gives_the_numpy_logits():
+    from mpidl.backend import cupy_module
+
+    cp = cupy_module()
+    if cp is None:
+        pytest.skip("needs CuPy and a GPU")
+    model = models.transformer(vocab=40, seq_len=6, dim=8, layers=1, heads=2, ffn=12, seed=0)
+    ids = numpy.random.default_rng(0).integers(0, 40, size=(2, 6))
+    expected = model(ids).data
+    model.to(cp)
+    assert allclose(model(cp.asarray(ids)).data, expected, scale=10)

@@ -1,0 +1,142 @@
+"""Layers: values against NumPy/PyTorch references, gradients against finite differences."""
+import numpy
+import pytest
+
+from mpidl import functions as F
+from mpidl.nn import (
+    GELU, Embedding, EmbeddingBag, LayerNorm, Linear, MultiHeadAttention,
+    TransformerEncoderLayer,
+)
+from mpidl.nn.attention import merge_heads, split_heads
+from mpidl.testing import allclose
+
+F64 = numpy.float64
+
+
+def numerical_grads(f, arrays, eps=1e-6):
+    """Central differences of the scalar f() with respect to each array (changed in place)."""
+    out = []
+    for a in arrays:
+        g = numpy.zeros_like(a)
+        it = numpy.nditer(a, flags=["multi_index"])
+        for _ in it:
+            i = it.multi_index
+            old = a[i]
+            a[i] = old + eps
+            hi = f()
+            a[i] = old - eps
+            lo = f()
+            a[i] = old
+            g[i] = (hi - lo) / (2 * eps)
+        out.append(g)
+    return out
+
+
+def check_module_grads(module, x, weights=None):
+    """Backward of sum(module(x) * w) against finite differences, for x and every parameter."""
+    x = numpy.array(x)
+    w = weights if weights is not None else numpy.random.default_rng(9).standard_normal(
+        module(x).shape)
+
+    def loss():
+        return float((module(x).data * w).sum())
+
+    from mpidl.autograd import Tensor
+
+    xt = Tensor(x, requires_grad=x.dtype.kind == "f")
+    module.zero_grad(set_to_none=True)
+    F.sum(F.mul(module(xt), w)).backward()
+    params = module.parameters()
+    arrays = [p.data for p in params] + ([x] if xt.requires_grad else [])
+    analytic = [p.grad for p in params] + ([xt.grad] if xt.requires_grad else [])
+    for a, num in zip(analytic, numerical_grads(loss, arrays)):
+        assert allclose(a, num, dtype=F64, scale=1e4), numpy.abs(a - num).max()
+
+
+def test_linear_computes_x_wt_plus_b_on_any_leading_shape():
+    lin = Linear(4, 3, seed=0)
+    x = numpy.random.default_rng(1).standard_normal((2, 5, 4)).astype(numpy.float32)
+    y = lin(x)
+    assert y.shape == (2, 5, 3) and y.dtype == numpy.float32
+    assert allclose(y.data, x @ lin.weight.data.T + lin.bias.data)
+    with pytest.raises(ValueError, match="4 features.*expects 5"):
+        Linear(5, 3, seed=0)(x)
+
+
+def test_linear_initial_scale_is_pytorchs():
+    w = Linear(400, 300, seed=0).weight.data
+    assert abs(w).max() <= 1 / 20 and abs(w).max() > 0.049
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_gradients_match_finite_differences(bias):
+    lin = Linear(4, 3, bias=bias, seed=0, dtype=F64)
+    check_module_grads(lin, numpy.random.default_rng(2).standard_normal((2, 3, 4)))
+
+
+def test_layer_norm_and_gelu_modules_gradcheck():
+    check_module_grads(LayerNorm(5, dtype=F64), numpy.random.default_rng(3).standard_normal((3, 5)))
+    check_module_grads(GELU(), numpy.random.default_rng(4).standard_normal((3, 5)))
+
+
+def test_embedding_and_bag_look_up_and_average_rows():
+    ids = numpy.array([[1, 2, 2], [0, 3, 1]])
+    emb = Embedding(4, 2, seed=0)
+    assert allclose(emb(ids).data, emb.weight.data[ids])
+    bag = EmbeddingBag(4, 2, seed=0)
+    assert allclose(bag(ids).data, bag.weight.data[ids].mean(axis=1))
+    check_module_grads(EmbeddingBag(4, 2, seed=0, dtype=F64), ids)
+
+
+def test_split_and_merge_heads_are_inverse_reshapes():
+    from mpidl.autograd import Tensor
+
+    b, t, h, dh = 2, 3, 2, 4
+    qkv = Tensor(numpy.random.default_rng(5).standard_normal((b, t, 3 * h * dh)),
+                 requires_grad=True)
+    q, k, v = split_heads(qkv, h)
+    ref = qkv.data.reshape(b, t, 3, h, dh)
+    assert numpy.array_equal(k.data, ref[:, :, 1].transpose(0, 2, 1, 3))
+    assert numpy.array_equal(merge_heads(v).data, qkv.data[..., 2 * h * dh:])
+    # Only q used: k and v get no gradient, their slots are zero.
+    F.sum(q).backward()
+    g = qkv.grad.reshape(b, t, 3, h * dh)
+    assert numpy.all(g[:, :, 0] == 1) and not g[:, :, 1:].any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_gradients_match_finite_differences(causal):
+    mha = MultiHeadAttention(4, 2, causal=causal, seed=0, dtype=F64)
+    check_module_grads(mha, numpy.random.default_rng(6).standard_normal((2, 3, 4)))
+
+
+def test_encoder_layer_gradients_match_finite_differences():
+    layer = TransformerEncoderLayer(4, 2, 6, seed=0, dtype=F64)
+    check_module_grads(layer, numpy.random.default_rng(7).standard_normal((1, 3, 4)))
+
+
+def torch_encoder_layer(torch, ours):
+    """PyTorch's pre-LN layer holding our layer's weights."""
+    dim = ours.norm1.dim
+    ref = torch.nn.TransformerEncoderLayer(
+        dim, ours.self_attn.heads, ours.linear1.out_features, dropout=0.0, activation="gelu",
+        norm_first=True, batch_first=True, dtype=torch.float64)
+    names = {"self_attn.in_proj_weight": "self_attn.in_proj.weight",
+             "self_attn.in_proj_bias": "self_attn.in_proj.bias"}
+    state = ours.state_dict()
+    ref.load_state_dict({k: torch.from_numpy(state[names.get(k, k)].copy())
+                         for k in ref.state_dict()})
+    return ref.eval()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_encoder_layer_matches_pytorch(causal):
+    torch = pytest.importorskip("torch")
+    ours = TransformerEncoderLayer(8, 2, 16, causal=causal, seed=0, dtype=F64)
+    ref = torch_encoder_layer(torch, ours)
+    x = numpy.random.default_rng(8).standard_normal((2, 5, 8))
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64) \
+        if causal else None
+    with torch.no_grad():
+        expected = ref(torch.from_numpy(x), src_mask=mask, is_causal=causal).numpy()
+    assert allclose(ours(x).data, expected)
