@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sizes", default="1,2,3", help="MPI sizes to run tests/mpi at")
     parser.add_argument("--no-mpi", action="store_true", help="skip the MPI tests")
     parser.add_argument("--no-single", action="store_true", help="skip the single-process tests")
-    parser.add_argument("--timeout", type=float, default=1800, help="limit per launch, seconds")
+    parser.add_argument("--timeout", type=float, default=900, help="limit per launch, seconds")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
 

@@ -39,7 +39,8 @@ class MLP(Module):
 
     def forward(self, x: Any) -> Tensor:
         if x.ndim != 2:
-            x = F.reshape(x, (x.shape[0], -1))  # (B, ...) -> (B, features)
+            features = int(numpy.prod(x.shape[1:]))  # not -1: B may be 0 on some rank
+            x = F.reshape(x, (x.shape[0], features))  # (B, ...) -> (B, features)
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             x = layer(x)

@@ -24,8 +24,11 @@ class SplitHeads(Function):
     """``(B, T, 3*H*Dh)`` -> three ``(B, H, T, Dh)`` views: q, k, v."""
 
     def forward(self, qkv):
-        b, t, _ = qkv.shape
-        x = qkv.reshape(b, t, 3, self.heads, -1).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, Dh)
+        b, t, width = qkv.shape
+        # Head size spelled out, not -1: an empty batch (a rank with no samples in the
+        # last step of an epoch) has size 0, and -1 cannot be inferred from it.
+        dh = width // (3 * self.heads)
+        x = qkv.reshape(b, t, 3, self.heads, dh).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, Dh)
         # Views, not copies: each (T, Dh) matrix still has unit stride along Dh, so matmul
         # hands it to BLAS as is (measured: copying first is slower overall).
         return x[0], x[1], x[2]

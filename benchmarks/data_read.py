@@ -1,0 +1,320 @@
+"""Input pipeline benchmarks: loader read throughput, and the input stall during training.
+
+1. **Read throughput.** Every rank reads one epoch of its own samples through
+   ``DataLoader`` (block shuffle, the default; prefetch thread on) and, in the same run,
+   the same number of bytes with a raw sequential ``h5py`` read (``read_direct`` of its
+   contiguous share of every shard in 8192-row slabs into a reused buffer: the fastest
+   way to read the same bytes; also, for context, the same in batch-sized reads).
+   Reported: GB/s summed over ranks (each pass is timed from a barrier to the slowest
+   rank) and the ratio loader / raw slabs. Target: >= 0.8. The loop does nothing with
+   the batches, so every batch costs a thread hand-off: the worst case for the thread.
+2. **Input stall during training** of the reference ``mlp`` (784 -> 1024 -> 1024 -> 10,
+   batch 128 per rank, SGD): the time each step waits for its batch, as a share of the
+   step time. Target: < 5%. Uses ``mpidl.models.mlp`` when it imports, else (or with
+   ``--simulate``) a fixed NumPy GEMM workload of the mlp's forward and backward size.
+
+The data look like MNIST: 784 float32 features per sample (3136 bytes) and int64
+labels, written once to ``--dir`` (default: a temporary directory, removed afterwards).
+Reads are warm (page cache) unless ``--cold`` drops the files' guest cache before each pass.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/data_read.py
+    mpiexec -n 2 .venv/bin/python benchmarks/data_read.py
+    .venv/bin/python benchmarks/data_read.py --samples 200000 --shuffle full --cold --json
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per rank, as the benchmark protocol says (DESIGN.md).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import numpy  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mpidl.comm import world  # noqa: E402
+from mpidl.data import DataLoader, DistributedSampler, ShardedDataset, write_split  # noqa: E402
+
+FEATURES = 784
+SLAB = 8192  # rows per raw read_direct call
+
+
+def make_dataset(comm: Any, args: argparse.Namespace) -> str:
+    path = os.path.join(args.dir, "train")
+    if comm.rank == 0 and not os.path.isfile(os.path.join(path, "manifest.json")):
+        rng = numpy.random.default_rng(0)
+        x = numpy.empty((args.samples, FEATURES), dtype=numpy.float32)
+        for a in range(0, args.samples, 65536):  # MNIST-like: about 80% zeros, values k/255
+            block = rng.integers(0, 256, size=(min(65536, args.samples - a), FEATURES)).astype(
+                numpy.float32
+            )
+            block[block < 205] = 0
+            x[a : a + len(block)] = block / 255
+        y = rng.integers(0, 10, size=args.samples)
+        write_split(
+            path, {"x": x, "y": y}, rows_per_shard=args.rows_per_shard, labels="y", num_classes=10
+        )
+    comm.barrier()
+    return path
+
+
+def drop_cache(ds: ShardedDataset) -> None:
+    for i in range(len(ds.manifest.shards)):
+        fd = os.open(ds.shard_path(i), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(comm: Any, fn: Callable[[], int]) -> tuple[float, int]:
+    """(seconds from a common barrier to the slowest rank, bytes summed over ranks)."""
+    comm.barrier()
+    t0 = time.perf_counter()
+    nbytes = fn()
+    elapsed = time.perf_counter() - t0
+    out = comm.allreduce(numpy.array([elapsed, float(nbytes)]), op="max")
+    total = comm.allreduce(numpy.array([float(nbytes)]))
+    return float(out[0]), int(total[0])
+
+
+def raw_read(comm: Any, ds: ShardedDataset, slab: int = SLAB) -> int:
+    """This rank's contiguous 1/size share of every shard, x and y, in ``slab``-row reads."""
+    import h5py
+
+    nbytes = 0
+    buffers: dict[str, numpy.ndarray] = {}
+    for i, shard in enumerate(ds.manifest.shards):
+        lo = shard.rows * comm.rank // comm.size
+        hi = shard.rows * (comm.rank + 1) // comm.size
+        with h5py.File(ds.shard_path(i), "r", locking=False) as f:
+            for name in ("x", "y"):
+                d = f[name]
+                buf = buffers.setdefault(name, numpy.empty((slab, *d.shape[1:]), dtype=d.dtype))
+                for a in range(lo, hi, slab):
+                    b = min(a + slab, hi)
+                    d.read_direct(buf, numpy.s_[a:b], numpy.s_[0 : b - a])
+                    nbytes += buf[: b - a].nbytes
+    return nbytes
+
+
+def loader_read(loader: DataLoader, epoch: int) -> int:
+    loader.set_epoch(epoch)
+    nbytes = 0
+    for x, y, _ in loader:
+        nbytes += x.nbytes + y.nbytes
+    return nbytes
+
+
+def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[str, Any]:
+    sampler = DistributedSampler(
+        len(ds),
+        args.batch * comm.size,
+        comm.rank,
+        comm.size,
+        seed=0,
+        shuffle=args.shuffle,
+        block_size=args.block_size,
+    )
+    loader = DataLoader(ds, sampler, prefetch=args.prefetch)
+    raw, small, ours = [], [], []
+    for rep in range(args.repeats):
+        ds.close()  # raw h5py opens the same files: never two handles at once
+        if args.cold:
+            drop_cache(ds)
+        t, nbytes = timed(comm, lambda: raw_read(comm, ds))
+        raw.append(nbytes / t / 1e9)
+        if args.cold:
+            drop_cache(ds)
+        t, nbytes = timed(comm, lambda: raw_read(comm, ds, args.batch))
+        small.append(nbytes / t / 1e9)
+        if args.cold:
+            drop_cache(ds)
+        t, nbytes = timed(comm, lambda: loader_read(loader, rep))
+        ours.append(nbytes / t / 1e9)
+        ds.close()
+    r, b, o = statistics.median(raw), statistics.median(small), statistics.median(ours)
+    return {
+        "bench": "read",
+        "ranks": comm.size,
+        "shuffle": args.shuffle,
+        "block_size": args.block_size,
+        "batch_per_rank": args.batch,
+        "prefetch": args.prefetch,
+        "cold": args.cold,
+        "raw_GBps": round(r, 3),
+        "raw_batch_rows_GBps": round(b, 3),
+        "loader_GBps": round(o, 3),
+        "ratio": round(o / r, 3),
+        "raw_all": raw,
+        "raw_batch_rows_all": small,
+        "loader_all": ours,
+    }
+
+
+def mlp_step(simulate: bool) -> tuple[Callable[[Any, Any], None], str]:
+    """One training step of the reference mlp, or a GEMM workload of its size."""
+    if not simulate:
+        try:
+            import mpidl.models as models
+            from mpidl import functions as F
+            from mpidl.optim import SGD
+
+            model = models.mlp(seed=0)
+            opt = SGD(model.parameters(), lr=0.01)
+
+            def step(x: Any, y: Any) -> None:
+                opt.zero_grad(set_to_none=True)
+                loss = F.softmax_cross_entropy(model(x), y, reduction="sum")
+                loss.backward()
+                opt.step()
+
+            return step, "mpidl.models.mlp"
+        except ImportError:
+            pass
+    rng = numpy.random.default_rng(0)
+    w = [
+        rng.standard_normal(s).astype(numpy.float32) * 0.01
+        for s in ((784, 1024), (1024, 1024), (1024, 10))
+    ]
+
+    def gemm(x: Any, y: Any) -> None:
+        h1 = numpy.maximum(x @ w[0], 0)  # forward: (B, 784) -> (B, 1024) -> (B, 1024) -> (B, 10)
+        h2 = numpy.maximum(h1 @ w[1], 0)
+        g = h2 @ w[2]  # stands for the logits' gradient
+        grads = [None, None, h2.T @ g]  # backward: weight and input gradients of each layer
+        g2 = (g @ w[2].T) * (h2 > 0)
+        grads[1] = h1.T @ g2
+        g1 = (g2 @ w[1].T) * (h1 > 0)
+        grads[0] = x.T @ g1
+        for wi, gi in zip(w, grads):  # SGD
+            wi -= 1e-6 * gi
+
+    return gemm, "numpy GEMM of mlp size"
+
+
+def bench_train(
+    comm: Any, ds: ShardedDataset, args: argparse.Namespace, prefetch: int
+) -> dict[str, Any]:
+    step, kind = mlp_step(args.simulate)
+    sampler = DistributedSampler(
+        len(ds),
+        args.batch * comm.size,
+        comm.rank,
+        comm.size,
+        seed=1,
+        shuffle=args.shuffle,
+        block_size=args.block_size,
+    )
+    loader = DataLoader(ds, sampler, prefetch=prefetch)
+    loader.set_epoch(0)
+    if args.cold:
+        drop_cache(ds)
+    it = iter(loader)
+    for _ in range(args.warmup):
+        x, y, _n = next(it)
+        step(x, y)
+    waits, works = [], []
+    steps = min(args.train_steps, len(loader) - args.warmup)
+    comm.barrier()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        x, y, _n = next(it)
+        t1 = time.perf_counter()
+        step(x, y)
+        t2 = time.perf_counter()
+        waits.append(t1 - t0)
+        works.append(t2 - t1)
+    it.close()
+    wait, work = sum(waits), sum(works)
+    worst = comm.allreduce(numpy.array([wait / (wait + work)]), op="max")
+    return {
+        "bench": "train",
+        "ranks": comm.size,
+        "step": kind,
+        "prefetch": prefetch,
+        "steps": steps,
+        "step_ms": round(1e3 * (wait + work) / steps, 2),
+        "wait_ms": round(1e3 * wait / steps, 3),
+        "wait_p50_ms": round(1e3 * statistics.median(waits), 3),
+        "wait_share_max_rank": round(float(worst[0]), 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--samples", type=int, default=100_000, help="samples in the dataset (100000: 314 MB)"
+    )
+    p.add_argument("--rows-per-shard", type=int, default=25_000)
+    p.add_argument("--dir", help="dataset directory (default: a temporary one, removed after)")
+    p.add_argument("--batch", type=int, default=128, help="samples per rank per step (mlp: 128)")
+    p.add_argument("--shuffle", choices=("block", "full", "none"), default="block")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="read passes; the median is reported")
+    p.add_argument(
+        "--cold", action="store_true", help="drop the files' page cache before each pass"
+    )
+    p.add_argument("--train-steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--simulate", action="store_true", help="GEMM workload instead of mpidl's mlp")
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s) for the run")
+    p.add_argument("--json", action="store_true", help="also print one JSON line per result")
+    args = p.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    comm = world()
+    temporary = args.dir is None
+    if temporary:
+        args.dir = comm.bcast_obj(
+            tempfile.mkdtemp(prefix="mpidl-bench-") if comm.rank == 0 else None
+        )
+    try:
+        ds = ShardedDataset(make_dataset(comm, args), comm=comm)
+        results = [bench_read(comm, ds, args)]
+        if not args.skip_train:  # the prefetch thread, then reading in the loop for reference
+            for prefetch in dict.fromkeys((args.prefetch, 0)):
+                results.append(bench_train(comm, ds, args, prefetch))
+        if comm.rank == 0:
+            r = results[0]
+            print(
+                f"| read | {r['ranks']} | {r['shuffle']} (block {r['block_size']}, prefetch "
+                f"{r['prefetch']}) | raw h5py {r['raw_GBps']} GB/s ({r['raw_batch_rows_GBps']} in "
+                f"{r['batch_per_rank']}-row reads) | loader {r['loader_GBps']} GB/s "
+                f"| ratio {r['ratio']} |"
+            )
+            for t in results[1:]:
+                print(
+                    f"| train | {t['ranks']} | {t['step']}, prefetch {t['prefetch']} "
+                    f"| step {t['step_ms']} ms "
+                    f"| wait {t['wait_ms']} ms (median {t['wait_p50_ms']}) | wait share "
+                    f"{100 * t['wait_share_max_rank']:.2f}% |"
+                )
+            if args.json:
+                for res in results:
+                    print(json.dumps(res))
+    finally:
+        ds.close() if "ds" in locals() else None
+        comm.barrier()
+        if temporary and comm.rank == 0:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

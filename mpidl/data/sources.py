@@ -1,0 +1,241 @@
+"""Read the inputs ``mpidl shard`` accepts: CSV/TSV, a text folder tree, ``.npz``, HDF5.
+
+Each reader returns plain Python/NumPy data split into ``{"train": ..., "test": ...}``
+when the input already has splits, and raises :class:`~mpidl.data.format.DataError`
+naming the file (and line) for bad input. Nothing is skipped silently, except blank
+lines of a CSV file, which hold no record.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from typing import Any
+
+import numpy
+
+from mpidl.data.format import DataError
+
+_TSV_SUFFIXES = (".tsv", ".tab")
+
+
+def _column(header: list[str] | None, col: str | int, path: str, what: str) -> int:
+    if isinstance(col, int) or (
+        isinstance(col, str) and col.isdigit() and (header is None or col not in header)
+    ):
+        return int(col)
+    if header is None:
+        raise DataError(
+            f"{path}: {what} {col!r} is a name but the file has no header; "
+            "give a 0-based column number instead"
+        )
+    if col not in header:
+        raise DataError(f"{path}: no {what} {col!r} in the header {header}")
+    return header.index(col)
+
+
+def read_csv(
+    path: str,
+    text_col: str | int,
+    label_col: str | int,
+    *,
+    delimiter: str | None = None,
+    header: bool = True,
+    quoting: str | None = None,
+    encoding: str = "utf-8",
+) -> tuple[list[str], list[str]]:
+    """Texts and label strings from a CSV or TSV file.
+
+    Args:
+        path: the file, e.g. the common IMDB ``review,sentiment`` CSV.
+        text_col, label_col: column names (with a header) or 0-based numbers.
+        delimiter: the field separator; by default a tab for ``.tsv``/``.tab`` files and
+            a comma otherwise.
+        header: whether the first line names the columns.
+        quoting: ``"minimal"`` (standard CSV quotes) or ``"none"`` (quotes are ordinary
+            characters: right for TSV files such as the UCI sentiment sentences, whose
+            unbalanced quotes would otherwise merge lines); by default ``"none"`` for a tab
+            delimiter and ``"minimal"`` otherwise.
+
+    Raises:
+        DataError: missing file, bad encoding, unknown column, a line with too few fields
+            or an empty label; the message names the file and the line.
+    """
+    if delimiter is None:
+        delimiter = "\t" if path.lower().endswith(_TSV_SUFFIXES) else ","
+    if quoting is None:
+        quoting = "none" if delimiter == "\t" else "minimal"
+    modes = {"minimal": csv.QUOTE_MINIMAL, "none": csv.QUOTE_NONE}
+    if quoting not in modes:
+        raise ValueError(f"quoting {quoting!r} is not one of {sorted(modes)}")
+    csv.field_size_limit(2**31 - 1)  # whole reviews can exceed the 128 KiB default
+    texts, labels = [], []
+    try:
+        with open(path, newline="", encoding=encoding) as f:
+            reader = csv.reader(f, delimiter=delimiter, quoting=modes[quoting])
+            names = next(reader, None) if header else None
+            if header and names is None:
+                raise DataError(f"{path}: empty file, expected a header line")
+            ti = _column(names, text_col, path, "text column")
+            li = _column(names, label_col, path, "label column")
+            need = max(ti, li) + 1
+            for row in reader:
+                if not row:
+                    continue
+                if len(row) < need:
+                    raise DataError(
+                        f"{path}:{reader.line_num}: {len(row)} field(s), need at least {need} "
+                        f"(text column {ti}, label column {li}); check --delimiter/--quoting"
+                    )
+                label = row[li].strip()
+                if not label:
+                    raise DataError(f"{path}:{reader.line_num}: empty label")
+                texts.append(row[ti])
+                labels.append(label)
+    except FileNotFoundError as e:
+        raise DataError(f"{path}: no such file") from e
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid {encoding} text ({e})") from e
+    except csv.Error as e:
+        raise DataError(f"{path}: CSV error ({e}); check --delimiter and --quoting") from e
+    if not texts:
+        raise DataError(f"{path}: no records")
+    return texts, labels
+
+
+def _class_dirs(root: str) -> list[str]:
+    return sorted(
+        d
+        for d in os.listdir(root)
+        if os.path.isdir(os.path.join(root, d)) and not d.startswith(".")
+    )
+
+
+def _read_class(folder: str) -> list[str]:
+    names = sorted(
+        f
+        for f in os.listdir(folder)
+        if not f.startswith(".") and os.path.isfile(os.path.join(folder, f))
+    )
+    if not names:
+        raise DataError(f"{folder}: class folder holds no text files")
+    texts = []
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 text ({e})") from e
+    return texts
+
+
+def read_folder(
+    root: str, classes: list[str] | None = None
+) -> tuple[dict[str, tuple[list[str], list[str]]], list[str]]:
+    """Texts from one sub-folder of text files per class.
+
+    Two layouts: ``root/train/<class>/*.txt`` and ``root/test/<class>/*.txt`` (the
+    ``aclImdb`` layout: classes are the folders present in both splits, so ``train/unsup``
+    is left out), or ``root/<class>/*`` with no splits. Files are read in name order
+    (hidden files are ignored) as UTF-8.
+
+    Returns:
+        ``({split: (texts, labels)}, classes)``.
+
+    Raises:
+        DataError: no such folder, no class folders, a named class missing, an empty class
+            folder or a file that is not UTF-8.
+    """
+    if not os.path.isdir(root):
+        raise DataError(f"{root}: no such folder")
+    has_splits = all(os.path.isdir(os.path.join(root, s)) for s in ("train", "test"))
+    split_dirs = (
+        {s: os.path.join(root, s) for s in ("train", "test")} if has_splits else {"train": root}
+    )
+    if classes is None:
+        found = [set(_class_dirs(d)) for d in split_dirs.values()]
+        classes = sorted(set.intersection(*found))
+        if len(classes) < 2:
+            raise DataError(
+                f"{root}: found class folders {sorted(found[0])}; need at least 2 "
+                "(one sub-folder of text files per class"
+                + (", present in both train/ and test/)" if has_splits else ")")
+            )
+    out = {}
+    for split, d in split_dirs.items():
+        texts, labels = [], []
+        for c in classes:
+            folder = os.path.join(d, c)
+            if not os.path.isdir(folder):
+                raise DataError(f"{folder}: class folder {c!r} is missing")
+            t = _read_class(folder)
+            texts += t
+            labels += [c] * len(t)
+        out[split] = (texts, labels)
+    return out, list(classes)
+
+
+def load_npz(path: str) -> dict[str, dict[str, numpy.ndarray]]:
+    """Arrays of an ``.npz`` file, as ``{"train": {...}}`` or, when every key ends in
+    ``_train`` or ``_test`` (``x_train, y_train, x_test, y_test``), as both splits."""
+    try:
+        with numpy.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except FileNotFoundError as e:
+        raise DataError(f"{path}: no such file") from e
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable .npz file ({e})") from e
+    return _by_split(arrays, path)
+
+
+def _by_split(arrays: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:
+    if not arrays:
+        raise DataError(f"{path}: holds no arrays")
+    if all(k.endswith(("_train", "_test")) for k in arrays):
+        out: dict[str, dict[str, Any]] = {}
+        for k, v in arrays.items():
+            name, _, split = k.rpartition("_")
+            out.setdefault(split, {})[name] = v
+        if set(out) != {"train", "test"} or set(out["train"]) != set(out["test"]):
+            raise DataError(
+                f"{path}: keys {sorted(arrays)}: each feature needs both _train and _test"
+            )
+        return out
+    return {"train": arrays}
+
+
+def load_h5(path: str, features: list[str] | None = None) -> dict[str, dict[str, numpy.ndarray]]:
+    """Datasets of an HDF5 file, read into memory.
+
+    Uses the ``train`` and ``test`` groups when both exist, else the root. ``features``
+    names the datasets to take (default: every dataset in the group).
+    """
+    import h5py
+
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except FileNotFoundError as e:
+        raise DataError(f"{path}: no such file") from e
+    except OSError as e:
+        raise DataError(f"{path}: cannot be opened as HDF5 ({e})") from e
+    with f:
+        groups = (
+            {"train": f["train"], "test": f["test"]}
+            if all(isinstance(f.get(s), h5py.Group) for s in ("train", "test"))
+            else {"train": f}
+        )
+        out = {}
+        for split, g in groups.items():
+            names = features or sorted(k for k in g if isinstance(g[k], h5py.Dataset))
+            missing = [n for n in names if not isinstance(g.get(n), h5py.Dataset)]
+            if missing or not names:
+                raise DataError(f"{path}: group {g.name!r} lacks dataset(s) {missing or 'any'}")
+            out[split] = {n: g[n][...] for n in names}
+            rows = {n: (a.shape[0] if a.ndim else None) for n, a in out[split].items()}
+            if len(set(rows.values())) != 1 or None in rows.values():
+                raise DataError(
+                    f"{path}: datasets in {g.name!r} have different row counts {rows}; "
+                    "choose datasets with one row per sample (--features)"
+                )
+    return out

@@ -1,0 +1,132 @@
+"""Text to fixed-length int32 token ids: a regex word tokenizer and a vocabulary.
+
+The tokenizer (``TOKENIZER`` records its settings in the manifest):
+
+1. lowercases the text and turns HTML line breaks (``<br />``, common in IMDB reviews)
+   and the typographic apostrophe (U+2019) into a space and ``'``;
+2. keeps, in order, the matches of ``[^\\W_]+(?:'[^\\W_]+)*|[!?]``: words of Unicode letters
+   and digits with their contractions kept whole (``don't``, ``isn't``, ``it's``, which
+   keeps negation visible to a bag-of-words model), and ``!`` and ``?`` as tokens of their
+   own (they carry sentiment); all other punctuation is dropped.
+
+``"This movie isn't GOOD!!<br />"`` becomes ``["this", "movie", "isn't", "good", "!", "!"]``.
+It is a single compiled ``re.findall`` per text: about a million words per second.
+
+The vocabulary is deterministic: ids 0 and 1 are ``<pad>`` and ``<unk>``, then the words
+of the training texts by decreasing count, ties broken alphabetically, so the same texts
+always give the same ids whatever the order of files or hash seeds.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Iterable, Mapping, Sequence
+
+import numpy
+
+PAD, UNK = "<pad>", "<unk>"
+PAD_ID, UNK_ID = 0, 1
+
+_BREAK_RE = re.compile(r"<br\s*/?>", re.IGNORECASE)
+_TOKEN_RE = re.compile(r"[^\W_]+(?:'[^\W_]+)*|[!?]")
+
+TOKENIZER = {
+    "name": "mpidl.words",
+    "version": 1,
+    "lowercase": True,
+    "pattern": _TOKEN_RE.pattern,
+    "replace": {"<br />": " ", "\u2019": "'"},
+}
+
+
+def tokenize(text: str) -> list[str]:
+    """Split ``text`` into lowercase word tokens (see the module docstring)."""
+    text = _BREAK_RE.sub(" ", text.lower()).replace("\u2019", "'")
+    return _TOKEN_RE.findall(text)
+
+
+def build_vocab(texts: Iterable[str], max_size: int = 20000, min_freq: int = 1) -> list[str]:
+    """The most frequent words of ``texts``, as a list whose index is the token id.
+
+    Args:
+        texts: the training texts (never the test texts: the vocabulary must not see them).
+        max_size: the vocabulary size including ``<pad>`` and ``<unk>`` (at least 2).
+        min_freq: words seen fewer times are left out (they encode as ``<unk>``).
+
+    Returns:
+        ``["<pad>", "<unk>", word, ...]``: by decreasing count, ties alphabetical.
+    """
+    return vocab_from_tokens((tokenize(t) for t in texts), max_size, min_freq)
+
+
+def vocab_from_tokens(
+    token_lists: Iterable[Sequence[str]], max_size: int = 20000, min_freq: int = 1
+) -> list[str]:
+    """:func:`build_vocab` on texts already split by :func:`tokenize`."""
+    if max_size < 2:
+        raise ValueError(f"max_size {max_size} must be >= 2 (room for <pad> and <unk>)")
+    if min_freq < 1:
+        raise ValueError(f"min_freq {min_freq} must be >= 1")
+    counts: collections.Counter[str] = collections.Counter()
+    for tokens in token_lists:
+        counts.update(tokens)
+    counts.pop(PAD, None)
+    counts.pop(UNK, None)
+    words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
+    return [PAD, UNK] + words[: max_size - 2]
+
+
+def vocab_index(vocab: Sequence[str] | Mapping[str, int]) -> Mapping[str, int]:
+    """A ``word -> id`` mapping from a vocabulary list (a mapping is returned as is)."""
+    if isinstance(vocab, Mapping):
+        return vocab
+    return {w: i for i, w in enumerate(vocab)}
+
+
+def encode(
+    texts: Iterable[str], vocab: Sequence[str] | Mapping[str, int], length: int
+) -> numpy.ndarray:
+    """Token ids of ``texts`` as an int32 array of shape ``(len(texts), length)``.
+
+    Texts longer than ``length`` tokens keep their first ``length`` tokens; shorter ones
+    are padded with ``<pad>`` (id 0) at the end. Unknown words become ``<unk>`` (id 1).
+    """
+    return encode_tokens((tokenize(t) for t in texts), vocab, length)
+
+
+def encode_tokens(
+    token_lists: Iterable[Sequence[str]], vocab: Sequence[str] | Mapping[str, int], length: int
+) -> numpy.ndarray:
+    """:func:`encode` on texts already split by :func:`tokenize`."""
+    if length < 1:
+        raise ValueError(f"length {length} must be >= 1")
+    index = vocab_index(vocab)
+    rows = [[index.get(w, UNK_ID) for w in tokens[:length]] for tokens in token_lists]
+    out = numpy.zeros((len(rows), length), dtype=numpy.int32)
+    for i, ids in enumerate(rows):
+        out[i, : len(ids)] = ids
+    return out
+
+
+def encode_labels(
+    labels: Sequence[str], classes: Sequence[str] | None = None
+) -> tuple[numpy.ndarray, list[str]]:
+    """Map label strings to int64 class ids.
+
+    Args:
+        labels: one label per sample, e.g. ``"positive"``/``"negative"`` or ``"1"``/``"0"``.
+        classes: the class names in id order; by default the sorted distinct labels
+            (so ``negative`` is 0 and ``positive`` 1, ``"0"`` is 0 and ``"1"`` is 1).
+
+    Raises:
+        ValueError: a label is not one of ``classes``; names the label and its position.
+    """
+    classes = sorted(set(labels)) if classes is None else list(classes)
+    index = {c: i for i, c in enumerate(classes)}
+    out = numpy.empty(len(labels), dtype=numpy.int64)
+    for i, label in enumerate(labels):
+        if label not in index:
+            raise ValueError(f"label {label!r} of sample {i} is not one of the classes {classes}")
+        out[i] = index[label]
+    return out, classes

@@ -1,0 +1,407 @@
+"""Write sharded datasets: ``write_shards`` (arrays) and ``write_text_shards`` (texts).
+
+``write_shards(OUT, {"x": x, "y": y}, test_fraction=0.1)`` writes::
+
+    OUT/train/manifest.json, OUT/train/shard-00000.h5, ...
+    OUT/test/manifest.json,  OUT/test/shard-00000.h5, ...
+
+(see :mod:`mpidl.data.format` for the files). Rows are shuffled once, with ``seed``,
+before they are split and written: the sampler's default block shuffle then draws random
+groups of rows even when the input is sorted (by class, as a folder of ``pos``/``neg``
+files is). Shards are written first, the manifest last and atomically, so a crash never
+leaves a directory that looks complete.
+
+The input must fit in memory (the arrays are shuffled in memory). Shards are stored
+contiguous and unfiltered unless ``compression`` is given (``"gzip"`` or ``"lzf"``: then
+chunked, with the byte-shuffle filter and ``fletcher32`` checksums, for sites whose
+storage, not reading, is the bottleneck).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import uuid
+from typing import Any, Mapping, Sequence
+
+import numpy
+
+from mpidl.data import text as text_mod
+from mpidl.data.format import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    SHARD_FORMAT,
+    DataError,
+    Feature,
+    Manifest,
+    Shard,
+    sha256_file,
+    shard_name,
+    write_manifest,
+)
+
+SHARD_BYTES = 256 << 20  # default shard size: the study's 256 MiB - 2 GiB range, low end
+CHUNK_BYTES = 256 << 10  # chunk size when compressed: small enough for block reads
+COMPRESSIONS = (None, "gzip", "lzf")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _writer_info() -> dict[str, str]:
+    import h5py
+
+    from mpidl import __version__
+
+    return {"mpidl": __version__, "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version}
+
+
+def _prepare_dir(directory: str, overwrite: bool) -> None:
+    os.makedirs(directory, exist_ok=True)
+    ours = [
+        f
+        for f in os.listdir(directory)
+        if f == MANIFEST_NAME or re.fullmatch(r"shard-\d{5}\.h5", f)
+    ]
+    if ours and not overwrite:
+        raise DataError(
+            f"{directory}: already holds a dataset ({sorted(ours)[0]}, ...); "
+            "choose another directory or overwrite it (overwrite=True, `--force`)"
+        )
+    if MANIFEST_NAME in ours:  # first, so a half-rewritten directory is never a dataset
+        os.remove(os.path.join(directory, MANIFEST_NAME))
+    for f in ours:
+        if f != MANIFEST_NAME:
+            os.remove(os.path.join(directory, f))
+
+
+def _storage(compression: str | None, compression_opts: Any) -> dict[str, Any]:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression {compression!r} is not one of {COMPRESSIONS}")
+    if compression is None:
+        return {"layout": "contiguous"}
+    if compression == "gzip" and compression_opts is None:
+        compression_opts = 4
+    return {
+        "layout": "chunked",
+        "compression": compression,
+        "compression_opts": compression_opts,
+        "chunk_bytes": CHUNK_BYTES,
+        "shuffle": True,
+        "fletcher32": True,
+    }
+
+
+def _write_file(
+    path: str, arrays: Mapping[str, numpy.ndarray], storage: dict[str, Any], attrs: dict[str, Any]
+) -> None:
+    import h5py
+
+    with h5py.File(path, "w", locking=False) as f:
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        for name, a in arrays.items():
+            if storage["layout"] == "contiguous":
+                f.create_dataset(name, data=a)  # contiguous: no chunks, no filters
+                continue
+            row = max(1, a[:1].nbytes)
+            chunk = (max(1, min(len(a), CHUNK_BYTES // row)), *a.shape[1:])
+            f.create_dataset(
+                name,
+                data=a,
+                chunks=chunk,
+                compression=storage["compression"],
+                compression_opts=storage["compression_opts"],
+                shuffle=True,
+                fletcher32=True,
+            )
+
+
+def _check_arrays(arrays: Mapping[str, numpy.ndarray], source: str) -> int:
+    """The common number of rows of ``arrays``; DataError if they differ or names are bad."""
+    if not arrays:
+        raise DataError(f"{source}: no features to write")
+    for name in arrays:
+        if not _NAME_RE.match(name) or name == "global_count":
+            raise DataError(
+                f"{source}: feature name {name!r} must be a Python identifier "
+                "(letters, digits, '_') other than 'global_count'"
+            )
+        dtype = numpy.asarray(arrays[name]).dtype
+        if dtype.kind not in "biufc":
+            raise DataError(
+                f"{source}: feature {name!r} has dtype {dtype}; only numeric arrays can be "
+                "sharded (encode text with mpidl.data.text first)"
+            )
+    rows = {k: len(v) if numpy.ndim(v) else -1 for k, v in arrays.items()}
+    if len(set(rows.values())) != 1 or -1 in rows.values():
+        raise DataError(
+            f"{source}: features have different numbers of rows {rows}; every feature "
+            "needs one row per sample"
+        )
+    return next(iter(rows.values()))
+
+
+def _check_labels(
+    arrays: Mapping[str, numpy.ndarray], labels: str, num_classes: int, source: str
+) -> None:
+    y = arrays.get(labels)
+    if y is None or numpy.asarray(y).dtype.kind not in "iu" or numpy.ndim(y) != 1:
+        raise DataError(
+            f"{source}: labels {labels!r} must be a 1-d integer feature of {sorted(arrays)}"
+        )
+    bad = numpy.flatnonzero((y < 0) | (y >= num_classes))
+    if bad.size:
+        raise DataError(
+            f"{source}: label {int(y[bad[0]])} of sample {bad[0]} is outside "
+            f"[0, {num_classes}) ({bad.size} bad labels); fix the labels or num_classes"
+        )
+
+
+def write_split(
+    directory: str,
+    arrays: Mapping[str, numpy.ndarray],
+    *,
+    split: str = "train",
+    rows_per_shard: int | None = None,
+    compression: str | None = None,
+    compression_opts: Any = None,
+    labels: str | None = None,
+    num_classes: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    dataset_id: str | None = None,
+    overwrite: bool = False,
+    source: str = "arrays",
+) -> Manifest:
+    """Write one split directory (``manifest.json`` + shards) from in-memory arrays.
+
+    Args:
+        directory: the split directory to create.
+        arrays: feature name -> array; all with the same number of rows (first axis).
+        rows_per_shard: rows per shard file (default: about 256 MiB per shard).
+        compression: None (contiguous, fastest to read), ``"gzip"`` or ``"lzf"``.
+        labels: the feature holding integer class labels, checked to lie in
+            ``[0, num_classes)`` here and on every read.
+        num_classes: the number of classes (default: largest label + 1).
+        metadata: free JSON-serialisable metadata (vocabulary, classes, tokenizer, ...).
+        source: the input's name, for error messages.
+
+    Raises:
+        DataError: inconsistent arrays, labels out of range, or ``directory`` already
+            holds a dataset and ``overwrite`` is False.
+    """
+    arrays = {k: numpy.ascontiguousarray(v) for k, v in arrays.items()}
+    n = _check_arrays(arrays, source)
+    if labels is not None:
+        if num_classes is None:
+            y = arrays.get(labels)
+            num_classes = int(y.max()) + 1 if y is not None and n else 1
+        _check_labels(arrays, labels, num_classes, source)
+    storage = _storage(compression, compression_opts)
+    row_bytes = sum(v[:1].nbytes for v in arrays.values())
+    if rows_per_shard is not None and rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard {rows_per_shard} must be >= 1")
+    per = rows_per_shard or max(1, SHARD_BYTES // max(1, row_bytes))
+    _prepare_dir(directory, overwrite)
+    dataset_id = dataset_id or uuid.uuid4().hex
+    writer = _writer_info()
+    starts = list(range(0, n, per))
+    shards = []
+    for i, a in enumerate(starts):
+        b = min(a + per, n)
+        path = os.path.join(directory, shard_name(i))
+        attrs = {
+            "format": SHARD_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dataset_id": dataset_id,
+            "split": split,
+            "shard_index": i,
+            "num_shards": len(starts),
+            "rows": b - a,
+            "first_sample": a,
+            "writer": json.dumps(writer),
+        }
+        _write_file(path, {k: v[a:b] for k, v in arrays.items()}, storage, attrs)
+        shards.append(Shard(shard_name(i), b - a, os.path.getsize(path), sha256_file(path)))
+    features = {k: Feature(k, v.dtype, tuple(v.shape[1:])) for k, v in arrays.items()}
+    manifest = Manifest(
+        features=features,
+        shards=shards,
+        dataset_id=dataset_id,
+        split=split,
+        storage=storage,
+        labels=None if labels is None else {"feature": labels, "num_classes": int(num_classes)},
+        metadata=dict(metadata or {}),
+        writer=writer,
+        created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def write_shards(
+    out_dir: str,
+    arrays: Mapping[str, numpy.ndarray],
+    *,
+    test_arrays: Mapping[str, numpy.ndarray] | None = None,
+    test_fraction: float = 0.0,
+    seed: int = 0,
+    shuffle: bool = True,
+    labels: str | None = "auto",
+    num_classes: int | None = None,
+    **options: Any,
+) -> dict[str, Manifest]:
+    """Write ``out_dir/train`` (and ``out_dir/test``) from arrays.
+
+    Args:
+        out_dir: the dataset directory; splits are written as sub-directories.
+        arrays: feature name -> array (all with the same number of rows).
+        test_arrays: a given test split; otherwise ``test_fraction`` of the rows
+            (after shuffling) become the test split (none when 0).
+        seed: seeds the shuffle and the split (the same seed gives the same files).
+        shuffle: shuffle the rows before writing (recommended: see the module docstring).
+        labels: the integer label feature, range-checked against ``num_classes``;
+            ``"auto"`` (default) means ``"y"`` if it is a 1-d integer feature, else none.
+        **options: passed to :func:`write_split` (``rows_per_shard``, ``compression``,
+            ``metadata``, ``overwrite``, ``source``, ...).
+
+    Returns:
+        ``{"train": manifest, "test": manifest}`` (``test`` only when written).
+    """
+    if not 0.0 <= test_fraction < 1.0:
+        raise ValueError(f"test_fraction {test_fraction} must be in [0, 1)")
+    source = options.get("source", "arrays")
+    arrays = {k: numpy.asarray(v) for k, v in arrays.items()}
+    n = _check_arrays(arrays, source)
+    if test_arrays is not None:
+        _check_arrays(test_arrays, f"{source} (test split)")
+        if set(test_arrays) != set(arrays):
+            raise DataError(
+                f"{source}: the test split has features {sorted(test_arrays)}, "
+                f"the training split {sorted(arrays)}"
+            )
+    rng = numpy.random.default_rng(seed)
+    perm = rng.permutation(n)
+    parts = {"train": perm}
+    if test_arrays is None and test_fraction > 0:
+        n_test = int(round(n * test_fraction))
+        parts = {"train": perm[: n - n_test], "test": perm[n - n_test :]}
+    if not shuffle:  # still a random split, but each split keeps the input's order
+        parts = {k: numpy.sort(v) for k, v in parts.items()}
+    splits = {name: {k: v[idx] for k, v in arrays.items()} for name, idx in parts.items()}
+    if test_arrays is not None:
+        t = {k: numpy.asarray(v) for k, v in test_arrays.items()}
+        m = len(next(iter(t.values()))) if t else 0
+        idx = rng.permutation(m) if shuffle else numpy.arange(m)
+        splits["test"] = {k: v[idx] for k, v in t.items()}
+    if labels == "auto":
+        y = arrays.get("y")
+        labels = "y" if y is not None and y.dtype.kind in "iu" and y.ndim == 1 else None
+    if labels is not None:  # checked before the shuffle, so errors give input positions
+        if num_classes is None:
+            tops = [
+                int(numpy.max(a[labels]))
+                for a in (arrays, test_arrays or {})
+                if len(a.get(labels, ()))
+            ]
+            num_classes = max(tops) + 1 if tops else 1
+        _check_labels(arrays, labels, num_classes, source)
+        if test_arrays is not None:
+            _check_labels(test_arrays, labels, num_classes, f"{source} (test split)")
+    # Check every split directory before writing any: an old test split left beside a new
+    # train split would pair the wrong vocabulary with the wrong shards.
+    for name in ("train", "test"):
+        if os.path.isdir(os.path.join(out_dir, name)):
+            _prepare_dir(os.path.join(out_dir, name), options.get("overwrite", False))
+    dataset_id = uuid.uuid4().hex
+    return {
+        name: write_split(
+            os.path.join(out_dir, name),
+            split,
+            split=name,
+            labels=labels,
+            num_classes=num_classes,
+            dataset_id=f"{dataset_id}-{name}",
+            **options,
+        )
+        for name, split in splits.items()
+    }
+
+
+def write_text_shards(
+    out_dir: str,
+    train_texts: Sequence[str],
+    train_labels: Sequence[str],
+    *,
+    test_texts: Sequence[str] | None = None,
+    test_labels: Sequence[str] | None = None,
+    test_fraction: float = 0.0,
+    seed: int = 0,
+    vocab_size: int = 20000,
+    min_freq: int = 1,
+    length: int = 256,
+    classes: Sequence[str] | None = None,
+    source: str = "texts",
+    **options: Any,
+) -> dict[str, Manifest]:
+    """Tokenise texts and write them as ``x`` (int32 ``(N, length)`` ids) and ``y`` (int64).
+
+    The vocabulary is built on the training texts only (after the split) and stored, with
+    the classes and the tokenizer settings, in the metadata of both manifests.
+
+    Args:
+        train_texts, train_labels: texts and their label strings.
+        test_texts, test_labels: a given test split; otherwise ``test_fraction`` of the
+            training texts, chosen with ``seed``.
+        vocab_size: the vocabulary size including ``<pad>`` (0) and ``<unk>`` (1).
+        min_freq: words rarer than this in the training texts become ``<unk>``.
+        length: tokens per sample (longer texts are cut, shorter ones padded with 0).
+        classes: class names in id order (default: the sorted distinct training labels).
+        **options: passed to :func:`write_shards` / :func:`write_split`.
+    """
+    if len(train_texts) != len(train_labels):
+        raise DataError(f"{source}: {len(train_texts)} texts but {len(train_labels)} labels")
+    if test_texts is None and test_fraction > 0:
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction {test_fraction} must be in [0, 1)")
+        order = numpy.random.default_rng(seed).permutation(len(train_texts))
+        n_test = int(round(len(order) * test_fraction))
+        test_idx, train_idx = numpy.sort(order[:n_test]), numpy.sort(order[n_test:])
+        test_texts = [train_texts[i] for i in test_idx]
+        test_labels = [train_labels[i] for i in test_idx]
+        train_texts = [train_texts[i] for i in train_idx]
+        train_labels = [train_labels[i] for i in train_idx]
+    train_tokens = [text_mod.tokenize(t) for t in train_texts]
+    vocab = text_mod.vocab_from_tokens(train_tokens, vocab_size, min_freq)
+    y, classes = text_mod.encode_labels(list(train_labels), classes)
+    x = text_mod.encode_tokens(train_tokens, vocab, length)
+    test = None
+    if test_texts is not None:
+        if test_labels is None or len(test_texts) != len(test_labels):
+            raise DataError(f"{source}: the test split needs one label per text")
+        try:
+            y_test, _ = text_mod.encode_labels(list(test_labels), classes)
+        except ValueError as e:
+            raise DataError(
+                f"{source}: test split: {e} seen in training; pass `classes` to fix the set"
+            ) from e
+        test = {"x": text_mod.encode(test_texts, vocab, length), "y": y_test}
+    metadata = {
+        "classes": classes,
+        "vocab": vocab,
+        "tokenizer": text_mod.TOKENIZER,
+        "length": length,
+        "source": source,
+        **options.pop("metadata", {}),
+    }
+    return write_shards(
+        out_dir,
+        {"x": x, "y": y},
+        test_arrays=test,
+        seed=seed,
+        labels="y",
+        num_classes=len(classes),
+        metadata=metadata,
+        source=source,
+        **options,
+    )

@@ -1,0 +1,293 @@
+"""Training configuration: a typed schema, TOML files and presets, ``--key=value`` overrides.
+
+``mpidl train [PRESET | CONFIG.toml] [--key=value ...]`` resolves its configuration here::
+
+    config = load_config("reviews", ["--epochs=3", "--model.dim", "64", "--trace"])
+    print(to_toml(config))            # what rank 0 prints and saves as RUN_DIR/config.toml
+
+Sources, later ones winning: the defaults of :class:`Config`, then the preset (a TOML file
+shipped in ``mpidl/presets/``) or the user's TOML file, then the command-line overrides.
+Every key is checked against the schema: an unknown key, or a value of the wrong type, is
+a :class:`ConfigError` that names the key (and close matches, and the expected type).
+
+Keys. Top-level keys are training settings (``epochs``, ``lr``, ...). Two tables:
+
+* ``[model]``: ``name`` picks the model; every other key is passed to the model's
+  constructor as a keyword argument (``--model.dim=64``). Their types are checked against
+  the value already there (from the preset) or else read as TOML literals (``64`` is an
+  int, ``0.1`` a float, ``true`` a bool, ``[256, 256]`` a list, anything else a string).
+* ``[data]``: ``path`` (a sharded dataset directory; empty: the task's generated corpus)
+  and the options of the generated reviews corpus.
+
+Shorthand: a table given a scalar sets its main key: ``--model=bow`` is
+``--model.name=bow`` and ``--data=DIR`` is ``--data.path=DIR`` (also in TOML files:
+``model = "bow"``). Dashes in keys are underscores (``--global-batch`` is
+``global_batch``); a bool key alone is true (``--trace``), ``--no-trace`` is false;
+``--steps=none`` clears an optional key.
+
+The generic machinery (type checks, command-line parsing, TOML writing) is
+:mod:`mpidl.train.schema`; this module is the schema itself and where presets live.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+from mpidl.train.schema import (
+    ConfigError,
+    apply_overrides as _apply_overrides,
+    apply_table,
+    check_value,
+    choices,
+    options,
+    parse_overrides,
+    to_toml,
+    unknown_key,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["Config", "ModelConfig", "DataConfig", "ConfigError", "load_config", "to_toml",
+           "apply_overrides", "config_from_dict", "list_presets", "split_args",
+           "parse_overrides", "check_model_kwargs", "default_run_dir"]
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
+DEFAULT_PRESET = "reviews"
+
+
+@dataclass
+class ModelConfig:
+    """The ``[model]`` table: the model's name and its constructor keyword arguments."""
+
+    name: str = "bow"                        # bow | transformer | mlp | ... (mpidl.models)
+    kwargs: dict = field(default_factory=dict, metadata={"extra": True})
+
+
+@dataclass
+class DataConfig:
+    """The ``[data]`` table: where the data comes from.
+
+    For ``task = "reviews"`` with an empty ``path`` the corpus is generated
+    (:func:`mpidl.data.synthetic.generate_reviews`), sharded once into ``cache_dir`` and
+    reused by later runs with the same options.
+    """
+
+    path: str = ""                           # a sharded dataset directory ("" = generate)
+    num_train: int = 25000
+    num_test: int = 25000
+    seq_len: int = 128                       # tokens per review (longer ones are cut)
+    vocab_size: int = 8000                   # including <pad> and <unk>
+    label_noise: float = 0.02
+    seed: int = 0                            # the corpus seed (not the training seed)
+    cache_dir: str = ".mpidl-cache"
+    prefetch: int = 2                        # batches the loader reads ahead
+
+
+@dataclass
+class Config:
+    """Everything ``mpidl train`` needs; the TOML keys are these field names.
+
+    Learning rate: ``lr`` is the rate at ``base_batch``; the run uses
+    :meth:`scaled_lr` (Goyal et al. 2017: linear scaling rule) with warm-up
+    (:meth:`warmup_for`) and then the ``schedule`` decay to ``min_lr_ratio * lr``.
+    """
+
+    task: str = choices("reviews", "custom", default="reviews")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"main": "name"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"main": "path"})
+    # -- optimisation
+    epochs: int = 3
+    steps: Optional[int] = None              # stop after this many optimizer steps in all
+    global_batch: int = 64                   # samples per step over all ranks
+    lr: float = 1e-3
+    base_batch: int = 64                     # the batch that `lr` is meant for
+    lr_scaling: str = choices("linear", "sqrt", "none", default="linear")
+    optimizer: str = choices("adamw", "adam", "sgd", default="adamw")
+    momentum: float = 0.9                    # sgd only
+    weight_decay: float = 0.01
+    schedule: str = choices("cosine", "linear", "constant", default="cosine")
+    warmup_steps: int = 0                    # if > 0, wins over warmup_fraction
+    warmup_fraction: float = 0.05            # of all steps
+    min_lr_ratio: float = 0.0                # the schedule's floor, as a fraction of lr
+    clip_grad_norm: Optional[float] = None   # global L2 norm; none: no clipping
+    seed: int = 0                            # model init and dropout; data order uses it too
+    # -- distribution
+    backend: str = choices("numpy", "cupy", default="numpy")
+    bucket_mb: float = 25.0                  # gradient bucket size for the allreduce
+    # -- run directory, checkpoints, logging
+    run_dir: str = ""                        # "" = runs/<task>-<model>-<time>
+    resume: Union[bool, str] = "auto"        # auto | true | false | PATH (see resume docs)
+    checkpoint_every: int = 0                # steps between checkpoints; 0 = at epoch ends only
+    checkpoint_epochs: bool = True           # also checkpoint at the end of each epoch
+    keep_checkpoints: int = 3
+    eval_every: int = 1                      # epochs between evaluations (and after the last)
+    log_every: int = 50                      # steps between metrics records
+    trace: bool = False                      # write RUN_DIR/trace.json (Chrome trace)
+    progress: str = choices("auto", "always", "never", default="auto")
+
+    def scaled_lr(self) -> float:
+        """``lr`` scaled from ``base_batch`` to ``global_batch`` by ``lr_scaling``."""
+        if self.lr_scaling == "linear":
+            from mpidl.optim.schedule import linear_scaling_rule
+
+            return linear_scaling_rule(self.lr, self.global_batch, self.base_batch)
+        if self.lr_scaling == "sqrt":   # often preferred for Adam (Malladi et al. 2022)
+            return self.lr * math.sqrt(self.global_batch / self.base_batch)
+        return self.lr
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps`` (``warmup_steps`` or the fraction)."""
+        if self.warmup_steps > 0:
+            return min(self.warmup_steps, total_steps)
+        return min(int(round(self.warmup_fraction * total_steps)), total_steps)
+
+
+def _validate(config: Config) -> None:
+    """Range checks that a type cannot express."""
+    positive = ["epochs", "global_batch", "base_batch", "keep_checkpoints", "eval_every",
+                "log_every"]
+    for key in positive:
+        if getattr(config, key) < 1:
+            raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(config, key)}")
+    for key in ("checkpoint_every", "warmup_steps"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"config key {key!r} must be >= 0, got {getattr(config, key)}")
+    if config.steps is not None and config.steps < 1:
+        raise ConfigError(f"config key 'steps' must be >= 1 or none, got {config.steps}")
+    if not config.lr > 0:
+        raise ConfigError(f"config key 'lr' must be > 0, got {config.lr}")
+    if not 0.0 <= config.warmup_fraction < 1.0:
+        raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), got {config.warmup_fraction}")
+    if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
+        raise ConfigError(f"config key 'clip_grad_norm' must be > 0 or none, got {config.clip_grad_norm}")
+    if not config.model.name:
+        raise ConfigError("config key 'model.name' is empty; name a model, e.g. --model=bow")
+    d = config.data
+    for key in ("num_train", "num_test", "seq_len", "vocab_size"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"config key 'data.{key}' must be >= 1, got {getattr(d, key)}")
+
+
+def config_from_dict(table: dict) -> Config:
+    """A validated Config from a parsed TOML document (a dict of dicts)."""
+    config = Config()
+    apply_table(config, table)
+    _validate(config)
+    return config
+
+
+# -- presets, files, overrides ------------------------------------------------------------
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped in ``mpidl/presets``."""
+    if not os.path.isdir(PRESET_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".toml"))
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+
+
+def _source_path(preset_or_path: str) -> str:
+    if preset_or_path.endswith(".toml") or os.sep in preset_or_path or os.path.isfile(preset_or_path):
+        return preset_or_path
+    presets = list_presets()
+    if preset_or_path not in presets:
+        close = difflib.get_close_matches(preset_or_path, presets, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"no preset or file named {preset_or_path!r}{hint} "
+                          f"(presets: {', '.join(presets)}; a config file ends in .toml)")
+    return os.path.join(PRESET_DIR, preset_or_path + ".toml")
+
+
+def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split ``mpidl train`` arguments into the optional leading PRESET/FILE and overrides."""
+    argv = list(argv)
+    if argv and not argv[0].startswith("-"):
+        return argv[0], argv[1:]
+    return None, argv
+
+
+def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
+    """Apply command-line overrides to ``config`` in place (checked, validated); return it."""
+    _apply_overrides(config, overrides)
+    _validate(config)
+    return config
+
+
+def load_config(preset_or_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Resolve the configuration of a run.
+
+    Args:
+        preset_or_path: a preset name (``reviews``; see :func:`list_presets`) or a TOML
+            file path; None means the default preset ``reviews``.
+        overrides: command-line ``--key=value`` / ``--key value`` / ``--flag`` arguments.
+
+    Raises:
+        ConfigError: missing file, unknown preset, invalid TOML, unknown key, wrong type
+            or out-of-range value; the message names the file or key.
+    """
+    path = _source_path(preset_or_path or DEFAULT_PRESET)
+    config = config_from_dict(_read_toml(path))
+    return apply_overrides(config, overrides)
+
+
+def check_model_kwargs(config: Config, factory: Callable[..., Any]) -> None:
+    """Check ``config.model.kwargs`` against the signature of the model's constructor.
+
+    The schema cannot know each model's options; the trainer calls this once it has
+    looked the model up, so that ``--model.dimm=64`` is a ConfigError naming the key and
+    the close matches, and ``--model.dim=big`` one naming the expected type (from the
+    parameter's annotation or default value), before anything is built.
+    """
+    sig = inspect.signature(factory)
+    params = {n: p for n, p in sig.parameters.items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception:  # unresolvable annotations: fall back to the defaults' types
+        hints = {}
+    for key, value in config.model.kwargs.items():
+        full = f"model.{key}"
+        if key not in params:
+            if takes_any:
+                continue
+            raise unknown_key(full, list(params))
+        tp = hints.get(key)
+        if tp is None and params[key].default is not inspect.Parameter.empty \
+                and params[key].default is not None:
+            tp = type(params[key].default)
+        if tp in (int, float, bool, str) or typing.get_origin(tp) is Union:
+            if all(t in (int, float, bool, str, type(None)) for t in options(tp)):
+                config.model.kwargs[key] = check_value(full, tp, value)
+
+
+def default_run_dir(config: Config, job_id: str | None = None, stamp: str | None = None) -> str:
+    """``runs/<task>-<model>-<job id or time stamp>`` for ``run_dir = ""``.
+
+    A Slurm job keeps its id when it is requeued, so a preempted job that is requeued
+    finds its own run directory and resumes; elsewhere the stamp (agreed across ranks:
+    rank 0's, broadcast) makes each run a new directory.
+    """
+    suffix = job_id or stamp or time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{config.task}-{config.model.name}-{suffix}")
+
+

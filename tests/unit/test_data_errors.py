@@ -1,0 +1,206 @@
+"""Every bad input is a DataError naming the file and the problem; nothing is skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy
+import pytest
+
+from mpidl.data import DataError, DataLoader, DistributedSampler, ShardedDataset, write_shards
+from mpidl.data.command import main as shard_main
+from mpidl.data.format import sha256_file
+from mpidl.data.sources import read_csv, read_folder
+
+N, PER = 25, 10  # three shards: 10, 10, 5 rows
+
+
+@pytest.fixture
+def split(tmp_path):
+    x = numpy.arange(N * 3, dtype=numpy.float32).reshape(N, 3)
+    y = numpy.arange(N, dtype=numpy.int64) % 3
+    write_shards(tmp_path / "d", {"x": x, "y": y}, rows_per_shard=PER, shuffle=False)
+    return tmp_path / "d" / "train"
+
+
+def edit_manifest(split, change):
+    path = split / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def rewrite_shard(split, index, arrays, attrs=None):
+    """Replace shard ``index`` and update its size and checksum, so that only the
+    contents differ from what the manifest says."""
+    import h5py
+
+    path = split / f"shard-{index:05d}.h5"
+    with h5py.File(path, "r", locking=False) as f:
+        old = dict(f.attrs)
+    with h5py.File(path, "w", locking=False) as f:
+        f.attrs.update({**old, **(attrs or {})})
+        for k, v in arrays.items():
+            f[k] = v
+
+    def update(data):
+        data["shards"][index].update(bytes=os.path.getsize(path), sha256=sha256_file(str(path)))
+
+    edit_manifest(split, update)
+    return str(path)
+
+
+def expect(split, match, **kw):
+    with pytest.raises(DataError, match=match) as info:
+        ShardedDataset(str(split), **kw)
+    return str(info.value)
+
+
+def test_missing_shard(split):
+    os.remove(split / "shard-00001.h5")
+    assert "shard-00001.h5: shard file is missing" in expect(split, "missing")
+
+
+def test_truncated_shard(split):
+    path = split / "shard-00000.h5"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert "shard-00000.h5: size" in expect(split, "truncated")
+    # even when the manifest is edited to match, HDF5 refuses the truncated file
+    edit_manifest(split, lambda d: d["shards"][0].update(bytes=len(data) // 2))
+    assert "shard-00000.h5: cannot be opened as HDF5" in expect(split, "corrupt")
+
+
+def test_checksum_mismatch_is_found_by_verify(split, capsys):
+    path = split / "shard-00002.h5"
+    data = bytearray(path.read_bytes())
+    data[-8:] = b"\xff" * 8  # flip bytes inside the raw data: the file still opens
+    path.write_bytes(bytes(data))
+    ShardedDataset(str(split))  # the cheap start-up check cannot see it (documented)
+    assert "shard-00002.h5: sha256" in expect(split, "corrupt or was modified", verify="sha256")
+    assert shard_main(["--verify", str(split.parent)]) == 1
+    err = capsys.readouterr().err
+    assert "shard-00002.h5" in err and "sha256" in err
+
+
+def test_missing_dataset(split):
+    path = rewrite_shard(split, 1, {"x": numpy.zeros((PER, 3), numpy.float32)})
+    assert path in expect(split, "missing dataset 'y'")
+
+
+def test_dtype_different_from_manifest(split):
+    rewrite_shard(
+        split, 0, {"x": numpy.zeros((PER, 3), numpy.float64), "y": numpy.zeros(PER, numpy.int64)}
+    )
+    expect(split, r"shard-00000.h5: dataset 'x' has dtype <f8, the manifest says <f4")
+
+
+@pytest.mark.parametrize("shape", [(PER, 4), (PER - 1, 3)])
+def test_shape_different_from_manifest(split, shape):
+    rewrite_shard(
+        split, 0, {"x": numpy.zeros(shape, numpy.float32), "y": numpy.zeros(shape[0], numpy.int64)}
+    )
+    expect(
+        split,
+        rf"shard-00000.h5: dataset 'x' has shape \({shape[0]}, {shape[1]}\), "
+        r"the manifest says \(10, 3\)",
+    )
+
+
+def test_shard_from_another_dataset(split):
+    rewrite_shard(
+        split,
+        0,
+        {"x": numpy.zeros((PER, 3), numpy.float32), "y": numpy.zeros(PER, numpy.int64)},
+        attrs={"dataset_id": "someone-else"},
+    )
+    expect(split, "belongs to dataset 'someone-else'")
+
+
+@pytest.mark.parametrize("name", ["../escape.h5", "/etc/passwd", "sub/../../x.h5", "a\\..\\b.h5"])
+def test_shard_name_escaping_the_directory(split, name):
+    edit_manifest(split, lambda d: d["shards"][0].update(file=name))
+    expect(split, "escapes the dataset directory", verify="none")
+
+
+def test_labels_out_of_range_fail_on_read_and_verify(split):
+    y = numpy.zeros(PER, numpy.int64)
+    y[7] = 3  # num_classes is 3
+    rewrite_shard(split, 1, {"x": numpy.zeros((PER, 3), numpy.float32), "y": y})
+    for cache_bytes in (0, 1 << 20):  # labels read per batch, or whole on first use
+        ds = ShardedDataset(str(split), cache_bytes=cache_bytes)
+        loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, shuffle="none"), prefetch=2)
+        with pytest.raises(
+            DataError, match=r"shard-00001.h5: label 3 at row 7 is outside \[0, 3\)"
+        ):
+            list(loader)
+    expect(split, "label 3 at row 7", verify="sha256")
+
+
+def test_writer_rejects_labels_out_of_range(tmp_path):
+    with pytest.raises(DataError, match=r"label 2 of sample 1 is outside \[0, 2\)"):
+        write_shards(
+            tmp_path / "d", {"x": numpy.zeros((3, 1)), "y": numpy.array([0, 2, 1])}, num_classes=2
+        )
+    with pytest.raises(DataError, match="outside"):
+        write_shards(tmp_path / "e", {"x": numpy.zeros((2, 1)), "y": numpy.array([0, -1])})
+
+
+def test_several_bad_files_are_all_listed(split):
+    os.remove(split / "shard-00000.h5")
+    os.remove(split / "shard-00002.h5")
+    msg = expect(split, "2 bad shard file")
+    assert "shard-00000.h5" in msg and "shard-00002.h5" in msg
+
+
+def test_manifest_problems(split):
+    assert "pass" in expect(split.parent, "no manifest.json")  # a hint to pass d/train
+    edit_manifest(split, lambda d: d.update(format_version=2))
+    expect(split, "format_version 2 is newer than this reader")
+    (split / "manifest.json").write_text("{not json")
+    expect(split, "not valid JSON")
+
+
+def test_features_with_different_row_counts_or_non_numeric_dtypes_are_rejected(tmp_path):
+    with pytest.raises(DataError, match="different numbers of rows"):
+        write_shards(tmp_path / "d", {"x": numpy.zeros((3, 2)), "y": numpy.zeros(4, numpy.int64)})
+    with pytest.raises(DataError, match="feature 'x' has dtype <U3; only numeric arrays"):
+        write_shards(tmp_path / "d", {"x": numpy.array(["abc", "de"])})
+
+
+def test_bad_csv_inputs_name_file_and_line(tmp_path):
+    p = tmp_path / "r.csv"
+    p.write_text("review,sentiment\ngood,positive\nno label here\n")
+    with pytest.raises(DataError, match=r"r.csv:3: 1 field\(s\), need at least 2"):
+        read_csv(str(p), "review", "sentiment")
+    with pytest.raises(DataError, match="no label column 'label'"):
+        read_csv(str(p), "review", "label")
+    p.write_text("review,sentiment\ngood,\n")
+    with pytest.raises(DataError, match=r"r.csv:2: empty label"):
+        read_csv(str(p), "review", "sentiment")
+    with pytest.raises(DataError, match="no such file"):
+        read_csv(str(tmp_path / "absent.csv"), 0, 1)
+    p.write_bytes(b"review,sentiment\n\xff\xfe,positive\n")
+    with pytest.raises(DataError, match="not valid utf-8"):
+        read_csv(str(p), "review", "sentiment")
+
+
+def test_bad_folder_inputs(tmp_path):
+    with pytest.raises(DataError, match="no such folder"):
+        read_folder(str(tmp_path / "absent"))
+    (tmp_path / "t" / "pos").mkdir(parents=True)
+    (tmp_path / "t" / "neg").mkdir(parents=True)
+    (tmp_path / "t" / "pos" / "1.txt").write_text("fine")
+    with pytest.raises(DataError, match="neg: class folder holds no text files"):
+        read_folder(str(tmp_path / "t"))
+    (tmp_path / "t" / "neg" / "1.txt").write_bytes(b"\xff\xfe bad")
+    with pytest.raises(DataError, match="1.txt: not valid UTF-8"):
+        read_folder(str(tmp_path / "t"))
+    with pytest.raises(DataError, match="class folder 'meh' is missing"):
+        read_folder(str(tmp_path / "t"), classes=["pos", "meh"])
+
+
+def test_cli_reports_bad_input_and_exits_non_zero(tmp_path, capsys):
+    rc = shard_main(["--from-npz", str(tmp_path / "absent.npz"), str(tmp_path / "d")])
+    assert rc == 1 and "absent.npz: no such file" in capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""The loader: rows match the sampler's ids, prefetch errors surface, resume, exact counts."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import numpy
+import pytest
+
+from mpidl.backend import as_numpy
+from mpidl.data import (
+    DataError,
+    DataLoader,
+    DistributedSampler,
+    ExactAccuracy,
+    ShardedDataset,
+    evaluate_counts,
+    write_split,
+)
+
+N = 157
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory):
+    """x[i] = (i, 2i) so every row names its sample; uneven shards of 50, 50, 50, 7."""
+    d = tmp_path_factory.mktemp("loader") / "train"
+    ids = numpy.arange(N)
+    write_split(
+        str(d),
+        {
+            "x": numpy.stack([ids, 2 * ids], axis=1).astype(numpy.float32),
+            "y": (ids % 4).astype(numpy.int64),
+        },
+        rows_per_shard=50,
+        labels="y",
+        num_classes=4,
+    )
+    return str(d)
+
+
+@pytest.mark.parametrize("mode", ["block", "full", "none"])
+@pytest.mark.parametrize("prefetch,cache_bytes", [(0, 0), (2, 0), (2, 1 << 20)])
+def test_batches_hold_exactly_the_sampler_ids_and_cover_the_dataset(
+    dataset_dir, mode, prefetch, cache_bytes
+):
+    seen = []
+    for rank in range(3):
+        ds = ShardedDataset(dataset_dir, cache_bytes=cache_bytes)  # 0: every feature read from disk
+        sampler = DistributedSampler(len(ds), 20, rank, 3, seed=5, shuffle=mode, block_size=7)
+        loader = DataLoader(ds, sampler, prefetch=prefetch)
+        loader.set_epoch(2)
+        batches = list(loader)
+        assert len(batches) == len(loader) == 8
+        for step, b in enumerate(batches):
+            ids = sampler.indices(step)
+            numpy.testing.assert_array_equal(b.x[:, 0], ids)
+            numpy.testing.assert_array_equal(b.y, ids % 4)
+            assert b.global_count == (20 if step < 7 else N - 7 * 20)
+            seen.extend(b.x[:, 0].astype(int).tolist())
+    assert sorted(seen) == list(range(N))
+
+
+def test_yields_arrays_of_the_requested_module(dataset_dir, xp):
+    ds = ShardedDataset(dataset_dir)
+    loader = DataLoader(ds, DistributedSampler(len(ds), 64, 0, 1), features=("y", "x"), xp=xp)
+    y, x, n = next(iter(loader))
+    assert type(x) is type(xp.zeros(1)) and x.shape == (64, 2) and x.dtype == numpy.float32
+    numpy.testing.assert_array_equal(as_numpy(y), as_numpy(x)[:, 0].astype(int) % 4)
+
+
+def test_breaking_out_early_stops_the_reader_thread(dataset_dir):
+    ds = ShardedDataset(dataset_dir)
+    loader = DataLoader(ds, DistributedSampler(len(ds), 4, 0, 1), prefetch=1)
+    before = threading.active_count()
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    assert threading.active_count() == before
+    assert loader.state_dict()["step"] == 3
+
+
+def test_a_read_error_in_the_thread_is_raised_in_the_loop(tmp_path):
+    d = str(tmp_path / "train")
+    write_split(d, {"x": numpy.zeros((30, 2), numpy.float32)}, rows_per_shard=10)
+    ds = ShardedDataset(d, cache_bytes=0)  # checked and closed; shards reopen lazily in the thread
+    os.remove(os.path.join(d, "shard-00002.h5"))
+    loader = DataLoader(ds, DistributedSampler(30, 10, 0, 1, shuffle="none"), features=("x",))
+    got = []
+    with pytest.raises(DataError, match="shard-00002.h5: shard file is missing"):
+        for x, n in loader:
+            got.append(x)
+    assert len(got) == 2
+
+
+def test_resume_and_state_dict_continue_exactly(dataset_dir):
+    ds = ShardedDataset(dataset_dir)
+
+    def run(loader, epochs):
+        out = []
+        for epoch in epochs:
+            loader.set_epoch(epoch)
+            out += [b.x[:, 0].copy() for b in loader]
+        return out
+
+    full = run(DataLoader(ds, DistributedSampler(N, 16, 0, 1, seed=3)), [0, 1])
+    first = DataLoader(ds, DistributedSampler(N, 16, 0, 1, seed=3))
+    first.set_epoch(0)
+    it = iter(first)
+    head = [next(it).x[:, 0].copy() for _ in range(4)]
+    state = first.state_dict()
+    it.close()
+    assert state == {"epoch": 0, "step": 4, "seed": 3}
+    again = DataLoader(ds, DistributedSampler(N, 16, 0, 1, seed=3))
+    again.load_state_dict(state)
+    rest = run(again, [0, 1])  # set_epoch(0) keeps the resumed step
+    assert len(head) + len(rest) == len(full)
+    assert all(numpy.array_equal(a, b) for a, b in zip(full, head + rest))
+    assert again.state_dict() == {"epoch": 2, "step": 0, "seed": 3}
+    with pytest.raises(ValueError, match="seed"):
+        again.load_state_dict({"epoch": 0, "step": 0, "seed": 4})
+
+
+def test_loader_rejects_mismatched_sampler_and_unknown_features(dataset_dir):
+    ds = ShardedDataset(dataset_dir)
+    with pytest.raises(ValueError, match="num_samples=len"):
+        DataLoader(ds, DistributedSampler(N + 1, 8, 0, 1))
+    with pytest.raises(ValueError, match="'z'"):
+        DataLoader(ds, DistributedSampler(N, 8, 0, 1), features=("x", "z"))
+
+
+def test_dataset_pickles_without_open_handles(dataset_dir):
+    ds = ShardedDataset(dataset_dir)
+    ds.read("x", [3, 100])
+    clone = pickle.loads(pickle.dumps(ds))
+    numpy.testing.assert_array_equal(clone.read("x", [100, 3, 3])[:, 0], [100, 3, 3])
+
+
+def test_exact_accuracy_counts(comm):
+    acc = ExactAccuracy()
+    acc.update(numpy.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]), numpy.array([1, 1, 1]))
+    acc.update(numpy.array([0, 1]), numpy.array([0, 0]))
+    assert acc.counts() == (3, 5)
+    assert evaluate_counts(None, 2, 9) == (2, 9)
+    c, t = acc.counts(comm)
+    assert (c, t) == (3 * comm.size, 5 * comm.size)
+    assert acc.compute(comm) == pytest.approx(0.6)
+    acc.reset()
+    assert numpy.isnan(acc.compute())

@@ -1,0 +1,296 @@
+"""Writers round-trip: arrays, .npz, HDF5, CSV/TSV and a text-folder tree, API and CLI."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import numpy
+import pytest
+
+from mpidl.data import ShardedDataset, read_manifest, write_shards, write_text_shards
+from mpidl.data.command import main as shard_main
+from mpidl.data.text import encode, tokenize
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def read_all(path):
+    ds = ShardedDataset(str(path), verify="sha256")
+    ids = numpy.arange(len(ds))
+    out = {f: ds.read(f, ids) for f in ds.features}
+    ds.close()
+    return ds, out
+
+
+def sentiment_dir():
+    """``shared/data/sentiment-sentences`` beside the repo, or under $MPIDL_SHARED_DATA."""
+    candidates = [REPO.parent / "shared" / "data" / "sentiment-sentences"]
+    env = os.environ.get("MPIDL_SHARED_DATA")
+    if env:
+        candidates[:0] = [Path(env) / "sentiment-sentences", Path(env)]
+    for c in candidates:
+        if (c / "imdb.tsv").is_file():
+            return c
+    return None
+
+
+def test_arrays_round_trip_over_uneven_shards(tmp_path):
+    n = 103
+    x = numpy.stack([numpy.arange(n), numpy.arange(n) * 2.0, -numpy.arange(n)], axis=1).astype(
+        numpy.float32
+    )
+    y = (numpy.arange(n) % 3).astype(numpy.int64)
+    manifests = write_shards(tmp_path / "d", {"x": x, "y": y}, rows_per_shard=40, seed=1)
+    assert list(manifests) == ["train"]
+    assert [s.rows for s in manifests["train"].shards] == [40, 40, 23]
+    ds, got = read_all(tmp_path / "d" / "train")
+    assert ds.num_classes == 3 and ds.features["x"].shape == (3,)
+    assert len(ShardedDataset(str(tmp_path / "d"), split="train")) == n
+    order = numpy.argsort(got["x"][:, 0])  # rows were shuffled once, at write time
+    numpy.testing.assert_array_equal(got["x"][order], x)
+    numpy.testing.assert_array_equal(got["y"][order], y)
+    assert not numpy.array_equal(got["x"], x)
+
+
+def test_no_shuffle_keeps_order_and_test_fraction_splits_rows(tmp_path):
+    x = numpy.arange(50, dtype=numpy.int32).reshape(50, 1)
+    write_shards(
+        tmp_path / "d",
+        {"x": x, "y": numpy.zeros(50, numpy.int64)},
+        test_fraction=0.2,
+        shuffle=False,
+        rows_per_shard=7,
+    )
+    _, train = read_all(tmp_path / "d" / "train")
+    _, test = read_all(tmp_path / "d" / "test")
+    assert len(train["x"]) == 40 and len(test["x"]) == 10
+    assert numpy.all(numpy.diff(train["x"][:, 0]) > 0) and numpy.all(
+        numpy.diff(test["x"][:, 0]) > 0
+    )
+    assert sorted(numpy.concatenate([train["x"][:, 0], test["x"][:, 0]]).tolist()) == list(
+        range(50)
+    )
+
+
+def test_compressed_shards_round_trip(tmp_path):
+    x = numpy.random.default_rng(0).integers(0, 5, size=(300, 20)).astype(numpy.float32)
+    write_shards(tmp_path / "d", {"x": x}, compression="gzip", rows_per_shard=128, shuffle=False)
+    m = read_manifest(str(tmp_path / "d" / "train"))
+    assert m.storage["layout"] == "chunked" and m.labels is None
+    _, got = read_all(tmp_path / "d" / "train")
+    numpy.testing.assert_array_equal(got["x"], x)
+
+
+def test_npz_with_splits_round_trips_through_the_cli(tmp_path):
+    rng = numpy.random.default_rng(0)
+    arrays = {
+        "x_train": rng.random((30, 4)).astype(numpy.float32),
+        "y_train": rng.integers(0, 10, 30),
+        "x_test": rng.random((12, 4)).astype(numpy.float32),
+        "y_test": rng.integers(0, 10, 12),
+    }
+    numpy.savez(tmp_path / "in.npz", **arrays)
+    assert (
+        shard_main(["--from-npz", str(tmp_path / "in.npz"), str(tmp_path / "d"), "--no-shuffle"])
+        == 0
+    )
+    for split in ("train", "test"):
+        ds, got = read_all(tmp_path / "d" / split)
+        numpy.testing.assert_array_equal(got["x"], arrays[f"x_{split}"])
+        numpy.testing.assert_array_equal(got["y"], arrays[f"y_{split}"])
+        assert ds.num_classes == max(arrays["y_train"].max(), arrays["y_test"].max()) + 1
+
+
+def test_h5_input_round_trips_through_the_cli(tmp_path):
+    import h5py
+
+    x = numpy.arange(60, dtype=numpy.float64).reshape(20, 3)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["x"], f["y"], f["other"] = x, numpy.arange(20) % 2, numpy.zeros(5)
+    rc = shard_main(
+        [
+            "--from-h5",
+            str(tmp_path / "in.h5"),
+            "--features",
+            "x,y",
+            "--test-fraction",
+            "0",
+            "--rows-per-shard",
+            "6",
+            "--no-shuffle",
+            str(tmp_path / "d"),
+        ]
+    )
+    assert rc == 0
+    ds, got = read_all(tmp_path / "d" / "train")
+    assert len(ds.manifest.shards) == 4
+    numpy.testing.assert_array_equal(got["x"], x)
+
+
+def write_csv(path, rows, header=("review", "sentiment")):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def test_csv_round_trip_with_quoted_commas_and_newlines(tmp_path):
+    rows = [
+        ("Great, great film!<br />Loved it.", "positive"),
+        ('Awful "plot", bad\nacting.', "negative"),
+    ] * 10
+    write_csv(tmp_path / "r.csv", rows)
+    rc = shard_main(
+        [
+            "--from-csv",
+            str(tmp_path / "r.csv"),
+            "--text-col",
+            "review",
+            "--label-col",
+            "sentiment",
+            "--test-fraction",
+            "0",
+            "--length",
+            "8",
+            str(tmp_path / "d"),
+        ]
+    )
+    assert rc == 0
+    ds, got = read_all(tmp_path / "d" / "train")
+    assert ds.classes == ["negative", "positive"] and ds.vocab[:2] == ["<pad>", "<unk>"]
+    expected = {1: encode([rows[0][0]], ds.vocab, 8)[0], 0: encode([rows[1][0]], ds.vocab, 8)[0]}
+    for xi, yi in zip(got["x"], got["y"]):
+        numpy.testing.assert_array_equal(xi, expected[int(yi)])
+    assert (got["y"] == 1).sum() == 10
+
+
+def test_text_writer_is_deterministic_and_builds_vocab_on_train_only(tmp_path):
+    train = ["good film", "bad film", "good good plot", "bad acting"]
+    test = ["unseenword good"]
+    kw = dict(test_texts=test, test_labels=["pos"], vocab_size=50, length=5, seed=3)
+    write_text_shards(tmp_path / "a", train, ["pos", "neg", "pos", "neg"], **kw)
+    write_text_shards(tmp_path / "b", train, ["pos", "neg", "pos", "neg"], **kw)
+    a, b = read_all(tmp_path / "a" / "train"), read_all(tmp_path / "b" / "train")
+    assert a[0].vocab == b[0].vocab and "unseenword" not in a[0].vocab
+    numpy.testing.assert_array_equal(a[1]["x"], b[1]["x"])
+    test_ds, test_got = read_all(tmp_path / "a" / "test")
+    assert test_ds.vocab == a[0].vocab and test_got["x"][0, 0] == 1  # <unk>
+
+
+def make_tree(root, splits=("train", "test"), extra="unsup"):
+    texts = {
+        "pos": ["A wonderful film!", "Loved it", "great cast"],
+        "neg": ["Terrible.", "boring, dull"],
+    }
+    for split in splits:
+        for cls, items in texts.items():
+            d = root / split / cls
+            d.mkdir(parents=True)
+            for i, t in enumerate(items):
+                (d / f"{i}_7.txt").write_text(t, encoding="utf-8")
+    if extra:
+        (root / splits[0] / extra).mkdir()
+        (root / splits[0] / extra / "0_0.txt").write_text("unlabelled", encoding="utf-8")
+    return texts
+
+
+def test_folder_tree_in_aclimdb_layout_round_trips(tmp_path):
+    texts = make_tree(tmp_path / "aclImdb")
+    rc = shard_main(
+        ["--from-folder", str(tmp_path / "aclImdb"), "--length", "6", str(tmp_path / "d")]
+    )
+    assert rc == 0
+    for split in ("train", "test"):
+        ds, got = read_all(tmp_path / "d" / split)
+        assert ds.classes == ["neg", "pos"] and len(ds) == 5  # unsup left out
+        want = sorted(
+            tuple(encode([t], ds.vocab, 6)[0]) + (c,)
+            for c, ts in ((0, texts["neg"]), (1, texts["pos"]))
+            for t in ts
+        )
+        have = sorted(tuple(xi) + (int(yi),) for xi, yi in zip(got["x"], got["y"]))
+        assert have == want
+    assert "unlabelled" not in ds.vocab
+
+
+def test_folder_without_splits_uses_test_fraction(tmp_path):
+    make_tree(tmp_path / "t", splits=(".",), extra=None)
+    rc = shard_main(
+        ["--from-folder", str(tmp_path / "t"), "--test-fraction", "0.4", str(tmp_path / "d")]
+    )
+    assert rc == 0
+    assert len(ShardedDataset(str(tmp_path / "d" / "train"))) == 3
+    assert len(ShardedDataset(str(tmp_path / "d" / "test"))) == 2
+
+
+def test_overwrite_needs_force(tmp_path, capsys):
+    write_shards(tmp_path / "d", {"x": numpy.zeros((4, 1))})
+    numpy.savez(tmp_path / "in.npz", x=numpy.ones((3, 1)))
+    assert shard_main(["--from-npz", str(tmp_path / "in.npz"), str(tmp_path / "d")]) == 1
+    assert "already holds a dataset" in capsys.readouterr().err
+    assert (
+        shard_main(
+            [
+                "--from-npz",
+                str(tmp_path / "in.npz"),
+                "--force",
+                "--test-fraction",
+                "0",
+                str(tmp_path / "d"),
+            ]
+        )
+        == 0
+    )
+    assert len(ShardedDataset(str(tmp_path / "d" / "train"))) == 3
+    assert not os.path.exists(tmp_path / "d" / "test" / "manifest.json")
+
+
+@pytest.mark.skipif(sentiment_dir() is None, reason="shared/data/sentiment-sentences not present")
+def test_real_sentiment_sentences_shard_through_the_tsv_path(tmp_path, capsys):
+    src = sentiment_dir()
+    for name in ("imdb", "amazon", "yelp"):
+        out = tmp_path / name
+        rc = shard_main(
+            [
+                "--from-csv",
+                str(src / f"{name}.tsv"),
+                "--no-header",
+                "--text-col",
+                "0",
+                "--label-col",
+                "1",
+                "--length",
+                "64",
+                "--rows-per-shard",
+                "256",
+                str(out),
+            ]
+        )
+        assert rc == 0
+        assert shard_main(["--verify", str(out)]) == 0
+        train, test = ShardedDataset(str(out / "train")), ShardedDataset(str(out / "test"))
+        assert (len(train), len(test)) == (900, 100)  # all 1000 lines, unbalanced quotes and all
+        assert train.classes == ["0", "1"] and train.vocab == test.vocab
+        labels = numpy.concatenate([d.read("y", numpy.arange(len(d))) for d in (train, test)])
+        assert numpy.bincount(labels).tolist() == [500, 500]
+    assert tokenize("Qu?bec isn't bad!") == ["qu", "?", "bec", "isn't", "bad", "!"]
+
+
+def test_cli_usage_errors_exit_2(tmp_path, capsys):
+    assert shard_main(["--from-csv", str(tmp_path / "r.csv"), str(tmp_path / "d")]) == 2
+    assert "--text-col" in capsys.readouterr().err
+    assert shard_main(["--from-npz", str(tmp_path / "x.npz")]) == 2
+    assert "OUT_DIR is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        shard_main([str(tmp_path / "d")])  # no source: argparse exits with status 2
+
+
+def test_mpidl_shard_entry_point_is_this_main(tmp_path):
+    from mpidl.cli import COMMANDS, _resolve
+
+    shard = _resolve(COMMANDS["shard"][0])  # what `mpidl shard` runs (without the global hook)
+    numpy.savez(tmp_path / "in.npz", x=numpy.ones((6, 2)), y=numpy.arange(6) % 2)
+    assert shard(["--from-npz", str(tmp_path / "in.npz"), str(tmp_path / "d")]) == 0
+    assert shard(["--verify", str(tmp_path / "d")]) == 0

@@ -1,0 +1,112 @@
+"""Metrics: the JSONL writer, the per-step time split, throughput."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy
+import pytest
+
+from mpidl.train.metrics import (
+    MetricsWriter,
+    StepTimer,
+    StepTimes,
+    Throughput,
+    read_metrics,
+    trim_metrics,
+)
+from mpidl.train.timeline import Timeline
+
+
+def test_writer_appends_one_flushed_json_object_per_line(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    with MetricsWriter(path) as writer:
+        writer.write({"kind": "train", "step": 1}, loss=numpy.float32(0.5), accuracy=0.75)
+        # flushed: readable while the writer is still open
+        first = json.loads(path.read_text().splitlines()[0])
+        assert first["loss"] == 0.5 and first["kind"] == "train"
+        assert isinstance(first["time"], float)
+        writer.write(kind="eval", step=numpy.int64(2), epoch=0, test_loss=0.3, test_accuracy=0.9,
+                     hist=numpy.arange(3))
+    with MetricsWriter(path) as writer:                       # a resumed run appends
+        writer.write(kind="train", step=3, loss=float("nan"), time=123.0)
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["hist"] == [0, 1, 2]
+    assert records[2]["loss"] is None and records[2]["time"] == 123.0   # NaN is not JSON
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path, enabled=False)
+    writer.write(kind="train", step=1)
+    writer.close()
+    assert not path.exists()
+
+
+def test_read_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    with pytest.warns(RuntimeWarning, match="metrics.jsonl:3"):
+        assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+
+
+def test_trim_drops_records_after_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(path) as writer:
+        for step in range(1, 6):
+            writer.write(kind="train", step=step)
+        writer.write(kind="summary")
+    assert trim_metrics(path, 3) == 2
+    assert [r.get("step") for r in read_metrics(path)] == [1, 2, 3, None]
+    assert trim_metrics(tmp_path / "none.jsonl", 3) == 0
+
+
+def test_step_times_add_up_and_waits_are_counted():
+    timer = StepTimer()
+    with timer.step():
+        with timer.measure("input"):
+            time.sleep(0.01)
+        with timer.measure("comm"):
+            time.sleep(0.02)
+        timer.add("comm", 0.005)                 # a wait measured elsewhere
+        time.sleep(0.01)
+    t = timer.last
+    assert t.input >= 0.01 and t.comm >= 0.025 and t.compute >= 0.0
+    assert t.total == pytest.approx(t.compute + t.comm + t.input)
+    assert t.as_record() == {"time_step": t.total, "time_compute": t.compute,
+                             "time_comm": t.comm, "time_input": t.input}
+    with timer.step():
+        pass
+    assert timer.steps == 2
+    assert timer.mean().comm == pytest.approx(t.comm / 2)
+    timer.reset()
+    assert timer.mean() == StepTimes(0.0, 0.0, 0.0, 0.0)
+
+
+def test_unknown_category_is_an_error():
+    with pytest.raises(ValueError, match="'network'"):
+        StepTimer().add("network", 1.0)
+
+
+def test_step_timer_feeds_the_timeline():
+    timeline = Timeline(rank=0)
+    timer = StepTimer(timeline=timeline, sync=lambda: None)
+    with timer.step():
+        with timer.measure("input"):
+            pass
+        with timer.measure("comm", name="allreduce bucket 0"):
+            pass
+    assert [(e[0], e[1]) for e in timeline.events] == [
+        ("input", "input"), ("allreduce bucket 0", "comm"), ("step 0", "compute")]
+
+
+def test_throughput_is_over_a_moving_window():
+    meter = Throughput(window=2)
+    assert meter.rate == 0.0
+    meter.update(100, 1.0)
+    meter.update(100, 1.0)
+    assert meter.update(300, 0.5) == pytest.approx(400 / 1.5)
+    assert meter.overall == pytest.approx(500 / 2.5)
+    with pytest.raises(ValueError):
+        Throughput(window=0)
