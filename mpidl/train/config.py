@@ -108,6 +108,9 @@ class Config:
     # -- optimisation
     epochs: int = 3
     steps: Optional[int] = None              # stop after this many optimizer steps in all
+    stop_at_step: Optional[int] = None       # end THIS job after this global step, with a
+    #                                          checkpoint; the schedule still spans the whole
+    #                                          run and running again resumes (job chaining)
     global_batch: int = 64                   # samples per step over all ranks
     lr: float = 1e-3
     base_batch: int = 64                     # the batch that `lr` is meant for
@@ -123,7 +126,7 @@ class Config:
     seed: int = 0                            # model init and dropout; data order uses it too
     # -- distribution
     backend: str = choices("numpy", "cupy", default="numpy")
-    bucket_mb: float = 25.0                  # gradient bucket size for the allreduce
+    bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
     # -- run directory, checkpoints, logging
     run_dir: str = ""                        # "" = runs/<task>-<model>-<time>
     resume: Union[bool, str] = "auto"        # auto | true | false | PATH (see resume docs)
@@ -162,8 +165,12 @@ def _validate(config: Config) -> None:
     for key in ("checkpoint_every", "warmup_steps"):
         if getattr(config, key) < 0:
             raise ConfigError(f"config key {key!r} must be >= 0, got {getattr(config, key)}")
-    if config.steps is not None and config.steps < 1:
-        raise ConfigError(f"config key 'steps' must be >= 1 or none, got {config.steps}")
+    for key in ("steps", "stop_at_step"):
+        if getattr(config, key) is not None and getattr(config, key) < 1:
+            raise ConfigError(f"config key {key!r} must be >= 1 or none, "
+                              f"got {getattr(config, key)}")
+    if config.bucket_mb is not None and not config.bucket_mb > 0:
+        raise ConfigError(f"config key 'bucket_mb' must be > 0 or none, got {config.bucket_mb}")
     if not config.lr > 0:
         raise ConfigError(f"config key 'lr' must be > 0, got {config.lr}")
     if not 0.0 <= config.warmup_fraction < 1.0:

@@ -1,0 +1,79 @@
+"""Where a run's data comes from: a user's sharded dataset, or the generated reviews corpus.
+
+``mpidl train`` with no arguments trains on 50,000 generated customer reviews
+(:mod:`mpidl.data.synthetic`). They are generated and sharded once, through the same
+writer ``mpidl shard`` uses, into ``<cache_dir>/reviews-<key>/``, where ``key`` is a hash
+of the corpus options; later runs with the same options reuse it. Rank 0 builds it in a
+temporary directory and renames it into place, so concurrent jobs never see half a
+dataset; the other ranks wait at a barrier.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from mpidl.train.config import Config
+
+
+def reviews_cache_dir(config: Config) -> str:
+    """The directory of the generated corpus for ``config.data``'s options."""
+    d = config.data
+    options = {"num_train": d.num_train, "num_test": d.num_test, "seq_len": d.seq_len,
+               "vocab_size": d.vocab_size, "label_noise": d.label_noise, "seed": d.seed,
+               "format": 1}
+    key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(d.cache_dir, f"reviews-{key}")
+
+
+def _build_reviews(config: Config, target: str) -> None:
+    from mpidl.data import write_text_shards
+    from mpidl.data.synthetic import generate_reviews
+
+    d = config.data
+    train_texts, train_labels, test_texts, test_labels = generate_reviews(
+        d.num_train, d.num_test, seed=d.seed, label_noise=d.label_noise)
+    names = ("negative", "positive")
+    parent = os.path.dirname(os.path.abspath(target)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".reviews-", dir=parent)
+    try:
+        write_text_shards(tmp, train_texts, [names[i] for i in train_labels],
+                          test_texts=test_texts, test_labels=[names[i] for i in test_labels],
+                          vocab_size=d.vocab_size, length=d.seq_len, classes=names,
+                          source="mpidl.data.synthetic.generate_reviews", seed=d.seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another job got there first: use theirs
+            if not os.path.isdir(target):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_data(config: Config, comm: Any, log: Any) -> str:
+    """Return the dataset directory of the run, generating the corpus if needed.
+
+    Collective: rank 0 generates (when the task's corpus is not cached yet) while the
+    others wait; a failure on rank 0 is raised on every rank.
+    """
+    if config.data.path:
+        return config.data.path
+    if config.task != "reviews":
+        raise ValueError(f"task {config.task!r} needs a dataset: pass --data=DIR "
+                         "(a directory written by `mpidl shard`)")
+    target = reviews_cache_dir(config)
+    error = None
+    if comm.rank == 0 and not os.path.isdir(target):
+        log.info(f"generating the reviews corpus ({config.data.num_train} train + "
+                 f"{config.data.num_test} test) into {target} ...")
+        try:
+            _build_reviews(config, target)
+        except Exception as e:  # reported on every rank below
+            error = f"{type(e).__name__}: {e}"
+    comm.check(error is None, f"could not build the reviews corpus in {target}: {error}")
+    return target

@@ -1,0 +1,314 @@
+"""The training loop of ``mpidl train``: data-parallel steps, exact evaluation, checkpoints.
+
+Every rank runs the same loop over its share of each global batch (the
+:class:`~mpidl.data.DistributedSampler` fixes the global batches from seed and epoch,
+whatever the number of ranks). Per step: input (prefetched), forward, backward with the
+gradient allreduce overlapped (:class:`~mpidl.parallel.DataParallel`), optional
+clipping, the optimizer step at the scheduled learning rate. Step time is split into
+compute, communication wait and input wait for the metrics and the Chrome trace.
+
+Resuming continues bit for bit: the checkpoint holds the parameters, the optimizer
+state (with its step counts), the RNG states of dropout layers and the sampler position
+(epoch, step), and every one of them is independent of the number of ranks, so a run
+may also resume on a different number of ranks (then equal up to float summation order).
+
+On SIGTERM or SIGUSR1 (Slurm's warning before a time limit or preemption) all ranks
+agree at the next step boundary, rank 0 writes a checkpoint, and :meth:`Trainer.fit`
+returns :data:`~mpidl.train.signals.EXIT_PREEMPTED` (75) so a batch script can requeue.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy
+
+from mpidl import functions as F
+from mpidl.autograd import no_grad
+from mpidl.train import checkpoint as ckpt
+from mpidl.train.config import Config, check_model_kwargs, to_toml
+from mpidl.train.log import Logger, ProgressBar, format_summary
+from mpidl.train.metrics import MetricsWriter, StepTimer, Throughput, read_metrics, trim_metrics
+from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag
+from mpidl.train.timeline import Timeline
+
+EVAL_BATCH = 512  # samples per evaluation step over all ranks (no gradients kept)
+
+
+def build_model(config: Config, dataset: Any) -> Any:
+    """The configured model, with vocab/seq_len/classes taken from the data when unset."""
+    from mpidl import models
+
+    if config.model.name not in models.MODELS:
+        raise ValueError(f"unknown model {config.model.name!r}; choose one of "
+                         f"{sorted(models.MODELS)} (--model=NAME)")
+    factory = models.MODELS[config.model.name]
+    check_model_kwargs(config, factory)
+    kwargs = dict(config.model.kwargs)
+    known = {"classes": dataset.num_classes,
+             "vocab": len(dataset.vocab) if dataset.vocab else None,
+             "seq_len": dataset.features["x"].shape[0] if dataset.features["x"].shape else None}
+    import inspect
+
+    accepted = inspect.signature(factory).parameters
+    for key, value in known.items():
+        if value is not None and key in accepted and key not in kwargs:
+            kwargs[key] = value
+    return factory(seed=config.seed, **kwargs)
+
+
+def build_optimizer(config: Config, params: list) -> Any:
+    from mpidl import optim
+
+    lr = config.scaled_lr()
+    if config.optimizer == "sgd":
+        return optim.SGD(params, lr=lr, momentum=config.momentum,
+                         weight_decay=config.weight_decay)
+    cls = optim.AdamW if config.optimizer == "adamw" else optim.Adam
+    return cls(params, lr=lr, weight_decay=config.weight_decay)
+
+
+def learning_rate(config: Config, step: int, total: int) -> float:
+    """The scheduled learning rate of optimizer step ``step`` (0-based) of ``total``."""
+    from mpidl.optim import warmup_cosine, warmup_linear
+
+    base = config.scaled_lr()
+    warmup = config.warmup_for(total)
+    if config.schedule == "constant":
+        return base if step >= warmup or warmup == 0 else base * (step + 1) / warmup
+    fn = warmup_cosine if config.schedule == "cosine" else warmup_linear
+    return fn(step, total, warmup, base, min_lr=config.min_lr_ratio * base)
+
+
+class Trainer:
+    """One training run, on every rank of ``comm``.
+
+    Args:
+        config: the resolved configuration.
+        comm: the world communicator.
+        run_dir: the run directory (the same path on every rank).
+        data_dir: the dataset directory (with ``train/`` and ``test/`` splits).
+    """
+
+    def __init__(self, config: Config, comm: Any, run_dir: str, data_dir: str) -> None:
+        from mpidl.backend import get_xp
+        from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
+        from mpidl.parallel import DataParallel
+
+        self.config, self.comm, self.run_dir = config, comm, run_dir
+        self.log = Logger(comm.rank, comm.size)
+        self.xp = get_xp(config.backend)
+        if config.backend == "cupy":
+            from hpc.gpu import bind
+
+            bind(comm.local_rank)
+        self.train_set = ShardedDataset(os.path.join(data_dir, "train"), comm=comm)
+        self.test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
+        self.model = build_model(config, self.train_set).to(self.xp)
+        dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
+        self.dp = DataParallel(self.model, comm, **dp_options)
+        self.optimizer = build_optimizer(config, self.model.parameters())
+        sampler = DistributedSampler(len(self.train_set), config.global_batch, comm.rank,
+                                     comm.size, seed=config.seed)
+        self.loader = DataLoader(self.train_set, sampler, xp=self.xp,
+                                 prefetch=config.data.prefetch)
+        eval_sampler = DistributedSampler(len(self.test_set), EVAL_BATCH, comm.rank,
+                                          comm.size, seed=0, shuffle="none")
+        self.eval_loader = DataLoader(self.test_set, eval_sampler, xp=self.xp,
+                                      prefetch=config.data.prefetch)
+        steps = config.epochs * len(self.loader)
+        self.total_steps = min(steps, config.steps) if config.steps else steps
+        self.step = 0
+        self.metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"),
+                                     enabled=comm.rank == 0)
+        self.timeline = Timeline(comm.rank, enabled=config.trace)
+        sync = None
+        if config.backend == "cupy":
+            from mpidl.backend import synchronize
+
+            sync = synchronize
+        self.timer = StepTimer(timeline=self.timeline, sync=sync)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, ckpt.CHECKPOINT_DIR)
+
+    def _rng_states(self) -> dict[str, Any]:
+        return {name: m.rng.bit_generator.state for name, m in self.model.named_modules()
+                if isinstance(getattr(m, "rng", None), numpy.random.Generator)}
+
+    def save(self) -> str | None:
+        """Rank 0 writes a checkpoint of the current step; every rank waits. Collective."""
+        path = None
+        error = None
+        if self.comm.rank == 0:
+            try:
+                path = ckpt.save_checkpoint(
+                    self.checkpoint_dir, self.step, model=self.model.state_dict(),
+                    optimizer=self.optimizer.state_dict(), rng=self._rng_states(),
+                    sampler=self.loader.state_dict(), config=to_toml(self.config),
+                    epoch=self.loader.state_dict()["epoch"],
+                    extra={"ranks": self.comm.size, "total_steps": self.total_steps})
+                ckpt.keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
+            except OSError as e:
+                error = f"cannot write a checkpoint into {self.checkpoint_dir}: {e}"
+        self.comm.check(error is None, str(error))
+        return path
+
+    def restore(self, path: str) -> None:
+        """Load a checkpoint on every rank (each reads the file). Collective."""
+        state = ckpt.load_checkpoint(path)
+        self.model.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
+        for name, m in self.model.named_modules():
+            if name in state.rng:
+                m.rng.bit_generator.state = state.rng[name]
+        self.loader.load_state_dict(state.sampler)
+        self.step = int(state.step)
+        if self.comm.rank == 0:
+            # Records of steps after the checkpoint are redone: drop them. The writer holds
+            # the file open, so it is reopened on the trimmed file.
+            self.metrics.close()
+            trim_metrics(self.metrics.path, self.step)
+            self.metrics = MetricsWriter(self.metrics.path)
+        self.log.info(f"resumed from {path} at step {self.step} "
+                      f"(epoch {state.sampler['epoch']}, step {state.sampler['step']} of it; "
+                      f"saved by {state.extra.get('ranks', '?')} ranks, now {self.comm.size})")
+
+    # -- evaluation -----------------------------------------------------------------------
+    def evaluate(self) -> tuple[float, float]:
+        """Exact test loss and accuracy over the whole test split. Collective."""
+        xp = self.xp
+        self.model.eval()
+        totals = numpy.zeros(3)  # loss sum, correct, count
+        self.eval_loader.set_epoch(0)
+        with no_grad():
+            for x, y, _ in self.eval_loader:
+                if len(y) == 0:
+                    continue
+                logits = self.model(x)
+                loss = F.softmax_cross_entropy(logits, y, reduction="sum")
+                totals += [float(loss.data), float(xp.count_nonzero(logits.data.argmax(1) == y)),
+                           len(y)]
+        self.model.train()
+        self.comm.allreduce_(totals)
+        return totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
+
+    # -- training -------------------------------------------------------------------------
+    def _train_step(self, x: Any, y: Any, n: int) -> tuple[Any, Any]:
+        """One optimizer step; returns this rank's loss sum and correct count (xp scalars,
+        so a GPU step does not wait for the host)."""
+        logits = self.dp(x)
+        loss = F.softmax_cross_entropy(logits, y, reduction="sum")
+        self.dp.backward(loss, global_count=n)
+        self.timer.add("comm", self.dp.comm_wait_seconds)
+        if self.config.clip_grad_norm:
+            from mpidl.optim import clip_grad_norm_
+
+            clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+        self.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        correct = self.xp.count_nonzero(logits.data.argmax(1) == y) if len(y) else 0
+        return loss.data, correct
+
+    def fit(self) -> int:
+        """Train to the end (or to a preemption). Returns the process exit code. Collective."""
+        cfg, comm = self.config, self.comm
+        bar = ProgressBar(self.total_steps, enabled=comm.rank == 0, mode=cfg.progress,
+                          initial=self.step)
+        window = [0, 0, 0]  # loss sum, correct, samples since the last record (xp scalars)
+        rate = Throughput(window=cfg.log_every)
+        comm.barrier()
+        self.timeline.reset_origin()
+        t_start = time.perf_counter()
+        start_step = self.step
+        preempted = False
+        stop = min(self.total_steps, cfg.stop_at_step or self.total_steps)
+        with PreemptionFlag() as flag:
+            while self.step < stop and not preempted:
+                epoch = self.loader.state_dict()["epoch"]
+                self.loader.set_epoch(epoch)
+                waited = self.loader.wait_s
+                for x, y, n in self.loader:
+                    with self.timer.step():
+                        self.timer.add("input", self.loader.wait_s - waited)
+                        waited = self.loader.wait_s
+                        loss, correct = self._train_step(x, y, n)
+                    self.step += 1
+                    window = [window[0] + loss, window[1] + correct, window[2] + len(y)]
+                    rate.update(n, self.timer.last.total)
+                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                        rec = self._record_train(window, rate, epoch)
+                        window = [0, 0, 0]
+                        bar.update(1, loss=rec["loss"], acc=rec["accuracy"])
+                    else:
+                        bar.update(1)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save()
+                    if flag.agree(comm):
+                        preempted = True
+                        break
+                    if self.step >= stop:
+                        break
+                if preempted:
+                    break
+                epoch_done = self.loader.state_dict()["step"] == 0
+                last = self.step >= self.total_steps
+                if last or (epoch_done and (epoch + 1) % cfg.eval_every == 0):
+                    test_loss, test_acc = self.evaluate()
+                    self.metrics.write(kind="eval", epoch=epoch, step=self.step,
+                                       test_loss=test_loss, test_accuracy=test_acc)
+                    bar.write(f"epoch {epoch}: test loss {test_loss:.4f}, "
+                              f"test accuracy {test_acc:.4f}")
+                if last or (epoch_done and cfg.checkpoint_epochs) or self.step == stop:
+                    self.save()
+            signal_name = flag.signal_name
+        bar.close()
+        seconds = time.perf_counter() - t_start
+        if preempted:
+            path = self.save()
+            self.log.info(f"preempted ({signal_name or 'signal on another rank'}): checkpoint "
+                          f"{path} at step {self.step}; exiting with {EXIT_PREEMPTED} to be "
+                          "requeued")
+        self.timeline.write(os.path.join(self.run_dir, "trace.json"), gather=comm.allgather_obj)
+        self.metrics.close()
+        if not preempted:
+            self._summary(seconds, self.step - start_step)
+        if self.step < self.total_steps and not preempted:
+            self.log.info(f"stopped at step {self.step} of {self.total_steps} (stop_at_step); "
+                          "run the same command again to continue")
+        return EXIT_PREEMPTED if preempted else 0
+
+    def _record_train(self, window: list, rate: Throughput, epoch: int) -> dict[str, Any]:
+        """Write a train record of the steps since the last one. Collective."""
+        from mpidl.backend import as_numpy
+
+        local = numpy.array([float(as_numpy(v)) for v in window])  # the one host sync
+        totals = self.comm.allreduce(local)
+        times = self.timer.last.as_record() if self.timer.last else {}
+        record = dict(kind="train", epoch=epoch, step=self.step,
+                      loss=totals[0] / max(totals[2], 1), accuracy=totals[1] / max(totals[2], 1),
+                      lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
+        self.metrics.write(record)
+        return record
+
+    def _summary(self, seconds: float, steps: int) -> None:
+        if self.comm.rank != 0:
+            return
+        mean = self.timer.mean()
+        records = read_metrics(self.metrics.path)
+        evals = [r for r in records if r.get("kind") == "eval"]
+        totals = {
+            "ranks": self.comm.size,
+            "steps": f"{steps} this run, {self.step} in all",
+            "wall time": f"{seconds:.1f} s",
+            "samples/s": steps * self.config.global_batch / seconds if seconds else 0.0,
+            "step time": f"{mean.total * 1e3:.1f} ms (compute {mean.compute * 1e3:.1f}, "
+                         f"comm wait {mean.comm * 1e3:.1f}, input wait {mean.input * 1e3:.1f})",
+            "final test accuracy": evals[-1]["test_accuracy"] if evals else "-",
+            "run directory": self.run_dir,
+        }
+        print("\n" + format_summary(records, totals), flush=True)

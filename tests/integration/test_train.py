@@ -1,0 +1,174 @@
+"""`mpidl train` end to end under mpiexec: accuracy, bit-exact resume, preemption, errors.
+
+Each test launches real MPI jobs (subprocesses with wall-clock limits) on a small
+generated reviews corpus, shared by the tests of this module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import h5py
+import numpy
+import pytest
+
+from mpidl.testing import tolerance
+from mpidl.testing.launch import launch_env, mpiexec, mpiexec_command
+
+pytestmark = [pytest.mark.timeout(300)]
+
+# 6000 reviews, 64 tokens: 94 steps of 64 per epoch, about a second of training.
+SMALL = ["--data.num-train=6000", "--data.num-test=2000", "--data.vocab-size=2000",
+         "--data.seq-len=64", "--lr=1e-2", "--log-every=4", "--progress=never"]
+EPOCH = 94
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("corpus"))
+
+
+def train(n, run_dir, cache, *args, timeout=240):
+    cmd = [sys.executable, "-m", "mpidl", "train", *SMALL, f"--data.cache-dir={cache}",
+           f"--run-dir={run_dir}", *args]
+    return mpiexec(n, cmd, timeout=timeout)
+
+
+def final_parameters(run_dir):
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    last = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".h5"))[-1]
+    with h5py.File(os.path.join(ckpt_dir, last), "r") as f:
+        return int(f.attrs["step"]), {k: f["model"][k][()] for k in f["model"]}
+
+
+def evals(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "eval"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_default_job_reaches_its_accuracy(tmp_path, cache, ranks):
+    run = str(tmp_path / "run")
+    result = train(ranks, run, cache, "--epochs=2")
+    assert result.returncode == 0, result.output
+    records = evals(run)
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert records[-1]["test_accuracy"] >= 0.9, records
+    assert f"ranks:               {ranks}" in result.stdout
+    assert "final test accuracy" in result.stdout
+    assert result.stdout.count("--- config ---") == 1  # printed by rank 0 only
+    for name in ("config.toml", "metrics.jsonl"):
+        assert os.path.exists(os.path.join(run, name))
+
+
+def test_stopped_and_resumed_run_equals_an_uninterrupted_run_bit_for_bit(tmp_path, cache):
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    assert train(2, whole, cache, "--epochs=2").returncode == 0
+    first = train(2, split, cache, "--epochs=2", f"--stop-at-step={EPOCH}")
+    assert first.returncode == 0, first.output
+    assert f"stopped at step {EPOCH}" in first.stdout
+    second = train(2, split, cache, "--epochs=2")  # resumes automatically from the run dir
+    assert second.returncode == 0, second.output
+    assert "resumed from" in second.stdout
+    step_a, a = final_parameters(whole)
+    step_b, b = final_parameters(split)
+    assert step_a == step_b == 2 * EPOCH
+    assert a.keys() == b.keys()
+    for k in a:
+        assert numpy.array_equal(a[k], b[k]), f"{k} differs after resume"
+    assert [r["test_accuracy"] for r in evals(whole)] == [r["test_accuracy"] for r in evals(split)]
+
+
+@pytest.mark.parametrize("first_ranks, then_ranks", [(2, 1), (1, 3)])
+def test_resume_on_a_different_number_of_ranks(tmp_path, cache, first_ranks, then_ranks):
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    assert train(first_ranks, whole, cache, "--epochs=2").returncode == 0
+    assert train(first_ranks, split, cache, "--epochs=2", f"--stop-at-step={EPOCH}").returncode == 0
+    resumed = train(then_ranks, split, cache, "--epochs=2")
+    assert resumed.returncode == 0, resumed.output
+    assert f"now {then_ranks}" in resumed.stdout
+    _, a = final_parameters(whole)
+    _, b = final_parameters(split)
+    rtol, atol = tolerance("float32")
+    for k in a:  # float sums in another order: equal up to rounding, not bitwise
+        numpy.testing.assert_allclose(b[k], a[k], rtol=100 * rtol, atol=100 * atol, err_msg=k)
+
+
+def _rank_pid(marker, rank):
+    """The pid of the python process of ``rank`` whose command line contains ``marker``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if os.path.basename(argv[0].decode()).startswith("python") and \
+                    any(marker.encode() in a for a in argv):
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+                if env.get(b"OMPI_COMM_WORLD_RANK") == str(rank).encode():
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly_then_resumes_exactly(tmp_path, cache):
+    import subprocess
+
+    slow = ["--epochs=2", "--model=transformer", "--model.dim=16", "--model.layers=1",
+            "--model.heads=2", "--model.ffn=32", "--log-every=1"]
+    whole, run = str(tmp_path / "whole"), str(tmp_path / "preempted")
+    assert train(2, whole, cache, *slow).returncode == 0
+    cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *slow,
+                              f"--data.cache-dir={cache}", f"--run-dir={run}"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env(), start_new_session=True)
+    try:
+        metrics = os.path.join(run, "metrics.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+                break
+            time.sleep(0.02)
+        pid = _rank_pid(run, 1)
+        assert pid is not None, "rank 1 not found"
+        os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, out + err
+    assert "preempted" in out and "exiting with 75" in out
+    step, _ = final_parameters(run)
+    assert 0 < step < 2 * EPOCH, step
+    resumed = train(2, run, cache, *slow)
+    assert resumed.returncode == 0, resumed.output
+    _, a = final_parameters(whole)
+    _, b = final_parameters(run)
+    for k in a:
+        assert numpy.array_equal(a[k], b[k]), f"{k} differs after preemption and resume"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochz=3"], "unknown config key 'epochz'"),
+    (["--epochs=three"], "'epochs'"),
+    (["/nonexistent/run.toml"], "/nonexistent/run.toml"),
+])
+def test_config_errors_give_one_message_and_exit_2_on_every_rank(tmp_path, args, message):
+    result = mpiexec(2, [sys.executable, "-m", "mpidl", "train", *args,
+                         f"--run-dir={tmp_path / 'run'}"], timeout=60)
+    assert result.returncode == 2, result.output
+    assert result.stderr.count("mpidl train: error:") == 1, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_eval_command_scores_the_latest_checkpoint(tmp_path, cache):
+    run = str(tmp_path / "run")
+    assert train(2, run, cache, "--epochs=1").returncode == 0
+    result = mpiexec(2, [sys.executable, "-m", "mpidl", "eval", run], timeout=120)
+    assert result.returncode == 0, result.output
+    accuracy = float(result.stdout.split("test accuracy:")[1].split()[0])
+    assert abs(accuracy - evals(run)[-1]["test_accuracy"]) < 1e-9
