@@ -145,6 +145,16 @@ class Cluster:
         words = proc.stdout.split()
         return (words[0], words[1] if len(words) > 1 else "") if words else None
 
+    def _between_attempts(self, job_id: str) -> bool:
+        """True if a job absent from squeue is being requeued rather than finished.
+
+        Right after ``scontrol requeue`` the job can drop out of squeue for a moment
+        while scontrol already reports it as requeued or pending again.
+        """
+        state = self.show(job_id).get("JobState", "")
+        return state in ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RUNNING",
+                         "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")
+
     def release_holdoff(self, job_id: str) -> None:
         """Start a requeued job now: Slurm otherwise holds it about two minutes."""
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
@@ -157,7 +167,10 @@ class Cluster:
         every (state, reason) while the job is queued.
         """
         deadline = time.monotonic() + limit
-        while (state := self.queue_state(job_id)) is not None:
+        while (state := self.queue_state(job_id)) is not None or self._between_attempts(job_id):
+            if state is None:  # a requeue in progress: not finished, look again
+                time.sleep(0.25)
+                continue
             if on_poll is not None:
                 on_poll(state)
             if state == ("PENDING", "BeginTime"):

@@ -29,7 +29,12 @@ from slurmci import SLURM_DIR, Cluster
 
 pytestmark = pytest.mark.slurm
 
-TRAIN_ARGS = shlex.split(os.environ.get("MPIDL_SLURM_TRAIN_ARGS", ""))
+# A small reviews corpus and a tiny transformer: a few seconds per epoch on 2 tasks.
+DEFAULT_TRAIN_ARGS = (
+    "--data.num-train=6000 --data.num-test=2000 --data.vocab-size=2000 --data.seq-len=64 "
+    "--data.cache-dir=/tmp/mpidl-slurm-ci-corpus --lr=1e-2 --log-every=1 --progress=never "
+    "--model=transformer --model.dim=16 --model.layers=1 --model.heads=2 --model.ffn=32")
+TRAIN_ARGS = shlex.split(os.environ.get("MPIDL_SLURM_TRAIN_ARGS", DEFAULT_TRAIN_ARGS))
 # Long enough that the signal lands mid-training, after the first progress is written.
 PREEMPT_EPOCHS = ["--epochs", "3"]
 TWO_TASKS = ("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10")
