@@ -1,6 +1,9 @@
 """Shared fixtures: the world communicator, and the array modules to run on."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from mpidl.backend import cupy_module
@@ -31,3 +34,17 @@ def _xp_params():
 def xp(request):
     """Each test body runs on numpy and, where a GPU is present, on cupy (as CuPy's tests do)."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def sentiment_sentences() -> Path:
+    """The real labelled review sentences (``shared/data/sentiment-sentences`` beside the
+    repository, or under ``$MPIDL_SHARED_DATA``); the test is skipped where absent."""
+    candidates = [Path(__file__).resolve().parents[2] / "shared" / "data" / "sentiment-sentences"]
+    env = os.environ.get("MPIDL_SHARED_DATA")
+    if env:
+        candidates[:0] = [Path(env) / "sentiment-sentences", Path(env)]
+    for c in candidates:
+        if (c / "imdb.tsv").is_file():
+            return c
+    pytest.skip("shared/data/sentiment-sentences is not present (set MPIDL_SHARED_DATA)")

@@ -63,13 +63,15 @@ class DataParallel:
 
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,
                  compression: str | None = None, hierarchical: bool | int = False,
-                 sparse_embeddings: bool = True, broadcast: bool = True) -> None:
+                 sparse_embeddings: bool = True, broadcast: bool = True,
+                 overlap: bool = True) -> None:
         if compression is not None and compression not in wire.WIRE_DTYPES:
             raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
         self.module = model
         self.comm = comm
+        self.bucket_mb = bucket_mb
         self.compression = compression if comm.size > 1 else None
         self.named = list(model.named_parameters())
         self._check_same_parameters()
@@ -93,10 +95,12 @@ class DataParallel:
             per_node = None if hierarchical is True else int(hierarchical)
             self.reducer = HierarchicalCommunicator(comm, ranks_per_node=per_node)
 
+        self.overlap = overlap
         self._syncing = True
         self._next_launch = 0
         self._in_backward = False
         self.comm_wait_seconds = 0.0  # time the last backward blocked on communication
+        self.comm_wait_start = 0.0  # its time.perf_counter() start (for timelines)
         self.sparse_used = False  # whether the last sync used the sparse row exchange
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
                          for _, p in self.named]
@@ -197,46 +201,65 @@ class DataParallel:
         if not self._syncing:
             return
         t0 = time.perf_counter()
-        self._launch_ready(flush=True)
-        for b in self.buckets:
-            self._finish(b)
+        self._sync_dense()
         self._sync_sparse()
         if not global_count and self.comm.size > 1:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad *= 1.0 / self.comm.size
+        self.comm_wait_start = t0
         self.comm_wait_seconds = time.perf_counter() - t0
 
     # -- hooks and launching ---------------------------------------------------------------
     def _on_grad_final(self, p: Tensor) -> None:
-        if not (self._in_backward and self._syncing):
+        if not (self._in_backward and self._syncing and self.overlap):
             return
         bucket = self._bucket_of.get(id(p))
         if bucket is not None:
             bucket.pending -= 1
             if bucket.pending == 0:
-                self._launch_ready(flush=False)
+                self._launch_ready()
         for b in self.buckets[:self._next_launch]:
             if b.request is not None:
                 b.request.test()  # drive MPI progress while backward computes
 
-    def _launch_ready(self, flush: bool) -> None:
+    def _sync_dense(self) -> None:
+        """Finish the buckets started during backward, then allreduce the others."""
+        for b in self.buckets[:self._next_launch]:
+            self._finish(b)
+        # Buckets not started during backward have nothing left to overlap with, and a
+        # blocking allreduce beats a non-blocking one plus wait here (Open MPI's libnbc
+        # schedule copies through temporary buffers; see benchmarks/README.md).
+        for b in self.buckets[self._next_launch:]:
+            self._start(b, blocking=True)
+        self._next_launch = len(self.buckets)
+
+    def _launch_ready(self) -> None:
         """Start buckets in order: each one once it (and every earlier one) is ready."""
         while self._next_launch < len(self.buckets):
             b = self.buckets[self._next_launch]
-            if b.pending > 0 and not flush:
+            if b.pending > 0:
                 return
             self._start(b)
             self._next_launch += 1
 
-    def _start(self, b: Bucket) -> None:
+    def _start(self, b: Bucket, blocking: bool = False) -> None:
+        """Allreduce bucket ``b``: start it (``b.request``), or run it to the end."""
         if self.comm.size == 1:
             return
         if self.compression is None:
-            b.request = self.reducer.iallreduce_(b.flat)
+            if blocking:
+                self.reducer.allreduce_(b.flat)
+            else:
+                b.request = self.reducer.iallreduce_(b.flat)
             return
         b.wire = wire.compress(b.flat, self.compression, out=b.wire)
-        b.request = self.comm.iallreduce_(b.wire, op=wire.wire_sum_op(self.compression))
+        op = wire.wire_sum_op(self.compression)
+        if blocking:
+            self.comm.allreduce_(b.wire, op=op)
+            wire.decompress(b.wire, self.compression, b.flat)
+        else:
+            b.request = self.comm.iallreduce_(b.wire, op=op)
 
     def _finish(self, b: Bucket) -> None:
         if b.request is None:

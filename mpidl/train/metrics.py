@@ -172,10 +172,14 @@ class StepTimer:
         return time.perf_counter()
 
     @contextlib.contextmanager
-    def step(self, name: str | None = None) -> Iterator[None]:
-        """Time one step; on exit, :attr:`last` holds its :class:`StepTimes`."""
+    def step(self, name: str | None = None, start: float | None = None) -> Iterator[None]:
+        """Time one step; on exit, :attr:`last` holds its :class:`StepTimes`.
+
+        ``start`` (a ``time.perf_counter()`` reading) backdates the step, e.g. to include
+        the wait for its input that happened before the step could be known to exist.
+        """
         self._open = {"comm": 0.0, "input": 0.0}
-        start = self._now()
+        start = self._now() if start is None else start
         try:
             yield
         finally:

@@ -203,7 +203,7 @@ class Trainer:
         logits = self.dp(x)
         loss = F.softmax_cross_entropy(logits, y, reduction="sum")
         self.dp.backward(loss, global_count=n)
-        self.timer.add("comm", self.dp.comm_wait_seconds)
+        self.timer.add("comm", self.dp.comm_wait_seconds, start=self.dp.comm_wait_start)
         if self.config.clip_grad_norm:
             from mpidl.optim import clip_grad_norm_
 
@@ -231,11 +231,15 @@ class Trainer:
             while self.step < stop and not preempted:
                 epoch = self.loader.state_dict()["epoch"]
                 self.loader.set_epoch(epoch)
-                waited = self.loader.wait_s
-                for x, y, n in self.loader:
-                    with self.timer.step():
-                        self.timer.add("input", self.loader.wait_s - waited)
-                        waited = self.loader.wait_s
+                batches = iter(self.loader)
+                while True:
+                    start = time.perf_counter()
+                    batch = next(batches, None)  # waits only if the prefetch fell behind
+                    if batch is None:
+                        break
+                    x, y, n = batch
+                    with self.timer.step(start=start):
+                        self.timer.add("input", time.perf_counter() - start, start=start)
                         loss, correct = self._train_step(x, y, n)
                     self.step += 1
                     window = [window[0] + loss, window[1] + correct, window[2] + len(y)]
@@ -253,6 +257,7 @@ class Trainer:
                         break
                     if self.step >= stop:
                         break
+                batches.close()  # stop the prefetch thread of an epoch left early
                 if preempted:
                     break
                 epoch_done = self.loader.state_dict()["step"] == 0

@@ -52,7 +52,7 @@ def evals(run_dir):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_default_job_reaches_its_accuracy(tmp_path, cache, ranks):
     run = str(tmp_path / "run")
-    result = train(ranks, run, cache, "--epochs=2")
+    result = train(ranks, run, cache, "--epochs=2", "--trace")
     assert result.returncode == 0, result.output
     records = evals(run)
     assert [r["epoch"] for r in records] == [0, 1]
@@ -62,6 +62,13 @@ def test_default_job_reaches_its_accuracy(tmp_path, cache, ranks):
     assert result.stdout.count("--- config ---") == 1  # printed by rank 0 only
     for name in ("config.toml", "metrics.jsonl"):
         assert os.path.exists(os.path.join(run, name))
+    with open(os.path.join(run, "trace.json")) as f:
+        events = json.load(f)["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert {e["pid"] for e in spans} == set(range(ranks))  # every rank's timeline
+    tracks = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"compute", "communication", "input"} <= names or len(tracks) >= 2, names
 
 
 def test_stopped_and_resumed_run_equals_an_uninterrupted_run_bit_for_bit(tmp_path, cache):
@@ -172,3 +179,20 @@ def test_eval_command_scores_the_latest_checkpoint(tmp_path, cache):
     assert result.returncode == 0, result.output
     accuracy = float(result.stdout.split("test accuracy:")[1].split()[0])
     assert abs(accuracy - evals(run)[-1]["test_accuracy"]) < 1e-9
+
+
+def test_real_review_sentences_shard_and_train_through_the_cli(tmp_path, sentiment_sentences):
+    """The path a user takes with a real corpus: mpidl shard, then mpidl train --data."""
+    corpus = tmp_path / "all.tsv"
+    corpus.write_text("".join((sentiment_sentences / f"{name}.tsv").read_text()
+                              for name in ("imdb", "amazon", "yelp")))
+    data, run = str(tmp_path / "data"), str(tmp_path / "run")
+    shard = mpiexec(1, [sys.executable, "-m", "mpidl", "shard", "--from-csv", str(corpus),
+                        "--no-header", "--text-col", "0", "--label-col", "1",
+                        "--test-fraction", "0.2", "--length", "48", data], timeout=120)
+    assert shard.returncode == 0, shard.output
+    result = mpiexec(2, [sys.executable, "-m", "mpidl", "train", f"--data={data}",
+                         "--epochs=10", "--global-batch=32", "--lr=5e-3", "--progress=never",
+                         f"--run-dir={run}"], timeout=240)
+    assert result.returncode == 0, result.output
+    assert evals(run)[-1]["test_accuracy"] >= 0.7  # 3000 real sentences: about 0.8

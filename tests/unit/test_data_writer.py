@@ -24,18 +24,6 @@ def read_all(path):
     return ds, out
 
 
-def sentiment_dir():
-    """``shared/data/sentiment-sentences`` beside the repo, or under $MPIDL_SHARED_DATA."""
-    candidates = [REPO.parent / "shared" / "data" / "sentiment-sentences"]
-    env = os.environ.get("MPIDL_SHARED_DATA")
-    if env:
-        candidates[:0] = [Path(env) / "sentiment-sentences", Path(env)]
-    for c in candidates:
-        if (c / "imdb.tsv").is_file():
-            return c
-    return None
-
-
 def test_arrays_round_trip_over_uneven_shards(tmp_path):
     n = 103
     x = numpy.stack([numpy.arange(n), numpy.arange(n) * 2.0, -numpy.arange(n)], axis=1).astype(
@@ -247,9 +235,9 @@ def test_overwrite_needs_force(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "d" / "test" / "manifest.json")
 
 
-@pytest.mark.skipif(sentiment_dir() is None, reason="shared/data/sentiment-sentences not present")
-def test_real_sentiment_sentences_shard_through_the_tsv_path(tmp_path, capsys):
-    src = sentiment_dir()
+def test_real_sentiment_sentences_shard_through_the_tsv_path(tmp_path, capsys,
+                                                            sentiment_sentences):
+    src = sentiment_sentences
     for name in ("imdb", "amazon", "yelp"):
         out = tmp_path / name
         rc = shard_main(

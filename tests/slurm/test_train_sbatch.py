@@ -11,7 +11,7 @@
 TRAIN_ARGS choose a small, quick task; ``MPIDL_SLURM_TRAIN_ARGS`` (shell words)
 replaces them.
 
-    PYTHONPATH=. .venv/bin/python -m pytest -p no:cacheprovider -q tests/slurm/test_train.py
+    PYTHONPATH=. .venv/bin/python -m pytest -p no:cacheprovider -q tests/slurm/test_train_sbatch.py
 """
 from __future__ import annotations
 
