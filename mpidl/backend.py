@@ -107,29 +107,16 @@ def synchronize(x: Any = None) -> None:
 
 
 def select_device(local_rank: int | None = None) -> int | None:
-    """Make GPU ``local_rank % device_count`` the current CuPy device.
+    """Make this rank's GPU the current CuPy device; call before the first CUDA allocation.
 
-    Call before the first CUDA allocation. ``local_rank`` defaults to the node-local rank
-    that :mod:`hpc.env` reads from the launcher. Devices are counted inside
-    ``CUDA_VISIBLE_DEVICES`` (Slurm's ``--gpus-per-task`` gives each task one visible
-    device, which is then device 0). Returns the device id, or None without CuPy/GPUs.
+    The choice is :func:`hpc.gpu.bind`'s: by node-local rank (read from the launcher when
+    ``local_rank`` is None), among the devices in ``CUDA_VISIBLE_DEVICES`` (Slurm's
+    ``--gpus-per-task`` leaves each task one visible device, which is then device 0).
+    Returns the device index, or None without CuPy or GPUs.
     """
-    cp = cupy_module()
-    if cp is None:
-        return None
-    try:
-        count = cp.cuda.runtime.getDeviceCount()
-    except Exception:
-        return None
-    if count == 0:
-        return None
-    if local_rank is None:
-        from hpc import env
+    from hpc.gpu import bind
 
-        local_rank = env.detect().local_rank
-    device = local_rank % count
-    cp.cuda.Device(device).use()
-    return device
+    return bind(local_rank)
 
 
 def default_xp() -> ModuleType:

@@ -45,6 +45,29 @@ def _want_mpi() -> bool:
     return is_mpi_launch(os.environ)
 
 
+def _warn_if_alone(comm: Communicator) -> None:
+    """Say so when the launcher started several tasks but MPI sees a world of one.
+
+    The classic cause is ``srun --mpi=pmi2`` with an MPI built for PMIx only (the Open
+    MPI wheel): every task silently runs alone and the job still exits 0.
+    """
+    if comm.size != 1:
+        return
+    import sys
+
+    from hpc.env import detect
+
+    try:
+        launched = detect().size
+    except ValueError:
+        return
+    if launched > 1:
+        print(f"mpidl: warning: the launcher started {launched} tasks, but MPI sees a world "
+              "of size 1 in this one: the tasks are not one job. Under Slurm launch with "
+              "`srun --mpi=pmix` (not pmi2); otherwise use the mpiexec of the MPI that "
+              "mpi4py was built with.", file=sys.stderr, flush=True)
+
+
 def world() -> Communicator:
     """The communicator of every rank in the job (created once per process).
 
@@ -69,6 +92,7 @@ def world() -> Communicator:
                 from mpidl.comm.mpi import MpiCommunicator
 
                 _world = MpiCommunicator(MPI.COMM_WORLD)
+                _warn_if_alone(_world)
         else:
             _world = SingleCommunicator()
     return _world
