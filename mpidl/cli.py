@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("mpidl.train.plot:main", "plot a run's metrics to PNG (needs the [plot] extra)"),
     "info": ("mpidl.info:main", "report MPI, ranks, nodes, GPUs, library versions"),
     "sbatch": ("hpc.sbatch:main", "render a Slurm batch script for a site profile"),
+    "bench": ("hpc.bench:main", "collective micro-benchmarks: latency, busbw, alpha-beta fit"),
     "demo": ("mpidl.demo:main", "a short demonstration of the communicator on all ranks"),
     "run": ("mpidl.cli:run_main", "run a Python script with the abort-all-ranks exception hook"),
 }

@@ -3,7 +3,8 @@
 The two-task job also runs the optional `mpidl train` step (MPIDL_BENCH_TRAIN) for a
 few steps of a tiny model; its run directory lands in the test's temporary folder.
 
-    PYTHONPATH=. .venv/bin/python -m pytest -p no:cacheprovider -q tests/slurm/test_bench_template.py
+    PYTHONPATH=. .venv/bin/python -m pytest -p no:cacheprovider -q \
+        tests/slurm/test_bench_template.py
 """
 from __future__ import annotations
 
