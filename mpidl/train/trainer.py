@@ -99,6 +99,9 @@ class Trainer:
         self.config, self.comm, self.run_dir = config, comm, run_dir
         self.log = Logger(comm.rank, comm.size)
         self.xp = get_xp(config.backend)
+        from mpidl.backend import limit_cpu_threads
+
+        self.threads = limit_cpu_threads(comm.local_size)
         if config.backend == "cupy":
             from hpc.gpu import bind
 
@@ -308,6 +311,7 @@ class Trainer:
         evals = [r for r in records if r.get("kind") == "eval"]
         totals = {
             "ranks": self.comm.size,
+            "BLAS threads per rank": self.threads or "as set by OMP_NUM_THREADS / default",
             "steps": f"{steps} this run, {self.step} in all",
             "wall time": f"{seconds:.1f} s",
             "samples/s": steps * self.config.global_batch / seconds if seconds else 0.0,

@@ -42,3 +42,23 @@ def test_select_device_without_gpu_returns_none():
     if backend.cupy_module() is not None:
         pytest.skip("CuPy is installed here")
     assert backend.select_device(0) is None
+
+
+def test_cpu_threads_are_shared_among_the_ranks_of_a_node():
+    import os
+    import subprocess
+    import sys
+
+    code = ("from mpidl.backend import limit_cpu_threads\n"
+            "from threadpoolctl import threadpool_info\n"
+            "n = limit_cpu_threads(ranks_on_node=64)\n"
+            "print(n, {i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'})")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "{1}"]  # 64 ranks on this node: one thread each
+    user_set = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**env, "OMP_NUM_THREADS": "2"}, timeout=60)
+    assert user_set.stdout.startswith("None")  # the user's setting wins
