@@ -225,11 +225,14 @@ class MpiCommunicator(Communicator):
         """
         xp = get_array_module(x)
         x = xp.ascontiguousarray(x)
-        shapes = self.allgather_obj((tuple(x.shape[1:]), str(x.dtype)))
+        # One small allgather carries both the agreement check and the row counts.
+        meta = self.allgather_obj((tuple(x.shape[1:]), str(x.dtype), int(x.shape[0])))
+        shapes = [m[:2] for m in meta]
         bad = [r for r, s in enumerate(shapes) if s != shapes[0]]
-        self.check(not bad, f"allgatherv: trailing shape/dtype {shapes[self.rank]} "
-                            f"differs from rank 0's {shapes[0]}")
-        rows = [int(n) for n in self.allgather_obj(int(x.shape[0]))]
+        if bad:  # every rank sees the same list, so every rank raises here together
+            self.check(self.rank not in bad, f"allgatherv: trailing shape/dtype "
+                                             f"{shapes[self.rank]} differs from rank 0's {shapes[0]}")
+        rows = [m[2] for m in meta]
         row_items = 1
         for d in x.shape[1:]:
             row_items *= d

@@ -15,12 +15,17 @@ What happens inside:
   mismatch raises :class:`~mpidl.comm.DistributedError` on every rank naming the first
   differing parameter and the ranks. Then rank 0's parameters are broadcast.
 - Gradients live in flat per-dtype buckets (``param.grad`` are views into them, see
-  :mod:`mpidl.parallel.buckets`). During backward, a parameter's post-accumulate hook
-  counts down its bucket; a bucket whose gradients are all final starts its
-  non-blocking allreduce at once, while backward goes on. Buckets start in a fixed
-  order (a ready bucket waits for the ones before it), so every rank issues the same
-  collectives in the same order. Later hooks call ``test()`` on the requests in flight:
-  Open MPI progresses a non-blocking collective only inside MPI calls.
+  :mod:`mpidl.parallel.buckets`), so there are no packing copies. After backward each
+  bucket's allreduce is issued in a fixed order, so every rank issues the same
+  collectives in the same order.
+- Overlap (the default): a parameter's post-accumulate hook counts down its bucket
+  during backward; a bucket whose gradients are all final starts its non-blocking
+  allreduce at once (a ready bucket waits for the ones before it), and later hooks
+  call ``test()`` on the requests in flight: Open MPI progresses a non-blocking
+  collective only inside MPI calls. ``overlap=False`` instead runs one blocking
+  allreduce per bucket after backward, which measured a few percent faster on one
+  shared-memory node, where both cores compute and nothing is left to overlap with
+  (benchmarks/README.md).
 - ``backward(loss, global_count=n)`` seeds backward with ``1/n`` instead of 1, so the
   allreduced *sum* is the mean over the global batch, with no extra pass over the
   gradients. Ranks with fewer samples (or none, in the last step of an epoch) simply
@@ -49,16 +54,25 @@ class DataParallel:
     Args:
         model: an :class:`mpidl.nn.Module`, built identically on every rank.
         comm: the communicator of the replicas (``mpidl.comm.world()``).
-        bucket_mb: bucket size in MiB. Smaller buckets start communicating earlier in
-            backward; larger ones pay MPI's per-call latency less often. 4 MiB was the
-            fastest on shared memory here (see benchmarks/README.md); multi-node
-            networks often prefer larger.
+        bucket_mb: bucket size in MiB, and the largest message sent (a parameter
+            larger than a bucket is sent in bucket-sized pieces). Measured with Open MPI
+            over shared memory (2 ranks, benchmarks/README.md "Data parallel"): one
+            allreduce moves 4-5 MiB fastest (about 6 GB/s) and halves its throughput
+            above 6 MiB, and per-call latency is only ~2 us, so the default is 4 MiB
+            (0.25-1 MiB buckets are not faster; 25 MiB, PyTorch's default, is slower).
+            Multi-node networks may prefer larger; measure with benchmarks/gradsync.py.
         compression: None, "float16" or "bfloat16": the dtype gradients travel in.
         hierarchical: node-local reduce, allreduce among node leaders, node-local
             broadcast (pass an int to group that many consecutive ranks per "node").
         sparse_embeddings: exchange only touched rows of embedding tables whose
             gradients are row-sparse (the default, chosen per step when cheaper).
         broadcast: copy rank 0's parameters to every rank at construction.
+        overlap: start each bucket's non-blocking allreduce from backward's hooks as
+            soon as it is full, polling ``test()`` from later hooks, so communication
+            hides behind the rest of backward where a network moves the data (RDMA
+            offload). False: one blocking allreduce per bucket after backward; on a
+            single shared-memory node with every core computing it measured a few
+            percent faster (mlp 20.0 vs 21.3 ms per step at 2 ranks).
     """
 
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,
@@ -81,7 +95,8 @@ class DataParallel:
         params = [p for _, p in self.named]
         self.sparse = [p for p in params if sparse_embeddings and _is_row_sparse(model, p)]
         dense = [p for p in params if not any(p is s for s in self.sparse)]
-        self.buckets: list[Bucket] = build_buckets(dense, int(bucket_mb * 2**20))
+        self._piece_bytes = int(bucket_mb * 2**20)
+        self.buckets: list[Bucket] = build_buckets(dense, self._piece_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sparse_rows: dict[int, Any] = {}
 
@@ -249,14 +264,14 @@ class DataParallel:
             return
         if self.compression is None:
             if blocking:
-                self.reducer.allreduce_(b.flat)
+                _allreduce_pieces(self.reducer, b.flat, self._piece_bytes)
             else:
                 b.request = self.reducer.iallreduce_(b.flat)
             return
         b.wire = wire.compress(b.flat, self.compression, out=b.wire)
         op = wire.wire_sum_op(self.compression)
         if blocking:
-            self.comm.allreduce_(b.wire, op=op)
+            _allreduce_pieces(self.comm, b.wire, self._piece_bytes, op=op)
             wire.decompress(b.wire, self.compression, b.flat)
         else:
             b.request = self.comm.iallreduce_(b.wire, op=op)
@@ -293,7 +308,7 @@ class DataParallel:
             if rows is None:
                 rows = xp.zeros(0, dtype=xp.int64)
             if self.comm.size > 1:
-                used = allreduce_rows_(self.comm, p.grad, rows) or used
+                used = allreduce_rows_(self.comm, p.grad, rows, self._piece_bytes) or used
         self.sparse_used = used
 
     def checksum(self) -> float:
@@ -310,6 +325,17 @@ class DataParallel:
         self._handles = []
         if self.reducer is not self.comm:
             self.reducer.free()
+
+
+def _allreduce_pieces(comm: Any, flat: Any, piece_bytes: int, op: Any = "sum") -> None:
+    """Blocking in-place allreduce of a 1-D array, in messages of at most ``piece_bytes``.
+
+    A parameter larger than a bucket gets a bucket of its own; sending it in bucket-sized
+    pieces keeps every message in the size range where the allreduce is fastest.
+    """
+    step = max(1, piece_bytes // flat.itemsize)
+    for i in range(0, flat.size, step):
+        comm.allreduce_(flat[i:i + step], op=op)
 
 
 def _is_row_sparse(model: Any, p: Tensor) -> bool:

@@ -7,14 +7,23 @@ sums them locally, which gives exactly the dense allreduce's sum (up to the orde
 float additions, which is the same on every rank, so replicas stay identical).
 
 Whether sparse pays is decided per step, the same way on every rank (from the
-allgathered row counts): sparse when the bytes each rank receives are fewer than a ring
-allreduce of the dense table moves, else the dense allreduce.
+allgathered row counts): sparse when the bytes each rank receives, weighted by
+``SPARSE_BYTE_COST``, are fewer than a ring allreduce of the dense table moves, else
+the dense allreduce.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from mpidl.backend import get_array_module
+
+
+# A gathered byte costs more than an allreduced one: the rows are gathered out of the
+# table, and summed back into it, by fancy indexing (several passes), while the dense
+# allreduce streams one contiguous buffer. Measured on 2 ranks over shared memory
+# (benchmarks/README.md, "Data parallel"): a 20000 x 128 float32 table breaks even at
+# about 3000 rows touched per rank, i.e. sparse bytes ~ 0.3 x dense bytes.
+SPARSE_BYTE_COST = 3.0
 
 
 def sparse_is_cheaper(row_counts: list[int], vocab: int, row_bytes: int, size: int) -> bool:
@@ -30,26 +39,35 @@ def sparse_is_cheaper(row_counts: list[int], vocab: int, row_bytes: int, size: i
         return False
     dense = 2 * (size - 1) / size * vocab * row_bytes  # a ring allreduce, per rank
     sparse = sum(row_counts) * (row_bytes + 8)  # rows plus their int64 ids, received
-    return sparse < dense
+    return SPARSE_BYTE_COST * sparse < dense
 
 
-def allreduce_rows_(comm: Any, grad: Any, rows: Any) -> bool:
+def allreduce_rows_(comm: Any, grad: Any, rows: Any, piece_bytes: int | None = None) -> bool:
     """Sum ``grad`` over all ranks in place, sending only ``rows`` if that is cheaper.
 
     Collective. ``grad`` is a dense ``(vocab, dim)`` gradient that is zero outside
     ``rows`` (a sorted array of unique row ids) on this rank. Returns True if the sparse
-    exchange was used, False if it fell back to the dense allreduce.
+    exchange was used, False if it fell back to the dense allreduce (sent in messages of
+    at most ``piece_bytes`` when given: large allreduces are slower per byte).
     """
     xp = get_array_module(grad)
     counts = [int(n) for n in comm.allgather_obj(int(rows.shape[0]))]
     row_bytes = grad.itemsize * (grad.size // grad.shape[0])
     if not sparse_is_cheaper(counts, grad.shape[0], row_bytes, comm.size):
-        comm.allreduce_(grad)
+        flat = grad.reshape(-1)
+        step = flat.size if not piece_bytes else max(1, piece_bytes // flat.itemsize)
+        for i in range(0, flat.size, step):
+            comm.allreduce_(flat[i:i + step])
         return False
     ids = comm.allgatherv(xp.ascontiguousarray(rows, dtype=xp.int64))
     values = comm.allgatherv(xp.ascontiguousarray(grad[rows]))
-    from mpidl.functions.embedding import segment_sum
-
-    summed, _ = segment_sum(xp, ids, values, None, grad.shape[0])
-    grad[...] = summed
+    # Sum in place, touching only the gathered rows (not the whole table): clear ours,
+    # then add each rank's block in rank order. Ids are unique within a block, so a
+    # fancy-indexed += is exact, and every rank adds in the same order, so replicas
+    # stay bit-identical.
+    grad[rows] = 0
+    start = 0
+    for n in counts:
+        grad[ids[start:start + n]] += values[start:start + n]
+        start += n
     return True

@@ -127,6 +127,7 @@ class Config:
     # -- distribution
     backend: str = choices("numpy", "cupy", default="numpy")
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
+    overlap: bool = True                     # start bucket allreduces during backward
     # -- run directory, checkpoints, logging
     run_dir: str = ""                        # "" = runs/<task>-<model>-<time>
     resume: Union[bool, str] = "auto"        # auto | true | false | PATH (see resume docs)

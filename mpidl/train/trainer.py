@@ -110,7 +110,7 @@ class Trainer:
         self.test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
         self.model = build_model(config, self.train_set).to(self.xp)
         dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
-        self.dp = DataParallel(self.model, comm, **dp_options)
+        self.dp = DataParallel(self.model, comm, overlap=config.overlap, **dp_options)
         self.optimizer = build_optimizer(config, self.model.parameters())
         sampler = DistributedSampler(len(self.train_set), config.global_batch, comm.rank,
                                      comm.size, seed=config.seed)

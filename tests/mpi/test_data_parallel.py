@@ -80,10 +80,11 @@ def make_opt(kind, params):
 
 @pytest.mark.parametrize("model_fn, kind", [(small_mlp, "mlp"), (small_transformer, "tokens")])
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_n_ranks_match_one_rank_with_the_global_batch(comm, model_fn, kind, optim):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_n_ranks_match_one_rank_with_the_global_batch(comm, model_fn, kind, optim, overlap):
     steps, global_batch = 3, 4 * comm.size
     model, ref = model_fn(), model_fn()
-    dp = DataParallel(model, comm, bucket_mb=0.001)
+    dp = DataParallel(model, comm, bucket_mb=0.001, overlap=overlap)
     data = list(batches(kind, steps, global_batch))
     train_parallel(comm, dp, make_opt(optim, model.parameters()), data)
     train_reference(ref, make_opt(optim, ref.parameters()), data)
@@ -131,9 +132,10 @@ def test_no_sync_accumulation_equals_one_larger_batch(comm):
 
 
 @pytest.mark.parametrize("bucket_mb", [1e-5, 0.002, 1000])
-def test_bucket_size_does_not_change_the_result(comm, bucket_mb):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bucket_size_does_not_change_the_result(comm, bucket_mb, overlap):
     model, ref = small_mlp(), small_mlp()
-    dp = DataParallel(model, comm, bucket_mb=bucket_mb)
+    dp = DataParallel(model, comm, bucket_mb=bucket_mb, overlap=overlap)
     train_parallel(comm, dp, SGD(model.parameters(), lr=0.1), batches("mlp", 2, 5))
     train_reference(ref, SGD(ref.parameters(), lr=0.1), batches("mlp", 2, 5))
     expected = len(list(model.parameters())) if bucket_mb == 1e-5 else None

@@ -1,0 +1,295 @@
+"""Data-parallel training throughput: mpidl DataParallel vs PyTorch DDP (gloo), same run.
+
+Protocol (DESIGN.md "Reference models and benchmark protocol"): the reference models,
+float32, batch per rank 128 (mlp) / 64 (bow) / 32 (transformer), synthetic
+pre-generated batches (different on every rank), per step forward + softmax
+cross-entropy + backward (+ gradient allreduce) + SGD step (lr 0.01) + zero_grad, one
+thread per rank, a warm-up, then timed windows. A window's time is the slowest rank's;
+samples/s counts every rank's samples (weak scaling: the global batch grows with the
+ranks). Weak-scaling efficiency = samples/s at N ranks / (N x samples/s at 1 rank).
+
+- mpidl: ``loss = softmax_cross_entropy(dp(x), y, reduction="sum");
+  dp.backward(loss, global_count=n); opt.step(); opt.zero_grad()`` with
+  :class:`mpidl.parallel.DataParallel` (at 1 rank too: the same user code).
+- PyTorch: ``DistributedDataParallel`` on gloo over loopback at 2 ranks, the plain model
+  at 1 rank (the stronger baseline). PyTorch's embedding gradients are dense.
+
+Token ids: real text follows Zipf's law, so by default ``bow`` and ``transformer``
+batches draw ids with probability proportional to 1/rank (over a fixed random
+permutation of the vocabulary); ``--ids uniform`` draws them uniformly (many more
+distinct rows per batch, the worst case for mpidl's sparse embedding exchange).
+
+Every (framework, ranks) pair is one ``mpiexec`` launch; PyTorch's ranks find each other
+through MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE taken from Open MPI's environment.
+Run from the repository root::
+
+    .venv/bin/python benchmarks/dp_train.py                    # all models, 1 and 2 ranks
+    .venv/bin/python benchmarks/dp_train.py --models bow --ids uniform
+    .venv/bin/python benchmarks/dp_train.py --rounds 2 --mca coll_tuned_use_dynamic_rules=1 \\
+        --mca coll_tuned_allreduce_algorithm=4
+
+Prints one JSON line per measurement, then a markdown table.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import numpy  # noqa: E402
+
+import mpi_timing as mt  # noqa: E402
+
+CASES = {
+    "mlp": {"batch": 128, "classes": 10},
+    "bow": {"batch": 64, "tokens": 256, "vocab": 20000, "classes": 2},
+    "transformer": {"batch": 32, "tokens": 128, "vocab": 8000, "classes": 2},
+}
+N_BATCHES = 8
+
+
+def make_batches(model: str, rank: int, ids: str) -> list[tuple[numpy.ndarray, numpy.ndarray]]:
+    """This rank's pre-generated batches (a different stream on every rank)."""
+    case = CASES[model]
+    rng = numpy.random.default_rng(1000 + rank)
+    if "vocab" in case:
+        vocab = case["vocab"]
+        order = numpy.random.default_rng(7).permutation(vocab)  # same on every rank
+        zipf = 1.0 / numpy.arange(1, vocab + 1)
+        zipf /= zipf.sum()
+    out = []
+    for _ in range(N_BATCHES):
+        if model == "mlp":
+            x = rng.standard_normal((case["batch"], 784)).astype(numpy.float32)
+        elif ids == "zipf":
+            x = order[rng.choice(vocab, size=(case["batch"], case["tokens"]), p=zipf)]
+        else:
+            x = rng.integers(0, vocab, size=(case["batch"], case["tokens"]))
+        y = rng.integers(0, case["classes"], size=case["batch"])
+        out.append((x, y))
+    return out
+
+
+def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], None], dict]:
+    import mpidl.comm
+    import mpidl.models as models
+    from mpidl import functions as F
+    from mpidl.optim import SGD
+    from mpidl.parallel.data import DataParallel
+
+    comm = mpidl.comm.world()
+    model = models.build(args.model, seed=0)
+    kwargs: dict = {} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}
+    if args.overlap is not None:
+        kwargs["overlap"] = args.overlap == "on"
+    dp = DataParallel(model, comm, **kwargs)
+    opt = SGD(model.parameters(), lr=0.01)
+    global_count = CASES[args.model]["batch"] * comm.size
+    state = {"i": 0, "wait": [], "sparse": 0}
+
+    def step() -> None:
+        x, y = batches[state["i"] % N_BATCHES]
+        state["i"] += 1
+        loss = F.softmax_cross_entropy(dp(x), y, reduction="sum")
+        dp.backward(loss, global_count=global_count)
+        opt.step()
+        opt.zero_grad()
+        state["wait"].append(dp.comm_wait_seconds)
+        state["sparse"] += int(dp.sparse_used)
+
+    def extra() -> dict:
+        return {"bucket_mb": dp.bucket_mb, "overlap": dp.overlap, "buckets": len(dp.buckets),
+                "comm_wait_ms": 1e3 * statistics.median(state["wait"]) if state["wait"] else 0,
+                "sparse_step_share": state["sparse"] / max(1, state["i"])}
+    return step, {"extra": extra, "params": model.num_parameters()}
+
+
+def torch_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], None], dict]:
+    import torch
+    import torch.distributed as dist
+
+    from engine import torch_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+    model = torch_model(args.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    if world > 1:
+        os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+        os.environ["WORLD_SIZE"] = str(world)
+        dist.init_process_group("gloo", init_method="env://")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+    state = {"i": 0}
+
+    def step() -> None:
+        x, y = batches[state["i"] % N_BATCHES]
+        state["i"] += 1
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, {"extra": lambda: {}, "params": n_params}
+
+
+def worker(args: argparse.Namespace) -> int:
+    mt.limit_threads()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    info = mt.machine() if comm.rank == 0 else {}
+    batches = make_batches(args.model, comm.rank, args.ids)
+    make = torch_step if args.framework == "torch" else mpidl_step
+    step, meta = make(args, batches)
+    c0 = time.process_time()
+    times = mt.timed_windows(comm, step, args.window_s, args.windows, args.warmup_s)
+    cpu = comm.allreduce(time.process_time() - c0, op=MPI.SUM)
+    if comm.rank == 0:
+        batch = CASES[args.model]["batch"]
+        rates = [batch * comm.size / t for t in times]
+        mt.emit({"bench": "dp_train", "model": args.model, "framework": args.framework,
+                 "world": comm.size, "threads_per_rank": 1, "batch_per_rank": batch,
+                 "ids": args.ids if args.model != "mlp" else None, "params": meta["params"],
+                 "samples_per_s": mt.stats(rates), "step_ms": mt.stats([1e3 * t for t in times]),
+                 "cpu_s_all_ranks": cpu, "machine": info, "mca": args.mca_note,
+                 **meta["extra"]()})
+    if args.framework == "torch" and comm.size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: argparse.Namespace, model: str, framework: str, ranks: int) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks), "--oversubscribe"]
+    for kv in args.mca:
+        key, _, value = kv.partition("=")
+        cmd += ["--mca", key, value]
+    cmd += [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
+            "--framework", framework, "--ids", args.ids, "--window-s", str(args.window_s),
+            "--windows", str(args.windows), "--warmup-s", str(args.warmup_s),
+            "--mca-note", " ".join(args.mca)]
+    if args.bucket_mb:
+        cmd += ["--bucket-mb", str(args.bucket_mb)]
+    if args.overlap:
+        cmd += ["--overlap", args.overlap]
+    env = dict(os.environ, **mt.MPI_ENV, MPIDL_COMM="mpi", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True,
+                         timeout=args.timeout)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _merge(acc: dict | None, rec: dict) -> dict:
+    """Pool the windows of several rounds (median over all windows)."""
+    rates = [rec["samples_per_s"]["median"]] if acc is None else \
+        acc["_rates"] + [rec["samples_per_s"]["median"]]
+    best = rec["samples_per_s"]["max"] if acc is None else \
+        max(acc["best"], rec["samples_per_s"]["max"])
+    rec = dict(rec, _rates=rates, best=best)
+    rec["samples_per_s_rounds"] = mt.stats(rates)
+    return rec
+
+
+def _fmt(r: dict | None) -> str:
+    if r is None:
+        return "–"
+    s = r["samples_per_s_rounds"]
+    if s["n"] == 1:
+        s = r["samples_per_s"]
+    return f"{s['median']:,.0f} ({s['min']:,.0f}–{s['max']:,.0f})"
+
+
+def _best(r: dict | None) -> float:
+    return r["best"] if r else float("nan")
+
+
+def _med(r: dict | None) -> float:
+    return r["samples_per_s_rounds"]["median"] if r else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="mlp,bow,transformer")
+    p.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
+    p.add_argument("--frameworks", default="mpidl,torch")
+    p.add_argument("--ids", choices=("zipf", "uniform"), default="zipf")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="DataParallel bucket size (default: DataParallel's default)")
+    p.add_argument("--overlap", choices=("on", "off"), default=None,
+                   help="DataParallel(overlap=...): start bucket allreduces during backward "
+                        "(default: DataParallel's default)")
+    p.add_argument("--window-s", type=float, default=2.0)
+    p.add_argument("--windows", type=int, default=5)
+    p.add_argument("--warmup-s", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every launch, alternating the frameworks' order; the table "
+                        "gives the median (min–max) of the per-launch medians")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--mca", action="append", default=[],
+                   help="KEY=VALUE passed to mpiexec as --mca KEY VALUE (repeatable)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--framework", help=argparse.SUPPRESS)
+    p.add_argument("--mca-note", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    models = [m for m in args.models.split(",") if m]
+    ranks = [int(n) for n in args.ranks.split(",")]
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    res: dict[tuple[str, str, int], dict] = {}
+    for r in range(args.rounds):
+        for model in models:
+            for n in ranks:
+                for fw in (frameworks if r % 2 == 0 else frameworks[::-1]):
+                    rec = launch(args, model, fw, n)
+                    print(json.dumps(rec), flush=True)
+                    res[(model, fw, n)] = _merge(res.get((model, fw, n)), rec)
+
+    print(f"\nids: {args.ids}; rounds: {args.rounds}; "
+          f"load average at the first launch: {next(iter(res.values()))['machine'].get('loadavg', 0):.2f}")
+    print("\nsamples/s: median (min–max) over launches of each launch's median window; "
+          "best = the fastest window of any launch (the least disturbed by other load)")
+    print("\n| model | ranks | mpidl samples/s | torch samples/s | mpidl / torch | best mpidl "
+          "| best torch | best ratio | mpidl eff. (best) | torch eff. (best) | mpidl sync ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in models:
+        for n in ranks:
+            m, t = res.get((model, "mpidl", n)), res.get((model, "torch", n))
+            m1, t1 = res.get((model, "mpidl", 1)), res.get((model, "torch", 1))
+            eff_m = _med(m) / (n * _med(m1)) if m and m1 else float("nan")
+            eff_t = _med(t) / (n * _med(t1)) if t and t1 else float("nan")
+            bm, bt, bm1, bt1 = (_best(r) for r in (m, t, m1, t1))
+            wait = f"{m['comm_wait_ms']:.1f}" if m else "–"
+            print(f"| {model} | {n} | {_fmt(m)} | {_fmt(t)} | {_med(m) / _med(t):.2f}x | "
+                  f"{bm:,.0f} | {bt:,.0f} | {bm / bt:.2f}x | {eff_m:.2f} ({bm / (n * bm1):.2f}) | "
+                  f"{eff_t:.2f} ({bt / (n * bt1):.2f}) | {wait} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
