@@ -239,10 +239,18 @@ class Function:
     input that needs none). Keyword arguments of ``apply`` become attributes, so
     ``Sum.apply(x, axis=1)`` can read ``self.axis``. ``backward`` may receive None for an
     output that got no gradient only when ``forward`` returned several outputs.
+
+    ``owned_grads`` lists the input positions whose gradient ``backward`` returns as a
+    freshly allocated, C-contiguous array that nothing else references (a GEMM result,
+    a new zeroed table; never ``gy`` itself, a view of it or a saved array). For those,
+    a leaf whose ``.grad`` is None adopts the array as its ``.grad`` instead of copying
+    it (a 10 MB embedding gradient costs a copy per step otherwise). Set it on the class,
+    or on the instance inside ``backward`` when it depends on the path taken.
     """
 
     generation = 0
     inputs: tuple | None = None
+    owned_grads: tuple[int, ...] = ()
 
     def __init__(self, **params: Any) -> None:
         self.__dict__.update(params)
@@ -372,15 +380,18 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
         gxs = f.backward(*gys) if len(gys) > 1 else f.backward(gys[0])
         if not isinstance(gxs, tuple):
             gxs = (gxs,)
-        inputs = f.inputs
+        inputs, owned = f.inputs, f.owned_grads
         if not retain_graph:
             f.release()
-        for x, gx in zip(inputs, gxs):
+        for i, (x, gx) in enumerate(zip(inputs, gxs)):
             if not (isinstance(x, Tensor) and x.requires_grad):
                 continue
             if x.creator is None:
                 if gx is not None:
-                    _accumulate_leaf(x, gx)
+                    # An owned array may be adopted, unless the same array was also
+                    # returned for another input (it would then be aliased).
+                    _accumulate_leaf(x, gx, i in owned
+                                     and sum(g is gx for g in gxs) == 1)
                     received.add(id(x))
                 pending_leaf[id(x)] -= 1
                 if pending_leaf[id(x)] == 0 and id(x) in received:
@@ -402,13 +413,19 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
             _fire(leaves[key])
 
 
-def _accumulate_leaf(x: Tensor, g: Any) -> None:
+def _accumulate_leaf(x: Tensor, g: Any, owned: bool = False) -> None:
     if g.shape != x.data.shape:
         raise RuntimeError(
             f"gradient of shape {g.shape} for a tensor of shape {x.data.shape} "
             f"({x.name or 'unnamed'}): a Function.backward returned a wrong shape"
         )
     if x.grad is None:
+        if (owned and type(g) is type(x.data) and g.dtype == x.data.dtype
+                and g.flags.c_contiguous):
+            # Function.owned_grads: nothing else holds this array, so it can become
+            # the .grad that later accumulation writes into in place.
+            x.grad = g
+            return
         # A function may return the same array for several inputs (add does), so the
         # leaf gets its own copy; later accumulation writes into it in place.
         # xp.array (not astype) so that a NumPy scalar from 0-d arithmetic becomes an array.

@@ -51,6 +51,8 @@ def _is_advanced(index: Any) -> bool:
 
 
 class GetItem(Function):
+    owned_grads = (0,)  # a fresh zeroed array
+
     def forward(self, x):
         self.x_shape, self.x_dtype = x.shape, x.dtype
         return x[self.index]

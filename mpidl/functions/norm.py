@@ -9,6 +9,8 @@ from mpidl.functions.math import sum_last_axis, sum_leading_axes
 
 
 class LayerNorm(Function):
+    owned_grads = (0, 1, 2)  # every gradient is a fresh array
+
     def forward(self, x, weight, bias):
         xp = get_array_module(x)
         t = x.dtype.type

@@ -21,6 +21,8 @@ from mpidl.nn.module import Module, Parameter, default_dtype
 class LinearFunction(Function):
     """``x (..., in) @ weight.T (in, out) + bias (out,)`` -> ``(..., out)``."""
 
+    owned_grads = (0, 1, 2)  # GEMM and column-sum results: fresh arrays
+
     def forward(self, x, weight, bias):
         xp = get_array_module(x, weight)
         n_in = weight.shape[1]
