@@ -61,6 +61,10 @@ def job_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return environ
 
 
+# Seconds a requeued job waits for its hold-off before the test releases it.
+HOLDOFF_RELEASE_DELAY_S = 5.0
+
+
 @dataclass
 class Job:
     """A finished (or still pending) job as ``scontrol show job`` describes it."""
@@ -163,10 +167,12 @@ class Cluster:
              on_poll: Callable[[tuple[str, str]], None] | None = None) -> Job:
         """Poll until the job leaves the queue; cancel it and fail after ``limit`` seconds.
 
-        A requeued job pending for ``BeginTime`` is released at once. ``on_poll`` sees
+        A requeued job pending for ``BeginTime`` is released after
+        ``HOLDOFF_RELEASE_DELAY_S`` instead of Slurm's two minutes. ``on_poll`` sees
         every (state, reason) while the job is queued.
         """
         deadline = time.monotonic() + limit
+        held_since = None
         while (state := self.queue_state(job_id)) is not None or self._between_attempts(job_id):
             if state is None:  # a requeue in progress: not finished, look again
                 time.sleep(0.25)
@@ -174,7 +180,14 @@ class Cluster:
             if on_poll is not None:
                 on_poll(state)
             if state == ("PENDING", "BeginTime"):
-                self.release_holdoff(job_id)
+                # Not at once: slurmd revokes the previous attempt's credential while it
+                # cleans up, and an attempt started within that window is killed as
+                # "non-startable batch job: Job credential revoked" (seen here).
+                held_since = held_since or time.monotonic()
+                if time.monotonic() - held_since > HOLDOFF_RELEASE_DELAY_S:
+                    self.release_holdoff(job_id)
+            else:
+                held_since = None
             if time.monotonic() > deadline:
                 self.run("scancel", job_id, check=False)
                 job = Job(job_id, self.show(job_id), self._logs.get(job_id))
