@@ -270,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(rec), flush=True)
                     res[(model, fw, n)] = _merge(res.get((model, fw, n)), rec)
 
+    loadavg = next(iter(res.values()))['machine'].get('loadavg', 0)
     print(f"\nids: {args.ids}; rounds: {args.rounds}; "
-          f"load average at the first launch: {next(iter(res.values()))['machine'].get('loadavg', 0):.2f}")
+          f"load average at the first launch: {loadavg:.2f}")
     print("\nsamples/s: median (min–max) over launches of each launch's median window; "
           "best = the fastest window of any launch (the least disturbed by other load)")
     print("\n| model | ranks | mpidl samples/s | torch samples/s | mpidl / torch | best mpidl "

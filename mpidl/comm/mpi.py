@@ -231,7 +231,8 @@ class MpiCommunicator(Communicator):
         bad = [r for r, s in enumerate(shapes) if s != shapes[0]]
         if bad:  # every rank sees the same list, so every rank raises here together
             self.check(self.rank not in bad, f"allgatherv: trailing shape/dtype "
-                                             f"{shapes[self.rank]} differs from rank 0's {shapes[0]}")
+                                             f"{shapes[self.rank]} differs from rank 0's "
+                                             f"{shapes[0]}")
         rows = [m[2] for m in meta]
         row_items = 1
         for d in x.shape[1:]:

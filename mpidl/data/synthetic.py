@@ -325,7 +325,8 @@ def _render(tokens: numpy.ndarray, review: numpy.ndarray, keep: numpy.ndarray) -
     return out
 
 
-def _split(rng: numpy.random.Generator, n: int, label_noise: float) -> tuple[list[str], numpy.ndarray]:
+def _split(rng: numpy.random.Generator, n: int,
+           label_noise: float) -> tuple[list[str], numpy.ndarray]:
     """``n`` reviews, ``n // 2`` negative and ``n - n // 2`` positive, shuffled."""
     want = {0: n // 2, 1: n - n // 2}
     texts: list[str] = []

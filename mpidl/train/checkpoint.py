@@ -205,7 +205,8 @@ def _read_tree(group: Any) -> dict[str, Any]:
             out[key] = item[...]         # an ndarray, 0-d arrays stay arrays
     if _ORDER_ATTR in group.attrs:
         order = json.loads(group.attrs[_ORDER_ATTR])
-        out = {k: out[k] for k in order if k in out} | {k: v for k, v in out.items() if k not in order}
+        out = ({k: out[k] for k in order if k in out}
+               | {k: v for k, v in out.items() if k not in order})
     return out
 
 

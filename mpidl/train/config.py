@@ -175,9 +175,11 @@ def _validate(config: Config) -> None:
     if not config.lr > 0:
         raise ConfigError(f"config key 'lr' must be > 0, got {config.lr}")
     if not 0.0 <= config.warmup_fraction < 1.0:
-        raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), got {config.warmup_fraction}")
+        raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), "
+                          f"got {config.warmup_fraction}")
     if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
-        raise ConfigError(f"config key 'clip_grad_norm' must be > 0 or none, got {config.clip_grad_norm}")
+        raise ConfigError(f"config key 'clip_grad_norm' must be > 0 or none, "
+                          f"got {config.clip_grad_norm}")
     if not config.model.name:
         raise ConfigError("config key 'model.name' is empty; name a model, e.g. --model=bow")
     d = config.data
@@ -214,7 +216,8 @@ def _read_toml(path: str) -> dict:
 
 
 def _source_path(preset_or_path: str) -> str:
-    if preset_or_path.endswith(".toml") or os.sep in preset_or_path or os.path.isfile(preset_or_path):
+    if (preset_or_path.endswith(".toml") or os.sep in preset_or_path
+            or os.path.isfile(preset_or_path)):
         return preset_or_path
     presets = list_presets()
     if preset_or_path not in presets:
@@ -297,5 +300,3 @@ def default_run_dir(config: Config, job_id: str | None = None, stamp: str | None
     """
     suffix = job_id or stamp or time.strftime("%Y%m%d-%H%M%S")
     return os.path.join("runs", f"{config.task}-{config.model.name}-{suffix}")
-
-

@@ -93,7 +93,8 @@ class ProgressBar:
     active: "ProgressBar | None" = None
 
     def __init__(self, total: int, enabled: bool = True, mode: str = "auto", initial: int = 0,
-                 desc: str = "train", plain_every: float = 30.0, file: TextIO | None = None) -> None:
+                 desc: str = "train", plain_every: float = 30.0,
+                 file: TextIO | None = None) -> None:
         if mode not in ("auto", "always", "never"):
             raise ValueError(f"progress mode {mode!r}: use 'auto', 'always' or 'never'")
         self.total = int(total)
@@ -179,10 +180,12 @@ class ProgressBar:
         self.close()
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                 title: str | None = None) -> str:
     """A plain-text table: numbers right-aligned, text left-aligned, a rule under the header."""
     cells = [[format_value(v) for v in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
     def is_number(v: Any) -> bool:
         return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v == "-"
 
@@ -210,7 +213,8 @@ def format_summary(records: Sequence[dict[str, Any]], totals: dict[str, Any] | N
     evals = [r for r in records if r.get("kind") == "eval"]
     rows = []
     for r in evals:
-        train = [t for t in records if t.get("kind") == "train" and t.get("epoch") == r.get("epoch")]
+        train = [t for t in records
+                 if t.get("kind") == "train" and t.get("epoch") == r.get("epoch")]
         loss = [t["loss"] for t in train if isinstance(t.get("loss"), (int, float))]
         acc = [t["accuracy"] for t in train if isinstance(t.get("accuracy"), (int, float))]
         rows.append([r.get("epoch", ""), r.get("step", ""),
@@ -222,5 +226,6 @@ def format_summary(records: Sequence[dict[str, Any]], totals: dict[str, Any] | N
                                    "test acc"], rows))
     if totals:
         width = max(len(k) for k in totals)
-        parts.append("\n".join(f"{k + ':':<{width + 1}} {format_value(v)}" for k, v in totals.items()))
+        parts.append("\n".join(f"{k + ':':<{width + 1}} {format_value(v)}"
+                               for k, v in totals.items()))
     return "\n\n".join(parts)

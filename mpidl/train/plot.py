@@ -48,7 +48,8 @@ def _series(records: Sequence[dict[str, Any]], kind: str, key: str) -> tuple[lis
     return steps, [by_step[s] for s in steps]
 
 
-def _line_plot(plt, path: str, title: str, ylabel: str, series: list[tuple[str, tuple, str]]) -> bool:
+def _line_plot(plt, path: str, title: str, ylabel: str,
+               series: list[tuple[str, tuple, str]]) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     drawn = False
     for label, (x, y), style in series:
@@ -68,7 +69,8 @@ def _line_plot(plt, path: str, title: str, ylabel: str, series: list[tuple[str, 
 
 
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Write the plots of ``run_dir``'s metrics into ``out_dir`` (default: run_dir); return paths."""
+    """Write the plots of ``run_dir``'s metrics into ``out_dir`` (default: run_dir);
+    return paths."""
     plt = _matplotlib()
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(metrics):
@@ -102,7 +104,8 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     top.set_title(f"throughput — {name}")
     top.grid(alpha=0.3)
     parts = [(label, _series(records, "train", key)) for label, key in
-             (("compute", "time_compute"), ("comm wait", "time_comm"), ("input wait", "time_input"))]
+             (("compute", "time_compute"), ("comm wait", "time_comm"),
+              ("input wait", "time_input"))]
     steps = parts[0][1][0]
     if steps and all(p[1][0] == steps for p in parts):
         bottom.stackplot(steps, *[[1000 * v for v in p[1][1]] for p in parts],

@@ -99,7 +99,8 @@ def check_value(key: str, tp: Any, value: Any, field: dataclasses.Field | None =
 
 
 def parse_literal(text: str) -> Any:
-    """Command-line text read as a TOML value (``64``, ``0.1``, ``true``, ``[1, 2]``), else a str."""
+    """Command-line text read as a TOML value (``64``, ``0.1``, ``true``, ``[1, 2]``),
+    else a str."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -110,7 +111,8 @@ _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
 
 def parse_text(key: str, tp: Any, text: str) -> Any:
-    """Command-line text for a field of type ``tp`` (``none`` for None); ConfigError if none fits."""
+    """Command-line text for a field of type ``tp`` (``none`` for None);
+    ConfigError if none fits."""
     low = text.strip().lower()
     for t in options(tp):
         if t is type(None) and low in ("none", "null"):
@@ -185,12 +187,14 @@ def _lookup(root: Any, key: str) -> tuple[Any, str, Any, str]:
                     return obj, main, _hints(type(obj))[main], prefix
                 continue
             if not last:
-                raise ConfigError(f"config key {prefix + part!r} is not a table; cannot set {key!r}")
+                raise ConfigError(f"config key {prefix + part!r} is not a table; "
+                                  f"cannot set {key!r}")
             return obj, part, tp, prefix
         if _extra_field(cls) is not None and last:
             return obj, part, None, prefix
         if _extra_field(cls) is not None:
-            raise ConfigError(f"config key {key!r}: {prefix.rstrip('.')} options are one level deep")
+            raise ConfigError(f"config key {key!r}: {prefix.rstrip('.')} options are "
+                              f"one level deep")
         raise unknown_key(prefix + part, _keys(cls))
     raise ConfigError(f"empty config key {key!r}")
 
@@ -223,7 +227,8 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str | None]]:
 
 
 def apply_overrides(root: Any, overrides: Sequence[str]) -> Any:
-    """Apply ``--key=value`` / ``--key value`` / ``--flag`` / ``--no-flag`` to ``root``; return it."""
+    """Apply ``--key=value`` / ``--key value`` / ``--flag`` / ``--no-flag`` to ``root``;
+    return it."""
     for key, text in parse_overrides(overrides):
         head, _, leaf = key.rpartition(".")
         if text is None and leaf.startswith("no_"):
@@ -265,7 +270,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        return ("{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+                + " }")
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
 
 

@@ -55,7 +55,8 @@ class Timeline:
 
     def add(self, name: str, track: str, start: float, duration: float,
             args: dict[str, Any] | None = None) -> None:
-        """Record a span that began at ``start`` (``perf_counter`` seconds) and lasted ``duration`` s."""
+        """Record a span that began at ``start`` (``perf_counter`` seconds) and lasted
+        ``duration`` s."""
         if not self.enabled:
             return
         if len(self.events) >= self.max_events:

@@ -49,7 +49,8 @@ def test_model_optimizer_and_metadata_round_trip_exactly(tmp_path, xp):
                            epoch=1, extra={"size": 2, "scale": numpy.float32(0.5), "note": None})
     assert os.path.basename(path) == checkpoint_name(12) == "checkpoint-00000012.h5"
     ckpt = load_checkpoint(path)
-    assert (ckpt.step, ckpt.epoch, ckpt.config, ckpt.format_version) == (12, 1, config, FORMAT_VERSION)
+    assert ((ckpt.step, ckpt.epoch, ckpt.config, ckpt.format_version)
+            == (12, 1, config, FORMAT_VERSION))
     assert list(ckpt.model) == list(model)                     # order kept, dotted names kept
     for name, value in model.items():
         assert ckpt.model[name].dtype == value.dtype
@@ -147,7 +148,8 @@ def test_load_of_another_format_version_names_file_and_versions(tmp_path):
     path = _save(tmp_path, 1)
     with h5py.File(path, "r+") as f:
         f.attrs["format_version"] = FORMAT_VERSION + 1
-    with pytest.raises(CheckpointError, match=f"checkpoint-00000001.h5.*version {FORMAT_VERSION + 1}"):
+    with pytest.raises(CheckpointError,
+                       match=f"checkpoint-00000001.h5.*version {FORMAT_VERSION + 1}"):
         load_checkpoint(path)
 
 

@@ -236,7 +236,7 @@ def test_overwrite_needs_force(tmp_path, capsys):
 
 
 def test_real_sentiment_sentences_shard_through_the_tsv_path(tmp_path, capsys,
-                                                            sentiment_sentences):
+                                                             sentiment_sentences):
     src = sentiment_sentences
     for name in ("imdb", "amazon", "yelp"):
         out = tmp_path / name
