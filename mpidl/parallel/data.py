@@ -18,14 +18,15 @@ What happens inside:
   :mod:`mpidl.parallel.buckets`), so there are no packing copies. After backward each
   bucket's allreduce is issued in a fixed order, so every rank issues the same
   collectives in the same order.
-- Overlap (the default): a parameter's post-accumulate hook counts down its bucket
-  during backward; a bucket whose gradients are all final starts its non-blocking
-  allreduce at once (a ready bucket waits for the ones before it), and later hooks
-  call ``test()`` on the requests in flight: Open MPI progresses a non-blocking
-  collective only inside MPI calls. ``overlap=False`` instead runs one blocking
-  allreduce per bucket after backward, which measured a few percent faster on one
-  shared-memory node, where both cores compute and nothing is left to overlap with
-  (benchmarks/README.md).
+- Overlap: a parameter's post-accumulate hook counts down its bucket during backward;
+  a bucket whose gradients are all final starts its non-blocking allreduce at once (a
+  ready bucket waits for the ones before it), and later hooks call ``test()`` on the
+  requests in flight: Open MPI progresses a non-blocking collective only inside MPI
+  calls. This is the default when the ranks span several nodes, where a network moves
+  the data while the cores compute. When every rank shares one node the "network" is
+  the same cores copying memory, nothing is left to overlap with, and one blocking
+  allreduce per bucket after backward measured faster (benchmarks/README.md), so that
+  is the default there.
 - ``backward(loss, global_count=n)`` seeds backward with ``1/n`` instead of 1, so the
   allreduced *sum* is the mean over the global batch, with no extra pass over the
   gradients. Ranks with fewer samples (or none, in the last step of an epoch) simply
@@ -68,17 +69,17 @@ class DataParallel:
             gradients are row-sparse (the default, chosen per step when cheaper).
         broadcast: copy rank 0's parameters to every rank at construction.
         overlap: start each bucket's non-blocking allreduce from backward's hooks as
-            soon as it is full, polling ``test()`` from later hooks, so communication
-            hides behind the rest of backward where a network moves the data (RDMA
-            offload). False: one blocking allreduce per bucket after backward; on a
-            single shared-memory node with every core computing it measured a few
-            percent faster (mlp 20.0 vs 21.3 ms per step at 2 ranks).
+            soon as it is full, polling ``test()`` from later hooks (True), or run one
+            blocking allreduce per bucket after backward (False). None (the default)
+            chooses: True when the ranks span more than one node, False when they all
+            share one (mlp at 2 ranks on one node: 20.0 ms per step blocking, 21.3 ms
+            overlapped). Every rank makes the same choice (it depends on the group only).
     """
 
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,
                  compression: str | None = None, hierarchical: bool | int = False,
                  sparse_embeddings: bool = True, broadcast: bool = True,
-                 overlap: bool = True) -> None:
+                 overlap: bool | None = None) -> None:
         if compression is not None and compression not in wire.WIRE_DTYPES:
             raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
         if bucket_mb <= 0:
@@ -110,7 +111,8 @@ class DataParallel:
             per_node = None if hierarchical is True else int(hierarchical)
             self.reducer = HierarchicalCommunicator(comm, ranks_per_node=per_node)
 
-        self.overlap = overlap
+        # local_size < size on every rank exactly when some rank is on another node.
+        self.overlap = overlap if overlap is not None else comm.local_size < comm.size
         self._syncing = True
         self._next_launch = 0
         self._in_backward = False

@@ -127,7 +127,8 @@ class Config:
     # -- distribution
     backend: str = choices("numpy", "cupy", default="numpy")
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
-    overlap: bool = True                     # start bucket allreduces during backward
+    overlap: Optional[bool] = None           # bucket allreduces during backward; none: on
+    #                                          when the ranks span several nodes
     # -- run directory, checkpoints, logging
     run_dir: str = ""                        # "" = runs/<task>-<model>-<time>
     resume: Union[bool, str] = "auto"        # auto | true | false | PATH (see resume docs)

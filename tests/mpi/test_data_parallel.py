@@ -109,6 +109,8 @@ def test_replicas_stay_identical(comm):
     train_parallel(comm, dp, opt, batches("mlp", 4, 3 * comm.size + 1))
     sums = comm.allgather_obj(dp.checksum())
     assert_all_ranks(comm, len(set(sums)) == 1, f"checksums differ: {sums}")
+    # One node (as in CI): nothing to overlap with, so the blocking path is chosen.
+    assert_all_ranks(comm, dp.overlap is (comm.local_size < comm.size), f"overlap {dp.overlap}")
 
 
 def test_no_sync_accumulation_equals_one_larger_batch(comm):
