@@ -127,6 +127,8 @@ class Config:
     # -- distribution
     backend: str = choices("numpy", "cupy", default="numpy")
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
+    keep_freed_memory: bool = True           # glibc keeps freed memory (no page faults
+    #                                          re-fetching each step's activations)
     overlap: Optional[bool] = None           # bucket allreduces during backward; none: on
     #                                          when the ranks span several nodes
     # -- run directory, checkpoints, logging

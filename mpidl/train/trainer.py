@@ -99,9 +99,11 @@ class Trainer:
         self.config, self.comm, self.run_dir = config, comm, run_dir
         self.log = Logger(comm.rank, comm.size)
         self.xp = get_xp(config.backend)
-        from mpidl.backend import limit_cpu_threads
+        from mpidl.backend import keep_freed_memory, limit_cpu_threads
 
         self.threads = limit_cpu_threads(comm.local_size)
+        if config.keep_freed_memory:
+            keep_freed_memory()
         if config.backend == "cupy":
             from hpc.gpu import bind
 

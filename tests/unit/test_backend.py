@@ -62,3 +62,16 @@ def test_cpu_threads_are_shared_among_the_ranks_of_a_node():
     user_set = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**env, "OMP_NUM_THREADS": "2"}, timeout=60)
     assert user_set.stdout.startswith("None")  # the user's setting wins
+
+
+def test_freed_memory_is_kept_where_the_c_library_is_glibc():
+    import platform
+    import subprocess
+    import sys
+
+    code = "from mpidl.backend import keep_freed_memory; print(keep_freed_memory())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert out.stdout.strip() == str(glibc)
