@@ -36,14 +36,21 @@ def _is_cupy_array(x: Any) -> bool:
     return type(x).__module__.split(".", 1)[0] == "cupy"
 
 
+def _unwrap(x: Any) -> Any:
+    # A Tensor's array is its .data; an array is itself (a CuPy array's own .data is
+    # its MemoryPointer, never the array, so it must not be unwrapped).
+    if isinstance(x, numpy.ndarray) or _is_cupy_array(x):
+        return x
+    return getattr(x, "data", x)
+
+
 def get_array_module(*arrays: Any) -> ModuleType:
     """Return ``cupy`` if any argument is a CuPy array, else ``numpy``.
 
     Arguments may be arrays, mpidl Tensors (their ``.data`` is looked at), scalars or None.
     """
     for a in arrays:
-        a = getattr(a, "data", a) if not isinstance(a, numpy.ndarray) else a
-        if _is_cupy_array(a):
+        if _is_cupy_array(_unwrap(a)):
             return cupy_module()  # type: ignore[return-value]
     return numpy
 
@@ -75,7 +82,7 @@ def get_xp(name: str) -> ModuleType:
 
 def as_numpy(x: Any) -> numpy.ndarray:
     """Return ``x`` as a NumPy array (copies device arrays to the host)."""
-    x = getattr(x, "data", x) if not isinstance(x, numpy.ndarray) else x
+    x = _unwrap(x)
     if _is_cupy_array(x):
         return x.get()
     return numpy.asarray(x)
@@ -96,8 +103,7 @@ def synchronize(x: Any = None) -> None:
     MPI: the kernel that produced it may still be running on the stream.
     """
     if x is not None:
-        x = getattr(x, "data", x) if not isinstance(x, numpy.ndarray) else x
-        if not _is_cupy_array(x):
+        if not _is_cupy_array(_unwrap(x)):
             return
     elif not _cupy_checked or _cupy is None:
         return

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from mpidl.backend import get_array_module, is_cupy
+from mpidl.backend import get_array_module, is_cupy, synchronize
 from mpidl.comm.base import Communicator, Request, check_op, split_counts
 from mpidl.comm.staged import Stager
 
@@ -211,7 +211,9 @@ class MpiCommunicator(Communicator):
             bxp = get_array_module(src)  # numpy when the device array was staged
             for i, j in chunks:
                 part = bxp.empty((self.size, j - i), dtype=x.dtype)
-                self.mpi_comm.Allgather(bxp.ascontiguousarray(flat_src[i:j]), part)
+                piece = bxp.ascontiguousarray(flat_src[i:j])
+                synchronize(piece)  # device buffers: the copies above must be done for MPI
+                self.mpi_comm.Allgather(piece, part)
                 flat_dst[:, i:j] = part
         finish()
         release()
@@ -305,7 +307,9 @@ class MpiCommunicator(Communicator):
             bxp = get_array_module(src)  # numpy when the device array was staged
             for i, j in chunks:
                 part = bxp.empty((self.size, j - i), dtype=x.dtype)
-                self.mpi_comm.Alltoall(bxp.ascontiguousarray(s2[:, i:j]), part)
+                piece = bxp.ascontiguousarray(s2[:, i:j])
+                synchronize(piece)  # device buffers: the copies above must be done for MPI
+                self.mpi_comm.Alltoall(piece, part)
                 d2[:, i:j] = part
         finish()
         release()

@@ -76,6 +76,9 @@ class Stager:
         def release() -> None:
             if mode in ("out", "inout"):
                 x.set(host)
+                # On a non-default stream set() copies asynchronously from this pinned
+                # buffer; it must be done before the buffer is handed out again.
+                synchronize(x)
             self._free[x.nbytes].append(raw)
 
         return host, release

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy
 
-from mpidl.backend import as_numpy, get_array_module
+from mpidl.backend import _unwrap, as_numpy, get_array_module
 
 
 def evaluate_counts(comm: Any, correct: int, total: int) -> tuple[int, int]:
@@ -50,7 +50,7 @@ class ExactAccuracy:
         """Add a batch: ``(n, classes)`` scores (argmax is taken) or ``(n,)`` class ids."""
         xp = get_array_module(scores_or_predictions, target)
         pred = scores_or_predictions
-        pred = getattr(pred, "data", pred) if not isinstance(pred, numpy.ndarray) else pred
+        pred = _unwrap(pred)  # a Tensor's array; an array (NumPy or CuPy) as it is
         if pred.ndim == 2:
             pred = pred.argmax(axis=1)
         if pred.shape[0] != target.shape[0]:

@@ -58,6 +58,11 @@ def _blocks(xp: Any, n: int) -> list[slice]:
     return [slice(i, min(i + _BLOCK, n)) for i in range(0, n, _BLOCK)]
 
 
+def _block_len(xp: Any, n: int) -> int:
+    """Length of the longest block of :func:`_blocks` (scratch arrays are this long)."""
+    return n if is_cupy(xp) else min(n, _BLOCK)
+
+
 def _polyval(coefs: tuple, z: Any, out: Any) -> Any:
     """Horner's rule on an array, into ``out``."""
     xp = get_array_module(z)
@@ -110,7 +115,7 @@ def erf(x: Any) -> Any:
         return _erf_cephes(xp, x)
     flat = xp.ascontiguousarray(x, dtype=numpy.float32).reshape(-1)
     out = xp.empty_like(flat)
-    scratch = xp.empty((2, min(flat.size, _BLOCK)), dtype=numpy.float32)
+    scratch = xp.empty((2, _block_len(xp, flat.size)), dtype=numpy.float32)
     for b in _blocks(xp, flat.size):
         n = b.stop - b.start
         _erf32_block(flat[b], out[b], scratch[0, :n], scratch[1, :n])
@@ -204,7 +209,7 @@ class GELU(Function):
             saved *= xf.dtype.type(0.5)
             xp.multiply(xf, saved, out=y)
         else:
-            scratch = xp.empty((2, min(xf.size, _BLOCK)), dtype=x.dtype)
+            scratch = xp.empty((2, _block_len(xp, xf.size)), dtype=x.dtype)
             for b in _blocks(xp, xf.size):
                 n = b.stop - b.start
                 _gelu_forward_block(xf[b], y[b], saved[b], scratch[0, :n], scratch[1, :n],
@@ -217,7 +222,7 @@ class GELU(Function):
         g = xp.ascontiguousarray(gy).reshape(-1)
         gx = xp.empty_like(self.x)
         exact = self.approximate == "none"
-        scratch = xp.empty(min(gx.size, _BLOCK), dtype=gx.dtype)
+        scratch = xp.empty(_block_len(xp, gx.size), dtype=gx.dtype)
         for b in _blocks(xp, gx.size):
             _gelu_backward_block(self.x[b], self.saved[b], g[b], gx[b],
                                  scratch[: b.stop - b.start], exact)

@@ -75,3 +75,16 @@ def test_freed_memory_is_kept_where_the_c_library_is_glibc():
     assert out.returncode == 0, out.stderr
     glibc = platform.libc_ver()[0] == "glibc"
     assert out.stdout.strip() == str(glibc)
+
+
+def test_as_numpy_copies_a_device_array_not_its_memory_pointer():
+    # A CuPy array's own .data is a MemoryPointer; only Tensors are unwrapped by .data.
+    class FakeDeviceArray:
+        data = object()  # like cupy.ndarray.data: not an array
+
+        def get(self):
+            return numpy.arange(3)
+
+    FakeDeviceArray.__module__ = "cupy._core.core"
+    assert numpy.array_equal(backend.as_numpy(FakeDeviceArray()), numpy.arange(3))
+    assert numpy.array_equal(backend.as_numpy(Tensor(numpy.arange(2))), numpy.arange(2))
