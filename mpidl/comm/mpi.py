@@ -184,7 +184,9 @@ class MpiCommunicator(Communicator):
         """
         _contiguous(x, "bcast_")
         self._verify("bcast_", x, root=root)
-        buf, finish = self._device(x, "inout")
+        # Root's buffer is only read and the others' only written: a staged copy goes
+        # one way on each rank.
+        buf, finish = self._device(x, "in" if self.rank == root else "out")
         flat = buf.reshape(-1)
         for i, j in self._chunks(flat.size, flat.itemsize):
             self.mpi_comm.Bcast(flat[i:j], root=root)
