@@ -6,35 +6,6 @@ from typing import Any, Iterable, Iterator
 from mpidl.nn.module import Module
 
 
-class Sequential(Module):
-    """Apply modules one after another; their parameters are named ``"0.weight"``, ...
-
-    Args:
-        *modules: the modules, in the order they are applied.
-    """
-
-    def __init__(self, *modules: Module) -> None:
-        super().__init__()
-        for i, m in enumerate(modules):
-            if not isinstance(m, Module):
-                raise TypeError(f"Sequential: argument {i} is a {type(m).__name__}, not a Module")
-            setattr(self, str(i), m)
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __getitem__(self, i: int) -> Module:
-        return self.children()[i]
-
-    def __iter__(self) -> Iterator[Module]:
-        return iter(self.children())
-
-    def forward(self, x: Any) -> Any:
-        for m in self.children():
-            x = m(x)
-        return x
-
-
 class ModuleList(Module):
     """A list of modules whose parameters are registered (named ``"0.weight"``, ...).
 
@@ -61,3 +32,22 @@ class ModuleList(Module):
 
     def __iter__(self) -> Iterator[Module]:
         return iter(self.children())
+
+
+class Sequential(ModuleList):
+    """Apply modules one after another; their parameters are named ``"0.weight"``, ...
+
+    Args:
+        *modules: the modules, in the order they are applied.
+    """
+
+    def __init__(self, *modules: Module) -> None:
+        for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise TypeError(f"Sequential: argument {i} is a {type(m).__name__}, not a Module")
+        super().__init__(modules)
+
+    def forward(self, x: Any) -> Any:
+        for m in self.children():
+            x = m(x)
+        return x

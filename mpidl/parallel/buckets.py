@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from mpidl.backend import get_array_module
+
 
 @dataclass
 class Bucket:
@@ -92,7 +94,7 @@ def build_buckets(params: Sequence[Any], bucket_bytes: int) -> list[Bucket]:
     buckets = []
     for index, members in enumerate(plan_buckets(params, bucket_bytes)):
         first = params[members[0]].data
-        xp = _xp(first)
+        xp = get_array_module(first)
         total = sum(params[i].data.size for i in members)
         bucket = Bucket(index=index, flat=xp.zeros(total, dtype=first.dtype))
         start = 0
@@ -104,9 +106,3 @@ def build_buckets(params: Sequence[Any], bucket_bytes: int) -> list[Bucket]:
         bucket.attach()
         buckets.append(bucket)
     return buckets
-
-
-def _xp(x: Any) -> Any:
-    from mpidl.backend import get_array_module
-
-    return get_array_module(x)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy
 
+from mpidl.backend import as_numpy, get_array_module, to_device
+
 WIRE_DTYPES = ("float16", "bfloat16")
 
 _ops: dict[str, Any] = {}
@@ -23,7 +25,7 @@ _ops: dict[str, Any] = {}
 
 def float32_to_bfloat16(x: Any) -> Any:
     """Round float32 values to bfloat16 bit patterns (uint16), to nearest even."""
-    xp = _xp(x)
+    xp = get_array_module(x)
     bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     rounding = ((bits >> 16) & 1) + 0x7FFF
     return ((bits + rounding) >> 16).astype(xp.uint16)
@@ -31,14 +33,8 @@ def float32_to_bfloat16(x: Any) -> Any:
 
 def bfloat16_to_float32(b: Any) -> Any:
     """Widen bfloat16 bit patterns (uint16) to float32 values (exact)."""
-    xp = _xp(b)
+    xp = get_array_module(b)
     return (b.astype(xp.uint32) << 16).view(xp.float32)
-
-
-def _xp(x: Any) -> Any:
-    from mpidl.backend import get_array_module
-
-    return get_array_module(x)
 
 
 def _sum_float16(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
@@ -67,10 +63,9 @@ def wire_sum_op(wire_dtype: str) -> Any:
 
 def compress(flat: Any, wire_dtype: str, out: Any = None) -> Any:
     """The 16-bit wire form of a gradient bucket, as a uint16 host array."""
-    from mpidl.backend import as_numpy
-
     if wire_dtype == "float16":
-        wire = flat.astype(_xp(flat).float16).view(_xp(flat).uint16)
+        xp = get_array_module(flat)
+        wire = flat.astype(xp.float16).view(xp.uint16)
     else:
         wire = float32_to_bfloat16(flat)
     wire = as_numpy(wire)  # user-defined ops run on host memory
@@ -82,10 +77,8 @@ def compress(flat: Any, wire_dtype: str, out: Any = None) -> Any:
 
 def decompress(wire: Any, wire_dtype: str, flat: Any) -> None:
     """Write the summed wire buffer back into the bucket (in place, any xp)."""
-    from mpidl.backend import to_device
-
     if wire_dtype == "float16":
         values = wire.view(numpy.float16)
     else:
         values = bfloat16_to_float32(wire)
-    flat[...] = to_device(values, _xp(flat)).astype(flat.dtype)
+    flat[...] = to_device(values, get_array_module(flat)).astype(flat.dtype)
