@@ -183,14 +183,14 @@ class ShardedDataset:
         if arr is not None or feat.row_bytes * len(self) > self.cache_bytes or len(self) == 0:
             return arr
         arr = numpy.empty((len(self), *feat.shape), dtype=feat.dtype)
-        pieces = [
-            (i, 0, s.rows, int(self.offsets[i]))
+        pieces = {
+            i: [(0, s.rows, int(self.offsets[i]))]
             for i, s in enumerate(self.manifest.shards)
             if s.rows
-        ]
+        }
         flat = arr.reshape(-1).view(numpy.uint8)
-        for shard, row, n, at in pieces:
-            self._read_one(shard, feat.name, row, n, arr, flat, at, feat.row_bytes)
+        for shard, rows in pieces.items():
+            self._handle(shard).read(feat.name, rows, arr, flat, feat.row_bytes)
         labels = self.manifest.labels
         if labels is not None and labels["feature"] == feat.name:
             self._check_batch_labels(arr, pieces)
@@ -272,25 +272,35 @@ class ShardedDataset:
     def read_batch(
         self,
         features: Sequence[str],
-        runs: numpy.ndarray,
+        runs: numpy.ndarray | list[list[int]],
         out: Sequence[numpy.ndarray] | None = None,
     ) -> list[numpy.ndarray]:
-        """:meth:`read_runs` for several features at once (the runs are split by shard once)."""
+        """:meth:`read_runs` for several features at once (the runs are split by shard once).
+
+        ``runs`` may also be a list of ``[start, stop]`` pairs, as
+        :meth:`~mpidl.data.DistributedSampler.runs_between` gives them.
+        """
         feats = []
         for name in features:
             if name not in self.features:
                 raise KeyError(f"no feature {name!r} in {self.path}; it has {list(self.features)}")
             feats.append(self.features[name])
-        pairs = numpy.asarray(runs, dtype=numpy.int64).reshape(-1, 2).tolist()
+        pairs = runs if isinstance(runs, list) else numpy.asarray(runs, numpy.int64)
+        pairs = pairs if isinstance(pairs, list) else pairs.reshape(-1, 2).tolist()
         bounds = self._bounds
-        pieces, pos = [], 0  # (shard, first row in shard, rows, position in the batch)
+        # shard -> [(first row in the shard, rows, position in the batch)]
+        pieces: dict[int, list[tuple[int, int, int]]] = {}
+        pos = 0
         for start, stop in pairs:
             if start < 0 or stop > bounds[-1] or stop < start:
                 raise IndexError(f"run [{start}, {stop}) is outside [0, {bounds[-1]}) or reversed")
             while start < stop:
                 shard = bisect.bisect_right(bounds, start) - 1
                 end = min(stop, bounds[shard + 1])
-                pieces.append((shard, start - bounds[shard], end - start, pos))
+                rows = pieces.get(shard)
+                if rows is None:
+                    rows = pieces[shard] = []
+                rows.append((start - bounds[shard], end - start, pos))
                 pos += end - start
                 start = end
         if out is not None:
@@ -303,6 +313,7 @@ class ShardedDataset:
         arrays = []
         labels = self.manifest.labels
         with self._lock:
+            handles = [(self._handle(shard), rows) for shard, rows in pieces.items()]
             for i, f in enumerate(feats):
                 memory = self._cached(f)
                 if memory is not None:
@@ -317,35 +328,23 @@ class ShardedDataset:
                 if f.row_bytes == 0 or pos == 0:
                     continue
                 flat = a.reshape(-1).view(numpy.uint8)
-                for shard, row, n, at in pieces:
-                    self._read_one(shard, f.name, row, n, a, flat, at, f.row_bytes)
+                for handle, rows in handles:
+                    handle.read(f.name, rows, a, flat, f.row_bytes)
                 if labels is not None and labels["feature"] == f.name:
                     self._check_batch_labels(a, pieces)
         return arrays
 
     def _check_batch_labels(
-        self, y: numpy.ndarray, pieces: list[tuple[int, int, int, int]]
+        self, y: numpy.ndarray, pieces: dict[int, list[tuple[int, int, int]]]
     ) -> None:
         k = self.manifest.labels["num_classes"]  # type: ignore[index]
         if y.min() >= 0 and y.max() < k:  # one cheap test per batch; locate only if bad
             return
         i = int(numpy.flatnonzero((y < 0) | (y >= k))[0])
-        for shard, row, n, at in pieces:
-            if at <= i < at + n:
-                self._check_labels(y[i : i + 1], shard, row + i - at)
-
-    def _read_one(
-        self,
-        shard: int,
-        feature: str,
-        row: int,
-        n: int,
-        out: numpy.ndarray,
-        flat: numpy.ndarray,
-        pos: int,
-        rb: int,
-    ) -> None:
-        self._handle(shard).read(feature, row, n, out, flat, pos, rb)
+        for shard, rows in pieces.items():
+            for row, n, at in rows:
+                if at <= i < at + n:
+                    self._check_labels(y[i : i + 1], shard, row + i - at)
 
     def read(self, feature: str, ids: Sequence[int] | numpy.ndarray) -> numpy.ndarray:
         """Read the samples ``ids`` (any order, repeats allowed) of one feature."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 
 import numpy
 import pytest
 
 from mpidl.backend import as_numpy
+from mpidl.data import loader as loader_module
 from mpidl.data import (
     DataError,
     DataLoader,
@@ -44,8 +46,9 @@ def dataset_dir(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["block", "full", "none"])
 @pytest.mark.parametrize("prefetch,cache_bytes", [(0, 0), (2, 0), (2, 1 << 20)])
 def test_batches_hold_exactly_the_sampler_ids_and_cover_the_dataset(
-    dataset_dir, mode, prefetch, cache_bytes
+    dataset_dir, mode, prefetch, cache_bytes, monkeypatch
 ):
+    monkeypatch.setattr(loader_module, "_PROBE_STEPS", 0)  # with prefetch, the thread reads
     seen = []
     for rank in range(3):
         ds = ShardedDataset(dataset_dir, cache_bytes=cache_bytes)  # 0: every feature read from disk
@@ -53,7 +56,7 @@ def test_batches_hold_exactly_the_sampler_ids_and_cover_the_dataset(
         loader = DataLoader(ds, sampler, prefetch=prefetch)
         loader.set_epoch(2)
         batches = list(loader)
-        assert len(batches) == len(loader) == 8
+        assert len(batches) == len(loader) == 8 and loader.prefetching == (prefetch > 0)
         for step, b in enumerate(batches):
             ids = sampler.indices(step)
             numpy.testing.assert_array_equal(b.x[:, 0], ids)
@@ -71,18 +74,67 @@ def test_yields_arrays_of_the_requested_module(dataset_dir, xp):
     numpy.testing.assert_array_equal(as_numpy(y), as_numpy(x)[:, 0].astype(int) % 4)
 
 
-def test_breaking_out_early_stops_the_reader_thread(dataset_dir):
+@pytest.fixture
+def thread_from_step_1(monkeypatch):
+    """The thread takes over after the first batch, whatever the loop does."""
+    monkeypatch.setattr(loader_module, "_PROBE_STEPS", 0)
+
+
+def test_breaking_out_early_stops_the_reader_thread(dataset_dir, thread_from_step_1):
     ds = ShardedDataset(dataset_dir)
     loader = DataLoader(ds, DistributedSampler(len(ds), 4, 0, 1), prefetch=1)
     before = threading.active_count()
     for i, _ in enumerate(loader):
         if i == 2:
+            assert loader.prefetching and threading.active_count() == before + 1
             break
     assert threading.active_count() == before
     assert loader.state_dict()["step"] == 3
 
 
-def test_a_read_error_in_the_thread_is_raised_in_the_loop(tmp_path):
+def batches_of(loader, work_s=0.0, stop_after=None):
+    """(step ids, labels) of each batch, the loop spending ``work_s`` on each."""
+    got = []
+    for b in loader:
+        got.append((b.x[:, 0].astype(int).tolist(), b.y.tolist(), b.global_count))
+        if work_s:
+            time.sleep(work_s)
+        if stop_after is not None and len(got) == stop_after:
+            break
+    return got
+
+
+def test_a_loop_with_no_work_reads_without_the_thread(dataset_dir):
+    """The loop does nothing between batches: no thread is started, the loop reads; the
+    batches are exactly those read with ``prefetch=0``."""
+    ds = ShardedDataset(dataset_dir, cache_bytes=0)
+    sampler = DistributedSampler(len(ds), 3, 1, 2, seed=4)  # 53 steps: past the probe
+    before = threading.active_count()
+    loader = DataLoader(ds, sampler, prefetch=2)
+    loader.set_epoch(1)
+    got = batches_of(loader)
+    assert not loader.prefetching and threading.active_count() == before
+    reference = DataLoader(ds, DistributedSampler(len(ds), 3, 1, 2, seed=4), prefetch=0)
+    reference.set_epoch(1)
+    assert got == batches_of(reference)
+    assert len(got) == len(loader) == 53
+    # Leaving early after the switch, then resuming, continues exactly.
+    loader.set_epoch(1)
+    head = batches_of(loader, stop_after=40)
+    assert not loader.prefetching and loader.state_dict() == {"epoch": 1, "step": 40, "seed": 4}
+    assert head + batches_of(loader) == got
+
+
+def test_a_busy_loop_keeps_the_reader_thread(dataset_dir):
+    ds = ShardedDataset(dataset_dir)
+    loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, seed=2), prefetch=2)
+    busy = batches_of(loader, work_s=0.01)  # 20 steps of 10 ms: far more than a read
+    assert loader.prefetching
+    reference = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, seed=2), prefetch=0)
+    assert busy == batches_of(reference)
+
+
+def test_a_read_error_in_the_thread_is_raised_in_the_loop(tmp_path, thread_from_step_1):
     d = str(tmp_path / "train")
     write_split(d, {"x": numpy.zeros((30, 2), numpy.float32)}, rows_per_shard=10)
     ds = ShardedDataset(d, cache_bytes=0)  # checked and closed; shards reopen lazily in the thread
@@ -92,7 +144,7 @@ def test_a_read_error_in_the_thread_is_raised_in_the_loop(tmp_path):
     with pytest.raises(DataError, match="shard-00002.h5: shard file is missing"):
         for x, n in loader:
             got.append(x)
-    assert len(got) == 2
+    assert len(got) == 2 and loader.prefetching
 
 
 def test_resume_and_state_dict_continue_exactly(dataset_dir):

@@ -151,3 +151,25 @@ def test_resume_outside_the_epoch_is_an_error():
 def test_coalesce_runs_merges_adjacent_runs_only():
     ids = numpy.array([5, 6, 7, 1, 2, 9])
     numpy.testing.assert_array_equal(coalesce_runs(ids, ids + 1), [[5, 8], [1, 3], [9, 10]])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "n,g,size,block", [(1, 1, 1, 1), (100, 7, 3, 4), (1000, 64, 5, 32), (4099, 128, 2, 100)]
+)
+def test_runs_between_equals_runs_step_by_step(mode, n, g, size, block):
+    for rank, drop_last in itertools.product(range(size), (False, True)):
+        s = DistributedSampler(
+            n, g, rank, size, seed=3, shuffle=mode, block_size=block, drop_last=drop_last
+        )
+        s.set_epoch(rank + 1)
+        steps = len(s)
+        for first, stop in ((0, steps), (steps // 3, steps), (0, min(2, steps)), (steps, steps)):
+            want = [s.runs(step).tolist() for step in range(first, stop)]
+            assert s.runs_between(first, stop) == want, (rank, drop_last, first, stop)
+
+
+def test_runs_between_rejects_steps_outside_the_epoch():
+    s = DistributedSampler(100, 10, 0, 2)
+    with pytest.raises(IndexError, match="step 10 out of range"):
+        s.runs_between(5, 11)
