@@ -25,6 +25,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/dp_train.py                    # all models, 1 and 2 ranks
     .venv/bin/python benchmarks/dp_train.py --models bow --ids uniform
+    .venv/bin/python benchmarks/dp_train.py --malloc keep     # glibc keeps freed memory (both)
     .venv/bin/python benchmarks/dp_train.py --rounds 2 --mca coll_tuned_use_dynamic_rules=1 \\
         --mca coll_tuned_allreduce_algorithm=4
 
@@ -197,6 +198,8 @@ def launch(args: argparse.Namespace, model: str, framework: str, ranks: int) -> 
     env = dict(os.environ, **mt.MPI_ENV, MPIDL_COMM="mpi", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.malloc == "keep":  # both frameworks' processes alike
+        env.update(mt.MALLOC_KEEP)
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True,
                          timeout=args.timeout)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -241,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", choices=("on", "off"), default=None,
                    help="DataParallel(overlap=...): start bucket allreduces during backward "
                         "(default: DataParallel's default)")
+    p.add_argument("--malloc", choices=("default", "keep"), default="default",
+                   help="glibc heap policy of every rank of both frameworks: 'keep' never "
+                        "returns freed memory to the kernel (what `mpidl train` does for "
+                        "itself), removing the per-step page faults; see mpi_timing.MALLOC_KEEP")
     p.add_argument("--window-s", type=float, default=2.0)
     p.add_argument("--windows", type=int, default=5)
     p.add_argument("--warmup-s", type=float, default=1.0)
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                     res[(model, fw, n)] = _merge(res.get((model, fw, n)), rec)
 
     loadavg = next(iter(res.values()))['machine'].get('loadavg', 0)
-    print(f"\nids: {args.ids}; rounds: {args.rounds}; "
+    print(f"\nids: {args.ids}; rounds: {args.rounds}; glibc heap policy: {args.malloc}; "
           f"load average at the first launch: {loadavg:.2f}")
     print("\nsamples/s: median (min–max) over launches of each launch's median window; "
           "best = the fastest window of any launch (the least disturbed by other load)")

@@ -36,6 +36,9 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpi_timing import MALLOC_KEEP  # noqa: E402  (the shared --malloc keep policy)
+
 import numpy  # noqa: E402
 
 # model -> (batch, input kind and shape, classes); DESIGN.md's table.
@@ -45,15 +48,6 @@ CASES = {
     "transformer": {"batch": 32, "tokens": 128, "vocab": 8000, "classes": 2},
 }
 N_BATCHES = 8  # distinct pre-generated batches, cycled
-
-# ``--malloc keep``: glibc returns the top of the heap to the kernel when more than
-# M_TRIM_THRESHOLD is free, which at the end of every training step (all activations
-# freed) hands back the step's memory, and the next step page-faults it in again:
-# 13,900 faults and 44 ms of kernel time per transformer step for mpidl (of ~250 ms),
-# 5,000 and 11 ms for PyTorch. Never trimming, and serving blocks up to 32 MiB (glibc's
-# largest) from the heap, removes that for both. The same variables work for any
-# long-running training process; the engines' own code is the same either way.
-MALLOC_KEEP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
 
 
 def make_batches(model: str) -> list[tuple[numpy.ndarray, numpy.ndarray]]:
