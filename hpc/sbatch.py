@@ -88,10 +88,11 @@ class Profile:
 
 def slurm_dirs() -> list[Path]:
     """Where templates are looked up, in order: ``$MPIDL_SLURM_DIR``, the source tree's
-    ``slurm/`` (next to the ``hpc`` package), and ``hpc/templates`` (package data)."""
+    ``slurm/`` (next to the ``hpc`` package), and ``<prefix>/share/mpidl/slurm`` (where a
+    wheel installs them)."""
     here = Path(__file__).resolve().parent
     dirs = [Path(os.environ["MPIDL_SLURM_DIR"])] if os.environ.get("MPIDL_SLURM_DIR") else []
-    return dirs + [here.parent / "slurm", here / "templates"]
+    return dirs + [here.parent / "slurm", Path(sys.prefix) / "share" / "mpidl" / "slurm"]
 
 
 def list_templates() -> list[str]:
