@@ -6,10 +6,12 @@ hierarchical one sends one message per *node*: node-local reduce to the node's l
 (local rank 0), an allreduce among the leaders only, and a node-local broadcast of the
 result (Horovod's ``--hierarchical-allreduce``, ChainerMN's ``hierarchical``
 communicator). With one node it is a reduce plus a broadcast: no gain, only a check.
+The leaders' stage can be replaced (``between_nodes``): data parallelism compresses
+gradients to 16 bits there only, keeping the node-local sums in full precision.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from mpidl.comm.base import Communicator, CompletedRequest, Request
 
@@ -39,14 +41,29 @@ class HierarchicalCommunicator:
         self.is_leader = self.node.rank == 0
         self.leaders = comm.split(0 if self.is_leader else 1)
 
-    def allreduce_(self, x: Any, op: str = "sum") -> Any:
+    def allreduce_(
+        self,
+        x: Any,
+        op: str = "sum",
+        between_nodes: Callable[[Communicator, Any], None] | None = None,
+    ) -> Any:
         """In-place allreduce of ``x`` over ``comm`` in three stages; returns ``x``.
 
         Collective over ``comm``: the contract of :meth:`Communicator.allreduce_`.
+
+        Args:
+            between_nodes: how the leaders combine their node sums, called on the leaders
+                only as ``between_nodes(leaders, x)`` and expected to leave the global
+                result in ``x`` (default: ``leaders.allreduce_(x, op)``). Data
+                parallelism passes a 16-bit wire allreduce here, so gradients are
+                compressed only where they cross the network.
         """
         self.node.reduce_(x, root=0, op=op)
         if self.is_leader:
-            self.leaders.allreduce_(x, op)
+            if between_nodes is None:
+                self.leaders.allreduce_(x, op)
+            else:
+                between_nodes(self.leaders, x)
         self.node.bcast_(x, root=0)
         return x
 

@@ -63,6 +63,8 @@ class DataParallel:
             (0.25-1 MiB buckets are not faster; 25 MiB, PyTorch's default, is slower).
             Multi-node networks may prefer larger; measure with benchmarks/gradsync.py.
         compression: None, "float16" or "bfloat16": the dtype gradients travel in.
+            With ``hierarchical``, only between the node leaders (the network); the
+            node-local reduce and broadcast stay in full precision.
         hierarchical: node-local reduce, allreduce among node leaders, node-local
             broadcast (pass an int to group that many consecutive ranks per "node").
         sparse_embeddings: exchange only touched rows of embedding tables whose
@@ -103,9 +105,6 @@ class DataParallel:
 
         self.reducer: Any = comm
         if hierarchical and comm.size > 1:
-            if compression is not None:
-                raise ValueError("hierarchical allreduce and compression cannot be combined yet; "
-                                 "choose one")
             from mpidl.comm.hierarchical import HierarchicalCommunicator
 
             per_node = None if hierarchical is True else int(hierarchical)
@@ -270,13 +269,22 @@ class DataParallel:
             else:
                 b.request = self.reducer.iallreduce_(b.flat)
             return
+        if self.reducer is not self.comm:  # hierarchical: 16 bits between nodes only
+            self.reducer.allreduce_(
+                b.flat, between_nodes=lambda leaders, flat: self._wire_allreduce(leaders, b)
+            )
+        elif blocking:
+            self._wire_allreduce(self.comm, b)
+        else:
+            b.wire = wire.compress(b.flat, self.compression, out=b.wire)
+            b.request = self.comm.iallreduce_(b.wire, op=wire.wire_sum_op(self.compression))
+
+    def _wire_allreduce(self, comm: Any, b: Bucket) -> None:
+        """Blocking allreduce of bucket ``b`` over ``comm`` in the 16-bit wire dtype."""
         b.wire = wire.compress(b.flat, self.compression, out=b.wire)
         op = wire.wire_sum_op(self.compression)
-        if blocking:
-            _allreduce_pieces(self.comm, b.wire, self._piece_bytes, op=op)
-            wire.decompress(b.wire, self.compression, b.flat)
-        else:
-            b.request = self.comm.iallreduce_(b.wire, op=op)
+        _allreduce_pieces(comm, b.wire, self._piece_bytes, op=op)
+        wire.decompress(b.wire, self.compression, b.flat)
 
     def _finish(self, b: Bucket) -> None:
         if b.request is None:

@@ -184,6 +184,28 @@ def test_hierarchical_allreduce_matches_flat(comm, per_node):
     dp.remove_hooks()
 
 
+@pytest.mark.parametrize("per_node", [1, 2, "node"])
+def test_hierarchical_with_compression_compresses_between_nodes_only(comm, per_node):
+    """Node sums stay full precision; only the leaders' allreduce travels in 16 bits.
+    With one rank per node every rank is a leader: exactly the flat compressed result."""
+    data = list(batches("mlp", 2, 2 * comm.size))
+    model, flat, ref = small_mlp("float32"), small_mlp("float32"), small_mlp("float32")
+    hierarchical = True if per_node == "node" else per_node  # True: the real nodes
+    dp = DataParallel(model, comm, compression="bfloat16", hierarchical=hierarchical)
+    train_parallel(comm, dp, SGD(model.parameters(), lr=0.1), data)
+    train_reference(ref, SGD(ref.parameters(), lr=0.1), data)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_allclose_all_ranks(comm, p.data, q.data, dtype="bfloat16", what=name)
+    if per_node == 1:
+        flat_dp = DataParallel(flat, comm, compression="bfloat16")
+        train_parallel(comm, flat_dp, SGD(flat.parameters(), lr=0.1), data)
+        same = all(numpy.array_equal(p.data, q.data)
+                   for p, q in zip(model.parameters(), flat.parameters()))
+        assert_all_ranks(comm, same, "one rank per node differs from flat compression")
+        flat_dp.remove_hooks()
+    dp.remove_hooks()
+
+
 def test_sparse_embedding_exchange_matches_dense(comm):
     vocab = 5000  # few rows touched per step: the sparse exchange is chosen
     model, dense_model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab), small_bow(vocab=vocab)
