@@ -97,17 +97,18 @@ def numerical_grad(
     grads: dict[int, numpy.ndarray] = {}
     for i in diff:
         x = arrays[i]
-        flat = x.reshape(-1)  # a view: writes go into x
-        g = numpy.zeros(x.size)
-        for j in range(x.size):
-            orig = flat[j].item() if hasattr(flat[j], "item") else float(flat[j])
-            flat[j] = orig + eps
+        g = numpy.zeros(x.shape)
+        # Element by element through x's own indices: x may be strided (a transposed
+        # input keeps its layout), where reshape(-1) would perturb a copy.
+        for j in numpy.ndindex(*x.shape):
+            orig = float(x[j])
+            x[j] = orig + eps
             plus = _objective(fn, arrays, grad_outputs)
-            flat[j] = orig - eps
+            x[j] = orig - eps
             minus = _objective(fn, arrays, grad_outputs)
-            flat[j] = orig
+            x[j] = orig
             g[j] = (plus - minus) / (2 * eps)
-        grads[i] = g.reshape(x.shape)
+        grads[i] = g
     return grads
 
 

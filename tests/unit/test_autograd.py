@@ -186,3 +186,10 @@ def test_gradcheck_leaves_integer_inputs_alone():
     labels = numpy.array([1, 0])
     assert gradcheck(lambda x, t: F.softmax_cross_entropy(x, t),
                      [numpy.random.default_rng(0).standard_normal((2, 3)), labels])
+
+
+def test_numerical_grad_perturbs_a_strided_input_in_place():
+    x = numpy.arange(6.0).reshape(2, 3).T  # (3, 2), not C-contiguous
+    w = numpy.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    got = numerical_grad(lambda a: F.sum(a * Tensor(w)), [x], grad_outputs=[numpy.array(1.0)])
+    numpy.testing.assert_allclose(got[0], w, rtol=1e-6)
