@@ -26,6 +26,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/dp_train.py                    # all models, 1 and 2 ranks
     .venv/bin/python benchmarks/dp_train.py --models bow --ids uniform
     .venv/bin/python benchmarks/dp_train.py --malloc keep     # glibc keeps freed memory (both)
+    .venv/bin/python benchmarks/dp_train.py --models mlp --no-sync   # no allreduce: the ceiling
     .venv/bin/python benchmarks/dp_train.py --rounds 2 --mca coll_tuned_use_dynamic_rules=1 \\
         --mca coll_tuned_allreduce_algorithm=4
 
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -102,7 +104,8 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
         x, y = batches[state["i"] % N_BATCHES]
         state["i"] += 1
         loss = F.softmax_cross_entropy(dp(x), y, reduction="sum")
-        dp.backward(loss, global_count=global_count)
+        with dp.no_sync() if args.no_sync else contextlib.nullcontext():
+            dp.backward(loss, global_count=global_count)
         opt.step()
         opt.zero_grad()
         state["wait"].append(dp.comm_wait_seconds)
@@ -138,8 +141,9 @@ def torch_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
     def step() -> None:
         x, y = batches[state["i"] % N_BATCHES]
         state["i"] += 1
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        with model.no_sync() if args.no_sync and world > 1 else contextlib.nullcontext():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -195,6 +199,8 @@ def launch(args: argparse.Namespace, model: str, framework: str, ranks: int) -> 
         cmd += ["--bucket-mb", str(args.bucket_mb)]
     if args.overlap:
         cmd += ["--overlap", args.overlap]
+    if args.no_sync:
+        cmd += ["--no-sync"]
     env = dict(os.environ, **mt.MPI_ENV, MPIDL_COMM="mpi", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -248,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="glibc heap policy of every rank of both frameworks: 'keep' never "
                         "returns freed memory to the kernel (what `mpidl train` does for "
                         "itself), removing the per-step page faults; see mpi_timing.MALLOC_KEEP")
+    p.add_argument("--no-sync", action="store_true",
+                   help="skip the gradient exchange (DataParallel.no_sync, DDP.no_sync): "
+                        "the weak-scaling ceiling of the machine itself")
     p.add_argument("--window-s", type=float, default=2.0)
     p.add_argument("--windows", type=int, default=5)
     p.add_argument("--warmup-s", type=float, default=1.0)
@@ -279,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loadavg = next(iter(res.values()))['machine'].get('loadavg', 0)
     print(f"\nids: {args.ids}; rounds: {args.rounds}; glibc heap policy: {args.malloc}; "
+          f"{'NO gradient exchange (--no-sync); ' if args.no_sync else ''}"
           f"load average at the first launch: {loadavg:.2f}")
     print("\nsamples/s: median (min–max) over launches of each launch's median window; "
           "best = the fastest window of any launch (the least disturbed by other load)")
