@@ -346,16 +346,38 @@ def _array_module(device: str) -> ModuleType:
     return cp
 
 
+def _barrier_if_launched() -> None:
+    """A barrier over MPI_COMM_WORLD when mpi4py is there and the job has several ranks."""
+    from hpc import env
+
+    if env.detect().size <= 1:
+        return
+    sys.stderr.flush()
+    sys.stdout.flush()
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return
+    MPI.COMM_WORLD.Barrier()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep; the exit status is the same on every rank."""
     from hpc import env
 
     quiet = env.detect().rank != 0  # before MPI: argument errors print once, not n times
-    with contextlib.ExitStack() as stack:
-        if quiet:
-            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
-            stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
-        args = parse_args(argv)
+    try:
+        with contextlib.ExitStack() as stack:
+            if quiet:
+                stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+                stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+            args = parse_args(argv)
+    except SystemExit:
+        # Every rank exits with argparse's status, but none before rank 0 has printed
+        # the message: a silent rank exiting first makes the launcher kill rank 0
+        # before it writes (seen as a lost error message under mpiexec).
+        _barrier_if_launched()
+        raise
     try:
         from mpi4py import MPI
     except ImportError as e:
