@@ -22,6 +22,7 @@ from mpidl.data import (
     ShardedDataset,
     write_shards,
 )
+from mpidl.data import loader as loader_module
 from mpidl.testing import assert_all_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -55,8 +56,11 @@ def write_dataset(comm, root, **kw):
     return os.path.join(root, "d", "train")
 
 
+@pytest.mark.parametrize("reader", ["loop", "thread"])
 @pytest.mark.parametrize("mode", ["block", "full"])
-def test_every_sample_read_once_and_rows_match_ids(comm, shared_dir, mode):
+def test_every_sample_read_once_and_rows_match_ids(comm, shared_dir, mode, reader, monkeypatch):
+    if reader == "thread":  # the reader thread from the second batch on, whatever the loop does
+        monkeypatch.setattr(loader_module, "_PROBE_STEPS", 0)
     ds = ShardedDataset(write_dataset(comm, shared_dir), comm=comm)
     sampler = DistributedSampler(
         len(ds), 32, comm.rank, comm.size, seed=7, shuffle=mode, block_size=5
@@ -78,6 +82,8 @@ def test_every_sample_read_once_and_rows_match_ids(comm, shared_dir, mode):
                     f"step {step}: ranks hold {int(total[0])} samples, global_count {count}"
                 )
             ids.append(mine)
+        if loader.prefetching != (reader == "thread"):
+            problems.append(f"epoch {epoch}: prefetching {loader.prefetching} with {reader}")
     everything = numpy.sort(comm.allgatherv(numpy.concatenate(ids)))
     if not numpy.array_equal(everything, numpy.arange(N)):
         problems.append(
