@@ -313,23 +313,27 @@ class ShardedDataset:
         arrays = []
         labels = self.manifest.labels
         with self._lock:
-            handles = [(self._handle(shard), rows) for shard, rows in pieces.items()]
             for i, f in enumerate(feats):
                 memory = self._cached(f)
                 if memory is not None:
                     part = [memory[a:b] for a, b in pairs]
-                    if out is None:
-                        arrays.append(part[0].copy() if len(part) == 1 else numpy.concatenate(part))
-                    else:
+                    if out is not None:
                         arrays.append(numpy.concatenate(part, out=out[i]) if part else out[i])
+                    elif len(part) == 1:
+                        arrays.append(part[0].copy())
+                    else:  # several runs, or none (a rank's empty last step)
+                        arrays.append(numpy.concatenate(part) if part else memory[:0].copy())
                     continue
                 a = numpy.empty((pos, *f.shape), dtype=f.dtype) if out is None else out[i]
                 arrays.append(a)
                 if f.row_bytes == 0 or pos == 0:
                     continue
                 flat = a.reshape(-1).view(numpy.uint8)
-                for handle, rows in handles:
-                    handle.read(f.name, rows, a, flat, f.row_bytes)
+                for shard, rows in pieces.items():
+                    # The handle right before its reads: opening another shard may close
+                    # the least recently used one (max_open), and a closed handle's file
+                    # descriptor can already belong to another shard's file.
+                    self._handle(shard).read(f.name, rows, a, flat, f.row_bytes)
                 if labels is not None and labels["feature"] == f.name:
                     self._check_batch_labels(a, pieces)
         return arrays

@@ -66,6 +66,36 @@ def test_batches_hold_exactly_the_sampler_ids_and_cover_the_dataset(
     assert sorted(seen) == list(range(N))
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_rank_with_no_samples_in_the_last_step_gets_empty_arrays(dataset_dir, prefetch):
+    ds = ShardedDataset(dataset_dir)  # y small enough to be cached in memory, x read
+    sampler = DistributedSampler(N, N - 1, 2, 3, seed=1)  # last global batch: 1 sample
+    batches = list(DataLoader(ds, sampler, features=("x", "y"), prefetch=prefetch))
+    x, y, count = batches[-1]
+    assert count == 1 and x.shape == (0, 2) and y.shape == (0,)
+    assert x.dtype == numpy.float32 and y.dtype == numpy.int64
+    assert [a.shape for a in ds.read_batch(("y", "x"), [])] == [(0,), (0, 2)]
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 20])
+def test_batches_spanning_more_shards_than_may_stay_open_read_the_right_rows(
+    tmp_path, cache_bytes
+):
+    """Full shuffle over 12 shards with at most 2 open: every batch touches more shards
+    than may stay open at once (and cached labels open every shard first)."""
+    d = str(tmp_path / "train")
+    ids = numpy.arange(60)
+    write_split(d, {"x": numpy.stack([ids, -ids], 1).astype(numpy.float32), "y": ids % 3},
+                rows_per_shard=5)
+    ds = ShardedDataset(d, max_open=2, cache_bytes=cache_bytes)
+    sampler = DistributedSampler(60, 20, 0, 1, seed=3, shuffle="full")
+    for y, x, _ in DataLoader(ds, sampler, features=("y", "x"), prefetch=0):
+        numpy.testing.assert_array_equal(-x[:, 1], x[:, 0])
+        numpy.testing.assert_array_equal(y, x[:, 0].astype(int) % 3)
+    rows = ds.read_batch(("y", "x"), [[10, 12], [55, 57], [0, 2], [31, 33]])[1][:, 0]
+    numpy.testing.assert_array_equal(rows, [10, 11, 55, 56, 0, 1, 31, 32])
+
+
 def test_yields_arrays_of_the_requested_module(dataset_dir, xp):
     ds = ShardedDataset(dataset_dir)
     loader = DataLoader(ds, DistributedSampler(len(ds), 64, 0, 1), features=("y", "x"), xp=xp)
