@@ -70,7 +70,9 @@ _NAP_MIN_S, _NAP_MAX_S = 1e-4, 0.05  # bounds of the reader's nap while the queu
 # every read) cost more than they hide: measured on 2 vCPUs with warm 400 KB batches,
 # 3.0 GB/s through the thread against 6.4 GB/s read in the loop.
 _PROBE_STEPS = 16
-_PLAN_STEPS = 256  # steps whose runs are computed together (a few kB of lists)
+# Steps whose runs are planned together: up to _PLAN_STEPS, and about _PLAN_RUNS runs
+# (Python lists of ~130 bytes a run) whatever the batch and block sizes.
+_PLAN_STEPS, _PLAN_RUNS = 256, 1 << 14
 
 
 class DataLoader:
@@ -124,6 +126,11 @@ class DataLoader:
         self.read_s = 0.0
         self._nap_s = 1e-3  # the reader's nap while ahead; set from the loop's step time
         self.prefetching = False  # whether the thread reads this (or the last) epoch
+        if sampler.shuffle == "block":  # runs_between is vectorised for block mode only
+            per_step = sampler.global_batch // (sampler.size * sampler.block_size) + 2
+            self._window = max(1, min(_PLAN_STEPS, _PLAN_RUNS // per_step))
+        else:
+            self._window = 1
         self._plan: tuple[int, int, list[list[list[int]]]] = (-1, 0, [])
 
     def __len__(self) -> int:
@@ -175,9 +182,9 @@ class DataLoader:
         """``sampler.runs(step)``, planned for a window of steps at a time."""
         epoch, first, plan = self._plan
         if epoch != self.sampler.epoch or not first <= step < first + len(plan):
-            first = step
-            plan = self.sampler.runs_between(step, min(step + _PLAN_STEPS, len(self.sampler)))
-            self._plan = (self.sampler.epoch, first, plan)
+            epoch, first = self.sampler.epoch, step  # the epoch planned, read before planning
+            plan = self.sampler.runs_between(step, min(step + self._window, len(self.sampler)))
+            self._plan = (epoch, first, plan)
         return plan[step - first]
 
     def _read(self, step: int) -> tuple[list[numpy.ndarray], int]:

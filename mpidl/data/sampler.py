@@ -317,8 +317,11 @@ class DistributedSampler:
         slot = numpy.repeat(s_lo - heads, count) + numpy.arange(step_of.size)
         if slot.size == 0:
             return [[] for _ in range(first, stop)]
-        s_min = int(slot.min())
-        block = self._perm.take(s_min, int(slot.max()) + 1)[slot - s_min]
+        s_min, s_max = int(slot[0]), int(slot[-1])  # slots increase with the step
+        if s_max - s_min < 4 * slot.size:  # few ranks: the cached chunks cover the range
+            block = self._perm.take(s_min, s_max + 1)[slot - s_min]
+        else:  # many ranks: the range is mostly theirs; evaluate this rank's slots only
+            block = self._perm(slot)
         start = slot * bs - numpy.where(slot > kl, shift, 0)
         run_lo = numpy.maximum(start, lo[step_of])
         run_hi = numpy.minimum(start + numpy.where(slot == kl, last, bs), hi[step_of])

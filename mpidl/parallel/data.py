@@ -270,9 +270,9 @@ class DataParallel:
                 b.request = self.reducer.iallreduce_(b.flat)
             return
         if self.reducer is not self.comm:  # hierarchical: 16 bits between nodes only
-            self.reducer.allreduce_(
-                b.flat, between_nodes=lambda leaders, flat: self._wire_allreduce(leaders, b)
-            )
+            self.reducer.allreduce_(b.flat, between_nodes=lambda leaders, flat: (
+                # One node: its sum is the result; rounding it would only lose precision.
+                self._wire_allreduce(leaders, b) if leaders.size > 1 else None))
         elif blocking:
             self._wire_allreduce(self.comm, b)
         else:

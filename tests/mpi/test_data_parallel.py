@@ -196,6 +196,8 @@ def test_hierarchical_with_compression_compresses_between_nodes_only(comm, per_n
     train_reference(ref, SGD(ref.parameters(), lr=0.1), data)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_allclose_all_ranks(comm, p.data, q.data, dtype="bfloat16", what=name)
+    if per_node == "node" or comm.size <= per_node:  # one node: nothing is compressed
+        assert_same_parameters(comm, model, ref)
     if per_node == 1:
         flat_dp = DataParallel(flat, comm, compression="bfloat16")
         train_parallel(comm, flat_dp, SGD(flat.parameters(), lr=0.1), data)
