@@ -32,10 +32,11 @@ attributes repeat ``format``, ``format_version``, ``dataset_id``, ``shard_index`
 ``rows``, so a shard copied into the wrong directory is recognised.
 
 Why this layout (measured in the project's HDF5 study): contiguous, unfiltered datasets
-are the fastest to read in runs (a raw ``preadv`` at the dataset's byte offset skips
-HDF5's per-call cost); compression pays only when storage is the bottleneck, so it is an
-option. SHA-256 of whole files is kept because flipped bytes inside contiguous raw data
-are otherwise silent; hashing is an explicit ``mpidl shard --verify``, not a start-up cost.
+are the fastest to read in runs (a copy from the dataset's byte offset in a memory map
+of the file skips HDF5's per-call cost); compression pays only when storage is the
+bottleneck, so it is an option. SHA-256 of whole files is kept because flipped bytes
+inside contiguous raw data are otherwise silent; hashing is an explicit
+``mpidl shard --verify``, not a start-up cost.
 
 A newer ``format_version`` is refused; optional fields may be added without bumping it.
 """

@@ -17,9 +17,9 @@ How files are opened, and why:
   parallel filesystem), and the start-up checks are spread over the ranks and gathered,
   so every rank raises the same error or none.
 
-Reading a shard (``os.preadv`` at the byte offset of contiguous data, ``read_direct``
-otherwise) is :mod:`mpidl.data.shard`'s job. A feature small enough for ``cache_bytes``
-(the labels, typically) is read whole once and served from memory.
+Reading a shard (copies out of a memory map at the byte offset of contiguous data,
+``read_direct`` otherwise) is :mod:`mpidl.data.shard`'s job. A feature small enough for
+``cache_bytes`` (the labels, typically) is read whole once and served from memory.
 
 Every problem is a :class:`~mpidl.data.format.DataError` naming the file: missing shard,
 size different from the manifest (truncated), not an HDF5 file, a missing dataset, a dtype
@@ -180,7 +180,7 @@ class ShardedDataset:
         once, removes those calls and lets its labels be range-checked once.
         """
         arr = self._memory.get(feat.name)
-        if arr is not None or feat.row_bytes * len(self) > self.cache_bytes or len(self) == 0:
+        if arr is not None or feat.row_bytes * len(self) > self.cache_bytes or not len(self):
             return arr
         arr = numpy.empty((len(self), *feat.shape), dtype=feat.dtype)
         pieces = {
@@ -310,8 +310,8 @@ class ShardedDataset:
                         f"out array for {f.name!r} must be C-contiguous {f.dtype} of shape "
                         f"{(pos, *f.shape)}, got {a.dtype} {a.shape}"
                     )
-        arrays = []
-        labels = self.manifest.labels
+        arrays: list[numpy.ndarray] = []
+        disk: list[tuple[Feature, numpy.ndarray, numpy.ndarray]] = []  # read from the shards
         with self._lock:
             for i, f in enumerate(feats):
                 memory = self._cached(f)
@@ -326,16 +326,21 @@ class ShardedDataset:
                     continue
                 a = numpy.empty((pos, *f.shape), dtype=f.dtype) if out is None else out[i]
                 arrays.append(a)
-                if f.row_bytes == 0 or pos == 0:
-                    continue
-                flat = a.reshape(-1).view(numpy.uint8)
+                if f.row_bytes and pos:
+                    disk.append((f, a, a.reshape(-1).view(numpy.uint8)))
+            if disk:
                 for shard, rows in pieces.items():
-                    # The handle right before its reads: opening another shard may close
-                    # the least recently used one (max_open), and a closed handle's file
-                    # descriptor can already belong to another shard's file.
-                    self._handle(shard).read(f.name, rows, a, flat, f.row_bytes)
-                if labels is not None and labels["feature"] == f.name:
-                    self._check_batch_labels(a, pieces)
+                    # The handle right before its reads, and no other shard opened while
+                    # they run: opening a shard may close the least recently used one
+                    # (max_open), and a closed handle's file descriptor can already belong
+                    # to another shard's file.
+                    handle = self._handle(shard)
+                    for f, a, flat in disk:
+                        handle.read(f.name, rows, a, flat, f.row_bytes)
+                labels = self.manifest.labels
+                for f, a, _ in disk:
+                    if labels is not None and labels["feature"] == f.name:
+                        self._check_batch_labels(a, pieces)
         return arrays
 
     def _check_batch_labels(

@@ -19,7 +19,8 @@ host-to-device copy happens in the consuming thread).
 
 Why a thread and not worker processes: h5py handles must not cross a ``fork``, forking
 after ``MPI_Init`` is unsafe on several interconnects, and one reader suffices because
-``os.preadv`` (and ``H5Dread``) release the GIL, so reading overlaps the step. The
+the copies out of a shard's memory map (and ``H5Dread``) release the GIL, so reading
+overlaps the step. The
 thread reads up to ``prefetch`` batches ahead and then naps (half the loop's
 step time) rather than being woken by the loop: with every core busy (one rank per
 core), a wake-up from the loop was measured to cost the loop a scheduler time slice,

@@ -72,6 +72,32 @@ def test_truncated_shard(split):
     assert "shard-00000.h5: cannot be opened as HDF5" in expect(split, "corrupt")
 
 
+def test_a_shard_truncated_while_open_is_an_error_naming_it(split):
+    """Shards are read through a memory map, where a file that shrank would fault
+    (SIGBUS) instead of reading short: the size is checked before each read."""
+    ds = ShardedDataset(str(split), cache_bytes=0)
+    numpy.testing.assert_array_equal(ds.read_runs("x", [[0, 2]])[:, 0], [0, 3])  # now open
+    path = split / "shard-00000.h5"
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(DataError, match="shard-00000.h5: .* shrank to"):
+        ds.read_runs("x", [[0, 2]])
+
+
+def test_reads_without_a_memory_map_give_the_same_rows(split, monkeypatch):
+    """Where a filesystem refuses maps, os.preadv reads the same bytes."""
+    from mpidl.data import shard
+
+    runs = [[3, 7], [21, 25], [0, 1], [9, 12]]
+    mapped = ShardedDataset(str(split), cache_bytes=0)
+    want = mapped.read_batch(("x", "y"), runs)
+    assert mapped._handle(0).bytes is not None
+    monkeypatch.setattr(shard, "_map_file", lambda fd, size, offsets: (None, None))
+    unmapped = ShardedDataset(str(split), cache_bytes=0)
+    for a, b in zip(want, unmapped.read_batch(("x", "y"), runs)):
+        numpy.testing.assert_array_equal(a, b)
+    assert unmapped._handle(0).bytes is None
+
+
 def test_checksum_mismatch_is_found_by_verify(split, capsys):
     path = split / "shard-00002.h5"
     data = bytearray(path.read_bytes())
