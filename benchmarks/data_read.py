@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpidl.comm import world  # noqa: E402
 from mpidl.data import DataLoader, DistributedSampler, ShardedDataset, write_split  # noqa: E402
+from mpidl.data.sampler import DEFAULT_BLOCK_SIZE  # noqa: E402
 
 FEATURES = 784
 SLAB = 8192  # rows per raw read_direct call
@@ -91,24 +92,28 @@ def timed(comm: Any, fn: Callable[[], int]) -> tuple[float, int]:
     return float(out[0]), int(total[0])
 
 
-def raw_read(comm: Any, ds: ShardedDataset, slab: int = SLAB) -> int:
-    """This rank's contiguous 1/size share of every shard, x and y, in ``slab``-row reads."""
-    import h5py
-
+def raw_read(comm: Any, ds: ShardedDataset, files: list[Any], slab: int = SLAB) -> int:
+    """This rank's contiguous 1/size share of every shard, x and y, in ``slab``-row reads
+    from the already open h5py ``files`` (one per shard)."""
     nbytes = 0
     buffers: dict[str, numpy.ndarray] = {}
-    for i, shard in enumerate(ds.manifest.shards):
+    for shard, f in zip(ds.manifest.shards, files):
         lo = shard.rows * comm.rank // comm.size
         hi = shard.rows * (comm.rank + 1) // comm.size
-        with h5py.File(ds.shard_path(i), "r", locking=False) as f:
-            for name in ("x", "y"):
-                d = f[name]
-                buf = buffers.setdefault(name, numpy.empty((slab, *d.shape[1:]), dtype=d.dtype))
-                for a in range(lo, hi, slab):
-                    b = min(a + slab, hi)
-                    d.read_direct(buf, numpy.s_[a:b], numpy.s_[0 : b - a])
-                    nbytes += buf[: b - a].nbytes
+        for name in ("x", "y"):
+            d = f[name]
+            buf = buffers.setdefault(name, numpy.empty((slab, *d.shape[1:]), dtype=d.dtype))
+            for a in range(lo, hi, slab):
+                b = min(a + slab, hi)
+                d.read_direct(buf, numpy.s_[a:b], numpy.s_[0 : b - a])
+                nbytes += buf[: b - a].nbytes
     return nbytes
+
+
+def open_shards(ds: ShardedDataset) -> None:
+    """Open (and check) every shard of ``ds`` by reading one row of each."""
+    for first, stop in zip(ds.offsets[:-1].tolist(), ds.offsets[1:].tolist()):
+        ds.read_runs("x", [[first, min(first + 1, stop)]])
 
 
 def loader_read(loader: DataLoader, epoch: int) -> int:
@@ -131,24 +136,34 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
     )
     loader = DataLoader(ds, sampler, prefetch=args.prefetch)
     raw, small, ours = [], [], []
-    for rep in range(args.repeats):
-        ds.close()  # raw h5py opens the same files: never two handles at once
-        if args.cold:
-            drop_cache(ds)
-        t, nbytes = timed(comm, lambda: raw_read(comm, ds))
-        raw.append(nbytes / t / 1e9)
-        if args.cold:
-            drop_cache(ds)
-        t, nbytes = timed(comm, lambda: raw_read(comm, ds, args.batch))
-        small.append(nbytes / t / 1e9)
-        if args.cold:
-            drop_cache(ds)
-        # A training run opens the shards once, not every epoch: open them before timing.
-        for first, stop in zip(ds.offsets[:-1].tolist(), ds.offsets[1:].tolist()):
-            ds.read_runs("x", [[first, min(first + 1, stop)]])
-        t, nbytes = timed(comm, lambda: loader_read(loader, rep))
-        ours.append(nbytes / t / 1e9)
-        ds.close()
+    # Both sides open their files once, outside the timings, as a training run does
+    # (the same settings as the dataset's: HDF5 shares a file opened twice alike).
+    # --cold closes and reopens them around dropping the page cache.
+    import h5py
+
+    def open_raw() -> list[Any]:
+        return [h5py.File(ds.shard_path(i), "r", locking=False)
+                for i in range(len(ds.manifest.shards))]
+
+    files = open_raw()
+    open_shards(ds)
+    try:
+        for rep in range(args.repeats):
+            for fn, into in ((lambda: raw_read(comm, ds, files), raw),
+                             (lambda: raw_read(comm, ds, files, args.batch), small),
+                             (lambda: loader_read(loader, rep), ours)):
+                if args.cold:
+                    ds.close()
+                    for f in files:
+                        f.close()
+                    drop_cache(ds)
+                    files = open_raw()
+                    open_shards(ds)
+                t, nbytes = timed(comm, fn)
+                into.append(nbytes / t / 1e9)
+    finally:
+        for f in files:
+            f.close()
     r, b, o = statistics.median(raw), statistics.median(small), statistics.median(ours)
     return {
         "bench": "read",
@@ -266,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", help="dataset directory (default: a temporary one, removed after)")
     p.add_argument("--batch", type=int, default=128, help="samples per rank per step (mlp: 128)")
     p.add_argument("--shuffle", choices=("block", "full", "none"), default="block")
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="read passes; the median is reported")
     p.add_argument(

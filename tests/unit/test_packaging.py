@@ -4,6 +4,7 @@ the Slurm templates, the presets and the site profiles."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,7 +19,13 @@ def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
            "-w", str(out), ROOT]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    build = os.path.join(ROOT, "build")  # setuptools builds in the source tree
+    had_build = os.path.exists(build)
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    finally:
+        if not had_build:
+            shutil.rmtree(build, ignore_errors=True)
     if run.returncode != 0 and "No module named" in run.stderr:
         pytest.skip(f"cannot build a wheel here: {run.stderr.strip()[-200:]}")
     assert run.returncode == 0, run.stderr
