@@ -46,8 +46,9 @@ Errors: opening and checking the shards is collective when ``ShardedDataset`` ge
 one rank's thread, raises on that rank only: run under ``mpidl run``/``mpidl train``,
 whose exception hook aborts every rank instead of leaving the others in a collective.
 
-Checkpoints: ``state_dict()`` is ``{"epoch", "step", "seed"}``, the next step to produce;
-``load_state_dict`` (or ``resume(epoch, step)``) continues there, with any number of ranks.
+Checkpoints: ``state_dict()`` is ``{"epoch", "step", "seed", "block_size"}``, the next
+step to produce; ``load_state_dict`` (or ``resume(epoch, step)``) continues there, with
+any number of ranks.
 """
 
 from __future__ import annotations
@@ -162,20 +163,26 @@ class DataLoader:
         self._resumed = True
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "step", "seed"}`` of the next step to produce (after the last step
-        of an epoch: step 0 of the next epoch)."""
+        """``{"epoch", "step", "seed", "block_size"}`` of the next step to produce (after
+        the last step of an epoch: step 0 of the next epoch)."""
         epoch, step = self.sampler.epoch, self._step
         if step >= len(self):
             epoch, step = epoch + 1, 0
-        return {"epoch": epoch, "step": step, "seed": self.sampler.seed}
+        return {"epoch": epoch, "step": step, "seed": self.sampler.seed,
+                "block_size": self.sampler.block_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a ``state_dict()``; its seed must be the sampler's."""
-        if int(state["seed"]) != self.sampler.seed:
-            raise ValueError(
-                f"checkpoint seed {state['seed']} != sampler seed {self.sampler.seed}: "
-                "build the sampler with the checkpoint's seed"
-            )
+        """Continue from a ``state_dict()``; its seed and block size must be the sampler's
+        (either one changes the order, so the rest of the epoch would repeat some samples
+        and skip others). A state without ``block_size`` (older checkpoints) is taken as
+        it is."""
+        for key in ("seed", "block_size"):
+            if key in state and int(state[key]) != getattr(self.sampler, key):
+                raise ValueError(
+                    f"checkpoint {key} {state[key]} != sampler {key} "
+                    f"{getattr(self.sampler, key)}: build the sampler with the checkpoint's "
+                    f"{key}={state[key]}"
+                )
         self.resume(int(state["epoch"]), int(state["step"]))
 
     # -- reading ------------------------------------------------------------------------

@@ -151,7 +151,8 @@ def test_a_loop_with_no_work_reads_without_the_thread(dataset_dir):
     # Leaving early after the switch, then resuming, continues exactly.
     loader.set_epoch(1)
     head = batches_of(loader, stop_after=40)
-    assert not loader.prefetching and loader.state_dict() == {"epoch": 1, "step": 40, "seed": 4}
+    state = {"epoch": 1, "step": 40, "seed": 4, "block_size": 64}
+    assert not loader.prefetching and loader.state_dict() == state
     assert head + batches_of(loader) == got
 
 
@@ -194,15 +195,19 @@ def test_resume_and_state_dict_continue_exactly(dataset_dir):
     head = [next(it).x[:, 0].copy() for _ in range(4)]
     state = first.state_dict()
     it.close()
-    assert state == {"epoch": 0, "step": 4, "seed": 3}
+    assert state == {"epoch": 0, "step": 4, "seed": 3, "block_size": 64}
     again = DataLoader(ds, DistributedSampler(N, 16, 0, 1, seed=3))
     again.load_state_dict(state)
     rest = run(again, [0, 1])  # set_epoch(0) keeps the resumed step
     assert len(head) + len(rest) == len(full)
     assert all(numpy.array_equal(a, b) for a, b in zip(full, head + rest))
-    assert again.state_dict() == {"epoch": 2, "step": 0, "seed": 3}
+    assert again.state_dict() == {"epoch": 2, "step": 0, "seed": 3, "block_size": 64}
     with pytest.raises(ValueError, match="seed"):
         again.load_state_dict({"epoch": 0, "step": 0, "seed": 4})
+    with pytest.raises(ValueError, match="block_size=32"):  # another order: not exact
+        again.load_state_dict({"epoch": 0, "step": 1, "seed": 3, "block_size": 32})
+    again.load_state_dict({"epoch": 0, "step": 1, "seed": 3})  # older states: no block_size
+    assert again.state_dict()["step"] == 1
 
 
 def test_loader_rejects_mismatched_sampler_and_unknown_features(dataset_dir):
