@@ -40,6 +40,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from mpidl.data.sampler import DEFAULT_BLOCK_SIZE
 from mpidl.train.schema import (
     ConfigError,
     apply_overrides as _apply_overrides,
@@ -91,6 +92,10 @@ class DataConfig:
     seed: int = 0                            # the corpus seed (not the training seed)
     cache_dir: str = ".mpidl-cache"
     prefetch: int = 2                        # batches the loader reads ahead
+    # The training order: "block" permutes blocks of block_size consecutive samples
+    # (fast reads), "full" every sample (one read each); see mpidl.data.sampler.
+    shuffle: str = choices("block", "full", default="block")
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 @dataclass
@@ -186,7 +191,7 @@ def _validate(config: Config) -> None:
     if not config.model.name:
         raise ConfigError("config key 'model.name' is empty; name a model, e.g. --model=bow")
     d = config.data
-    for key in ("num_train", "num_test", "seq_len", "vocab_size"):
+    for key in ("num_train", "num_test", "seq_len", "vocab_size", "block_size"):
         if getattr(d, key) < 1:
             raise ConfigError(f"config key 'data.{key}' must be >= 1, got {getattr(d, key)}")
 

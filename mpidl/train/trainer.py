@@ -115,7 +115,8 @@ class Trainer:
         self.dp = DataParallel(self.model, comm, overlap=config.overlap, **dp_options)
         self.optimizer = build_optimizer(config, self.model.parameters())
         sampler = DistributedSampler(len(self.train_set), config.global_batch, comm.rank,
-                                     comm.size, seed=config.seed)
+                                     comm.size, seed=config.seed, shuffle=config.data.shuffle,
+                                     block_size=config.data.block_size)
         self.loader = DataLoader(self.train_set, sampler, xp=self.xp,
                                  prefetch=config.data.prefetch)
         eval_sampler = DistributedSampler(len(self.test_set), EVAL_BATCH, comm.rank,

@@ -226,3 +226,13 @@ def test_default_run_dir_uses_the_job_id_so_requeued_jobs_resume():
     config = Config()
     assert default_run_dir(config, job_id="4242").endswith("reviews-bow-4242")
     assert default_run_dir(config, stamp="20250101-000000").startswith("runs")
+
+
+def test_the_training_order_is_configurable_and_checked():
+    config = load_config(None, ["--data.shuffle=full", "--data.block_size=16"])
+    assert (config.data.shuffle, config.data.block_size) == ("full", 16)
+    assert load_config().data.block_size == 64  # the sampler's default
+    with pytest.raises(ConfigError, match="'data.block_size' must be >= 1"):
+        load_config(None, ["--data.block_size=0"])
+    with pytest.raises(ConfigError, match="not one of \\['block', 'full'\\]"):
+        load_config(None, ["--data.shuffle=random"])
