@@ -124,16 +124,16 @@ def loader_read(loader: DataLoader, epoch: int) -> int:
     return nbytes
 
 
+def make_sampler(
+    comm: Any, ds: ShardedDataset, args: argparse.Namespace, seed: int
+) -> DistributedSampler:
+    """``args.batch`` samples per rank and step, in the order ``args`` asks for."""
+    return DistributedSampler(len(ds), args.batch * comm.size, comm.rank, comm.size,
+                              seed=seed, shuffle=args.shuffle, block_size=args.block_size)
+
+
 def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[str, Any]:
-    sampler = DistributedSampler(
-        len(ds),
-        args.batch * comm.size,
-        comm.rank,
-        comm.size,
-        seed=0,
-        shuffle=args.shuffle,
-        block_size=args.block_size,
-    )
+    sampler = make_sampler(comm, ds, args, seed=0)
     loader = DataLoader(ds, sampler, prefetch=args.prefetch)
     raw, small, ours = [], [], []
     # Both sides open their files once, outside the timings, as a training run does
@@ -228,15 +228,7 @@ def bench_train(
     comm: Any, ds: ShardedDataset, args: argparse.Namespace, prefetch: int
 ) -> dict[str, Any]:
     step, kind = mlp_step(args.simulate)
-    sampler = DistributedSampler(
-        len(ds),
-        args.batch * comm.size,
-        comm.rank,
-        comm.size,
-        seed=1,
-        shuffle=args.shuffle,
-        block_size=args.block_size,
-    )
+    sampler = make_sampler(comm, ds, args, seed=1)
     loader = DataLoader(ds, sampler, prefetch=prefetch)
     loader.set_epoch(0)
     if args.cold:

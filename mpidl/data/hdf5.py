@@ -285,8 +285,8 @@ class ShardedDataset:
             if name not in self.features:
                 raise KeyError(f"no feature {name!r} in {self.path}; it has {list(self.features)}")
             feats.append(self.features[name])
-        pairs = runs if isinstance(runs, list) else numpy.asarray(runs, numpy.int64)
-        pairs = pairs if isinstance(pairs, list) else pairs.reshape(-1, 2).tolist()
+        pairs = runs if isinstance(runs, list) else \
+            numpy.asarray(runs, numpy.int64).reshape(-1, 2).tolist()
         bounds = self._bounds
         # shard -> [(first row in the shard, rows, position in the batch)]
         pieces: dict[int, list[tuple[int, int, int]]] = {}

@@ -31,9 +31,9 @@ Shuffle modes (the trade-off between randomness and read speed):
   writer shuffles rows once when it writes the shards (``mpidl shard`` does by default),
   so blocks are random groups; keep ``block_size`` well under the batch (a global batch
   of 256 with the default 64 is 4 random blocks). The default is the lower end of the
-  64-1024 the project's HDF5 study recommends: at 32, a 128-sample batch per rank costs
-  four system calls, and their fixed cost held the loader to ~0.8x a raw sequential
-  read; at 64 it reads at ~0.86x (benchmarks/README.md "Data").
+  64-1024 the project's HDF5 study recommends: each block is one copy with a fixed
+  Python cost, and at 64 a 128-sample batch per rank takes two of them
+  (benchmarks/README.md "Data": 1.0x a raw sequential read at 64, 0.95x at 32).
 - ``"full"``: a permutation of all ids: most random, one read per sample.
 - ``"none"``: ids in order (evaluation).
 """
