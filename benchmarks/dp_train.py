@@ -26,6 +26,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/dp_train.py                    # all models, 1 and 2 ranks
     .venv/bin/python benchmarks/dp_train.py --models bow --ids uniform
     .venv/bin/python benchmarks/dp_train.py --malloc keep     # glibc keeps freed memory (both)
+    .venv/bin/python benchmarks/dp_train.py --malloc default  # glibc's default policy (both)
     .venv/bin/python benchmarks/dp_train.py --models mlp --no-sync   # no allreduce: the ceiling
     .venv/bin/python benchmarks/dp_train.py --rounds 2 --mca coll_tuned_use_dynamic_rules=1 \\
         --mca coll_tuned_allreduce_algorithm=4
@@ -93,6 +94,8 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
     comm = mpidl.comm.world()
     model = models.build(args.model, seed=0)
     kwargs: dict = {} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}
+    # "own" and "keep": DataParallel's default; "default": glibc's policy as torch has it.
+    kwargs["keep_freed_memory"] = args.malloc != "default"
     if args.overlap is not None:
         kwargs["overlap"] = args.overlap == "on"
     dp = DataParallel(model, comm, **kwargs)
@@ -170,6 +173,7 @@ def worker(args: argparse.Namespace) -> int:
                  "ids": args.ids if args.model != "mlp" else None, "params": meta["params"],
                  "samples_per_s": mt.stats(rates), "step_ms": mt.stats([1e3 * t for t in times]),
                  "cpu_s_all_ranks": cpu, "machine": info, "mca": args.mca_note,
+                 "malloc": args.malloc,
                  **meta["extra"]()})
     if args.framework == "torch" and comm.size > 1:
         import torch.distributed as dist
@@ -194,7 +198,7 @@ def launch(args: argparse.Namespace, model: str, framework: str, ranks: int) -> 
     cmd += [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
             "--framework", framework, "--ids", args.ids, "--window-s", str(args.window_s),
             "--windows", str(args.windows), "--warmup-s", str(args.warmup_s),
-            "--mca-note", " ".join(args.mca)]
+            "--mca-note", " ".join(args.mca), "--malloc", args.malloc]
     if args.bucket_mb:
         cmd += ["--bucket-mb", str(args.bucket_mb)]
     if args.overlap:
@@ -250,10 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", choices=("on", "off"), default=None,
                    help="DataParallel(overlap=...): start bucket allreduces during backward "
                         "(default: DataParallel's default)")
-    p.add_argument("--malloc", choices=("default", "keep"), default="default",
-                   help="glibc heap policy of every rank of both frameworks: 'keep' never "
-                        "returns freed memory to the kernel (what `mpidl train` does for "
-                        "itself), removing the per-step page faults; see mpi_timing.MALLOC_KEEP")
+    p.add_argument("--malloc", choices=("own", "default", "keep"), default="own",
+                   help="glibc heap policy of the ranks: 'own' as each framework sets it "
+                        "(DataParallel keeps freed memory, PyTorch leaves glibc's default), "
+                        "'default' glibc's default for both (DataParallel(keep_freed_memory="
+                        "False)), 'keep' kept for both (no per-step page faults; see "
+                        "mpi_timing.MALLOC_KEEP)")
     p.add_argument("--no-sync", action="store_true",
                    help="skip the gradient exchange (DataParallel.no_sync, DDP.no_sync): "
                         "the weak-scaling ceiling of the machine itself")

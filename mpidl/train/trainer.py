@@ -99,11 +99,9 @@ class Trainer:
         self.config, self.comm, self.run_dir = config, comm, run_dir
         self.log = Logger(comm.rank, comm.size)
         self.xp = get_xp(config.backend)
-        from mpidl.backend import keep_freed_memory, limit_cpu_threads
+        from mpidl.backend import limit_cpu_threads
 
         self.threads = limit_cpu_threads(comm.local_size)
-        if config.keep_freed_memory:
-            keep_freed_memory()
         if config.backend == "cupy":
             from hpc.gpu import bind
 
@@ -112,7 +110,8 @@ class Trainer:
         self.test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
         self.model = build_model(config, self.train_set).to(self.xp)
         dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
-        self.dp = DataParallel(self.model, comm, overlap=config.overlap, **dp_options)
+        self.dp = DataParallel(self.model, comm, overlap=config.overlap,
+                               keep_freed_memory=config.keep_freed_memory, **dp_options)
         self.optimizer = build_optimizer(config, self.model.parameters())
         sampler = DistributedSampler(len(self.train_set), config.global_batch, comm.rank,
                                      comm.size, seed=config.seed, shuffle=config.data.shuffle,

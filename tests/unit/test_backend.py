@@ -1,6 +1,8 @@
 """The array-module helpers on NumPy (CuPy variants run where a GPU exists)."""
 from __future__ import annotations
 
+import os
+
 import numpy
 import pytest
 
@@ -75,6 +77,33 @@ def test_freed_memory_is_kept_where_the_c_library_is_glibc():
     assert out.returncode == 0, out.stderr
     glibc = platform.libc_ver()[0] == "glibc"
     assert out.stdout.strip() == str(glibc)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_data_parallel_keeps_freed_memory_unless_told_not_to(keep):
+    # Behaviour, not the return value: a 16 MiB array freed after DataParallel is built
+    # stays in the process (kept for the next step) or goes back to the kernel.
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc" or not os.path.exists("/proc/self/statm"):
+        pytest.skip("the policy is glibc's; RSS is read from Linux's /proc")
+    code = (
+        "import numpy, mpidl.comm, mpidl.models as models\n"
+        "from mpidl.parallel import DataParallel\n"
+        f"DataParallel(models.build('mlp', seed=0), mpidl.comm.world(), keep_freed_memory={keep})\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "before = rss()\n"
+        "a = numpy.ones(16 << 20, numpy.uint8)\n"
+        "del a\n"
+        "print((rss() - before) >> 20)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    kept_mib = int(out.stdout.split()[-1])
+    assert (kept_mib >= 15) if keep else (kept_mib <= 2), kept_mib
 
 
 def test_as_numpy_copies_a_device_array_not_its_memory_pointer():
