@@ -73,6 +73,11 @@ class Tensor:
             data = numpy.asarray(data)
         self.data = data
         self.grad: Any = None
+        # Where a leaf's gradient is written when it arrives while .grad is None (that
+        # array then becomes .grad): data parallelism points it at the parameter's slice
+        # of a flat bucket, so the first contribution of a step is one copy into the
+        # bucket, with no zero-fill before it and no read-add-write.
+        self.grad_buffer: Any = None
         self.requires_grad = requires_grad
         self.creator: Function | None = None
         self.name = name
@@ -420,6 +425,10 @@ def _accumulate_leaf(x: Tensor, g: Any, owned: bool = False) -> None:
             f"({x.name or 'unnamed'}): a Function.backward returned a wrong shape"
         )
     if x.grad is None:
+        if x.grad_buffer is not None:
+            x.grad_buffer[...] = g
+            x.grad = x.grad_buffer
+            return
         if (owned and type(g) is type(x.data) and g.dtype == x.data.dtype
                 and g.flags.c_contiguous):
             # Function.owned_grads: nothing else holds this array, so it can become

@@ -151,13 +151,12 @@ class Module:
         return self.train(False)
 
     # -- gradients ------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero every parameter's gradient.
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset every parameter's gradient, as :meth:`mpidl.optim.Optimizer.zero_grad`.
 
         Args:
-            set_to_none: drop the gradient arrays instead. The default fills the existing
-                arrays with zeros in place, because data parallelism makes ``.grad`` a
-                view into a flat bucket that must never be replaced.
+            set_to_none: drop the gradient arrays (the default, PyTorch 2's); False fills
+                them with zeros in place.
         """
         for p in self.parameters():
             if set_to_none:

@@ -59,13 +59,14 @@ class Optimizer:
         # Scratch arrays for the update (not state: never saved), per (array type, dtype).
         self._scratch: dict[tuple[type, Any], list[Any]] = {}
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the gradients of the parameters.
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the parameters (PyTorch 2's default: drop them).
 
         Args:
-            set_to_none: drop the gradient arrays (``p.grad = None``). The default fills
-                the existing arrays with zeros in place: data parallelism makes ``.grad``
-                views into flat buckets, which must never be replaced.
+            set_to_none: drop the gradient arrays (``p.grad = None``, the default): the
+                next backward writes fresh gradients instead of adding to zeros, one pass
+                over memory fewer (into a parameter's :attr:`~mpidl.autograd.Tensor.grad_buffer`
+                where data parallelism set one). False fills the arrays with zeros in place.
         """
         for p in self.params:
             if set_to_none:

@@ -1,9 +1,11 @@
 """Flat gradient buckets: parameters' ``.grad`` are views into a few contiguous arrays.
 
 One allreduce per bucket instead of one per parameter (a per-parameter allreduce pays
-MPI's latency for every bias vector), and no packing copies: backward accumulates each
+MPI's latency for every bias vector), and no packing copies: backward writes each
 gradient straight into its slice of the bucket, so the bucket is ready to send the
-moment its last gradient is final.
+moment its last gradient is final. The first contribution of a step is a copy into the
+slice (``zero_grad()`` drops ``.grad``, see :attr:`Tensor.grad_buffer`), later ones add:
+no zero-fill of the buckets and no read-add-write per step.
 
 Parameters are assigned in *reverse* registration order, because backward produces
 the last layer's gradients first: the first bucket fills first and its allreduce starts
@@ -46,17 +48,27 @@ class Bucket:
         return int(self.flat.nbytes)
 
     def attach(self) -> None:
-        """Make every member's ``.grad`` its view again.
+        """Make each member's view its gradient buffer, and its ``.grad`` if it has one.
 
-        A user may have replaced or dropped a gradient (``zero_grad(set_to_none=True)``);
-        a dropped one restarts from zero, a replaced one is copied into the view.
+        A dropped gradient (``zero_grad()``) stays None: backward writes the next one
+        straight into the view (:attr:`Tensor.grad_buffer`). A replaced one is copied in.
         """
         for p, view in zip(self.params, self.views):
-            if p.grad is not view:
-                if p.grad is None:
-                    view[...] = 0
-                else:
-                    view[...] = p.grad
+            p.grad_buffer = view
+            if p.grad is not None and p.grad is not view:
+                view[...] = p.grad
+                p.grad = view
+
+    def fill_missing(self) -> None:
+        """Zero the views of members that got no gradient, and make them ``.grad``.
+
+        After backward: a parameter this rank's batch did not reach (an unused branch, an
+        empty batch) still sums zeros into the allreduce and is updated by the optimizer
+        with the other ranks' gradient, like on every other rank.
+        """
+        for p, view in zip(self.params, self.views):
+            if p.grad is None:
+                view[...] = 0
                 p.grad = view
 
 

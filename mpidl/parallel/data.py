@@ -223,6 +223,8 @@ class DataParallel:
             loss.backward(xp.full(loss.shape, seed, dtype=loss.dtype))
         finally:
             self._in_backward = False
+        for b in self.buckets:
+            b.fill_missing()
         self._record_sparse_rows()
         if not self._syncing:
             return
@@ -250,15 +252,21 @@ class DataParallel:
                 b.request.test()  # drive MPI progress while backward computes
 
     def _sync_dense(self) -> None:
-        """Finish the buckets started during backward, then allreduce the others."""
-        for b in self.buckets[:self._next_launch]:
-            self._finish(b)
-        # Buckets not started during backward have nothing left to overlap with, and a
-        # blocking allreduce beats a non-blocking one plus wait here (Open MPI's libnbc
-        # schedule copies through temporary buffers; see benchmarks/README.md).
+        """Start the buckets backward did not start, in order; then finish them all.
+
+        Without overlap every bucket runs one blocking allreduce here: it beats a
+        non-blocking one plus wait on one node (Open MPI's libnbc schedule copies through
+        temporary buffers; see benchmarks/README.md). With overlap the rest start
+        non-blocking too, because another rank may have started the same bucket during
+        its backward, and a non-blocking collective only matches a non-blocking one: a
+        rank whose batch never reached some parameter (an unused branch) never fires its
+        hook, and starts that bucket only here.
+        """
         for b in self.buckets[self._next_launch:]:
-            self._start(b, blocking=True)
+            self._start(b, blocking=not self.overlap)
         self._next_launch = len(self.buckets)
+        for b in self.buckets:
+            self._finish(b)
 
     def _launch_ready(self) -> None:
         """Start buckets in order: each one once it (and every earlier one) is ready."""
@@ -343,6 +351,9 @@ class DataParallel:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for b in self.buckets:
+            for p in b.params:
+                p.grad_buffer = None
         if self.reducer is not self.comm:
             self.reducer.free()
 

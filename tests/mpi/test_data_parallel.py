@@ -10,8 +10,10 @@ import numpy
 import pytest
 
 from mpidl.comm import DistributedError, split_counts
+import mpidl.functions as F
 from mpidl.functions import softmax_cross_entropy
 from mpidl.models import bow, mlp, transformer
+from mpidl.nn import Linear, Module
 from mpidl.optim import SGD, AdamW
 from mpidl.parallel import DataParallel
 from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
@@ -100,6 +102,34 @@ def test_uneven_and_empty_rank_batches_give_the_global_gradient(comm, global_bat
                    batches("tokens", 2, global_batch))
     train_reference(ref, make_opt("sgd", ref.parameters()), batches("tokens", 2, global_batch))
     assert_same_parameters(comm, model, ref, scale=100)
+
+
+class _TwoHeads(Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Linear(4, 3, seed=1, dtype="float64")
+        self.b = Linear(4, 3, seed=2, dtype="float64")
+
+    def forward(self, x, use_b):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_parameter_only_rank_0_reaches_gets_its_gradient_on_every_rank(comm, overlap):
+    # Only rank 0's batch goes through head b: elsewhere b gets no gradient in backward,
+    # so its bucket slice must sum zeros (not the previous step's values, as zero_grad
+    # drops .grad) and still receive rank 0's contribution.
+    dp = DataParallel(_TwoHeads(), comm, overlap=overlap)
+    x = numpy.full((2, 4), comm.rank + 1.0)
+    n = 2 * comm.size
+    for _ in range(2):
+        dp.backward(F.sum(dp(x, comm.rank == 0)), global_count=n)
+        # d sum(x W^T + b) / dW[j, k] = sum_i x[i, k]
+        assert_allclose_all_ranks(comm, dp.module.b.weight.grad, numpy.full((3, 4), 2 / n))
+        assert_allclose_all_ranks(comm, dp.module.b.bias.grad, numpy.full(3, 2 / n))
+        total = sum(2 * (r + 1) for r in range(comm.size)) / n
+        assert_allclose_all_ranks(comm, dp.module.a.weight.grad, numpy.full((3, 4), total))
+        dp.module.zero_grad()
 
 
 def test_replicas_stay_identical(comm):

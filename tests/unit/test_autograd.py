@@ -65,6 +65,19 @@ def test_gradients_accumulate_across_backward_calls():
     numpy.testing.assert_allclose(x.grad, numpy.full(2, 6.0))
 
 
+def test_a_gradient_arrives_in_the_leafs_grad_buffer_then_adds_there():
+    x = Tensor(numpy.ones(3), requires_grad=True)
+    home = numpy.full(5, 7.0)
+    x.grad_buffer = home[1:4]  # as DataParallel's buckets set it
+    (x * 2.0).sum().backward()
+    assert x.grad is x.grad_buffer and list(home) == [7, 2, 2, 2, 7]
+    (x * 3.0).sum().backward()
+    assert x.grad.base is home and list(home) == [7, 5, 5, 5, 7]
+    x.grad = None  # zero_grad(): the next gradient overwrites the stale values
+    (x * 1.0).sum().backward()
+    assert x.grad.base is home and list(home) == [7, 1, 1, 1, 7]
+
+
 def test_post_accumulate_hook_fires_once_with_the_final_gradient():
     w = Tensor(numpy.array([1.0, 2.0]), requires_grad=True)
     b = Tensor(numpy.array([0.5]), requires_grad=True)

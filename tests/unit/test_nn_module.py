@@ -142,16 +142,16 @@ def test_dropout_masks_are_seeded():
         Dropout(1.0)
 
 
-def test_zero_grad_fills_in_place():
+def test_zero_grad_drops_by_default_and_fills_in_place_on_request():
     net = Net().eval()
     loss = F.sum(net(numpy.ones((2, 3), dtype=numpy.float32)))
     loss.backward()
     used = [p for p in net.parameters() if p.grad is not None]  # net.blocks is unused
     grads = [p.grad for p in used]
     assert len(used) == 6
-    net.zero_grad()
+    net.zero_grad(set_to_none=False)
     assert all(p.grad is g and not g.any() for p, g in zip(used, grads))
-    net.zero_grad(set_to_none=True)
+    net.zero_grad()
     assert all(p.grad is None for p in net.parameters())
 
 

@@ -104,14 +104,14 @@ def test_update_leaves_gradient_untouched_and_float32_stays_float32():
         assert numpy.all(g == 0.5)
 
 
-def test_zero_grad_fills_in_place_by_default_and_drops_on_request():
+def test_zero_grad_drops_by_default_and_fills_in_place_on_request():
     p = Parameter(numpy.ones(3))
     bucket = numpy.ones(5)
     p.grad = bucket[1:4]  # a view, as data parallelism makes them
     opt = SGD([p], lr=0.1)
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)
     assert p.grad.base is bucket and numpy.all(bucket == [1, 0, 0, 0, 1])
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
     assert p.grad is None
 
 
