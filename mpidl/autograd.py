@@ -337,7 +337,8 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
 
     Functions run in decreasing generation, so every function runs once, after all of
     its outputs' gradients are complete. Leaf gradients are accumulated into ``.grad``
-    (in place when ``.grad`` already exists, so it may be a view into a bucket).
+    (in place when ``.grad`` already exists, so it may be a view into a bucket; written
+    into ``grad_buffer`` when there is one and ``.grad`` is None).
     """
     _state.backward_pass = next(_backward_passes)
     if root.creator is None:

@@ -95,6 +95,20 @@ def to_device(x: Any, xp: ModuleType) -> Any:
     return xp.asarray(x)
 
 
+def zeros_add_at(xp: ModuleType, shape: tuple, index: Any, values: Any) -> Any:
+    """Zeros of ``shape`` (``values``' dtype) with ``values`` added at ``index``.
+
+    As ``numpy.add.at``: repeated indices add up. CuPy's ``add.at`` (atomic adds) has no
+    float16 kernel on every GPU and CUDA version, and many float16 adds into one element
+    lose the sum anyway, so float16 accumulates in float32 and is rounded once.
+    """
+    dtype = values.dtype
+    acc = numpy.float32 if dtype == numpy.float16 else dtype
+    out = xp.zeros(shape, dtype=acc)
+    xp.add.at(out, index, values.astype(acc, copy=False))
+    return out.astype(dtype, copy=False)
+
+
 def synchronize(x: Any = None) -> None:
     """Wait until the work queued on the current CUDA stream is done.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import get_array_module
+from mpidl.backend import get_array_module, to_device, zeros_add_at
 from mpidl.functions.math import sum_to
 
 
@@ -36,13 +36,21 @@ class Transpose(Function):
         return xp.transpose(gy, inverse)
 
 
-def _index_data(index: Any) -> Any:
-    # Tensors used as indices (ids produced by other code) index by their data.
-    if isinstance(index, Tensor):
-        return index.data
-    if isinstance(index, tuple):
-        return tuple(i.data if isinstance(i, Tensor) else i for i in index)
-    return index
+def _index_data(index: Any, xp: Any) -> Any:
+    """``index`` with Tensors replaced by their data and index arrays moved to ``xp``.
+
+    Tensors used as indices (ids produced by other code) index by their data. A host
+    index array on a device tensor (labels from the data loader, say) is copied to the
+    device: CuPy's indexing and its ``add.at`` in backward take device indices only.
+    """
+    def one(i: Any) -> Any:
+        if isinstance(i, Tensor):
+            i = i.data
+        if getattr(i, "ndim", 0) > 0 and get_array_module(i) is not xp:
+            i = to_device(i, xp)
+        return i
+
+    return tuple(one(i) for i in index) if isinstance(index, tuple) else one(index)
 
 
 def _is_advanced(index: Any) -> bool:
@@ -59,12 +67,11 @@ class GetItem(Function):
 
     def backward(self, gy):
         xp = get_array_module(gy)
-        gx = xp.zeros(self.x_shape, dtype=gy.dtype)
         if _is_advanced(self.index):
             # Integer arrays may repeat an element, whose gradients must add up.
-            xp.add.at(gx, self.index, gy)
-        else:
-            gx[self.index] = gy
+            return zeros_add_at(xp, self.x_shape, self.index, gy)
+        gx = xp.zeros(self.x_shape, dtype=gy.dtype)
+        gx[self.index] = gy
         return gx
 
 
@@ -120,7 +127,8 @@ def getitem(x: Any, index: Any) -> Tensor:
 
     The backward of integer-array indexing adds the gradients of repeated indices.
     """
-    return GetItem.apply(x, index=_index_data(index))
+    xp = get_array_module(x.data if isinstance(x, Tensor) else x)
+    return GetItem.apply(x, index=_index_data(index, xp))
 
 
 def concat(xs: Sequence[Any], axis: int = 0) -> Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy
 
 from mpidl.autograd import Function, Tensor, current_backward_pass
-from mpidl.backend import get_array_module, is_cupy, to_device
+from mpidl.backend import get_array_module, is_cupy, to_device, zeros_add_at
 
 # Ids that occur up to this many times in one call are summed in that many rounds;
 # ids that occur more often are summed apart (a GEMM or one BLAS sum per id).
@@ -78,8 +78,7 @@ def segment_sum(
     if is_cupy(xp):
         # On the GPU, atomic adds into the one allocation are the fast path (cupy's
         # ufunc.at is cupyx.scatter_add); the CPU's add.at is what the rounds avoid.
-        grad = xp.zeros((vocab, dim), dtype=rows.dtype)
-        xp.add.at(grad, ids, rows if owner is None else rows[owner])
+        grad = zeros_add_at(xp, (vocab, dim), ids, rows if owner is None else rows[owner])
         return grad, xp.unique(ids)
     counts = xp.bincount(ids, minlength=vocab)
     unique = xp.flatnonzero(counts)  # sorted, without a sort

@@ -40,8 +40,8 @@ import contextlib
 import time
 from typing import Any, Iterator
 
-from mpidl.autograd import Tensor
 from mpidl import backend
+from mpidl.autograd import Tensor
 from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator
 from mpidl.parallel.buckets import Bucket, build_buckets

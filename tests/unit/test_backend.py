@@ -106,6 +106,17 @@ def test_data_parallel_keeps_freed_memory_unless_told_not_to(keep):
     assert (kept_mib >= 15) if keep else (kept_mib <= 2), kept_mib
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_zeros_add_at_adds_repeats_and_sums_float16_in_float32(xp, dtype):
+    # 4096 adds of 1/4096 into one element: float16 adds stall at 0.5 (its spacing
+    # there is larger than the addend); accumulated in float32 the sum is exactly 1.
+    index = xp.asarray(numpy.r_[numpy.zeros(4096, dtype=numpy.int64), [2]])
+    values = xp.asarray(numpy.r_[numpy.full(4096, 1 / 4096), [3.0]].astype(dtype))
+    out = backend.zeros_add_at(xp, (4,), index, values)
+    assert out.dtype == numpy.dtype(dtype)
+    assert backend.as_numpy(out).tolist() == [1.0, 0.0, 3.0, 0.0]
+
+
 def test_as_numpy_copies_a_device_array_not_its_memory_pointer():
     # A CuPy array's own .data is a MemoryPointer; only Tensors are unwrapped by .data.
     class FakeDeviceArray:

@@ -62,6 +62,19 @@ def test_getitem_integer_array_with_repeats_adds_gradients(xp):
     assert gradcheck(lambda t: t[idx], [a])
 
 
+def test_getitem_takes_a_host_index_on_any_device(xp):
+    # Labels and ids come from the loader as NumPy arrays, also for a CuPy model.
+    a = _randn(xp, 4, 3, seed=4)
+    idx = numpy.array([0, 2, 0, 3])
+    t = Tensor(a, requires_grad=True)
+    y = F.getitem(t, (idx, numpy.array([1, 1, 2, 0])))
+    assert allclose(y.data, as_numpy(a)[idx, [1, 1, 2, 0]])
+    F.sum(y).backward()
+    expected = numpy.zeros((4, 3))
+    numpy.add.at(expected, (idx, [1, 1, 2, 0]), 1.0)
+    assert allclose(t.grad, expected)
+
+
 def test_getitem_mixed_integer_arrays_and_slices(xp):
     a = _randn(xp, 4, 3, 2, seed=5)
     rows, cols = xp.asarray([0, 2, 0]), xp.asarray([1, 1, 1])
