@@ -251,6 +251,10 @@ class Function:
     a leaf whose ``.grad`` is None adopts the array as its ``.grad`` instead of copying
     it (a 10 MB embedding gradient costs a copy per step otherwise). Set it on the class,
     or on the instance inside ``backward`` when it depends on the path taken.
+
+    A backward that computes a gradient with an ``out=`` argument (a GEMM, a sum) can
+    write it straight into its leaf's :attr:`Tensor.grad_buffer` (data parallelism's
+    bucket slice): :meth:`grad_buffer_for` says where, or None for a fresh array.
     """
 
     generation = 0
@@ -271,6 +275,20 @@ class Function:
         if self.inputs is None:
             raise RuntimeError("needs_input_grad is only known while backward runs")
         return tuple(isinstance(x, Tensor) and x.requires_grad for x in self.inputs)
+
+    def grad_buffer_for(self, i: int) -> Any:
+        """The array ``backward`` may write input ``i``'s gradient into, or None.
+
+        Valid inside ``backward``: the input's :attr:`Tensor.grad_buffer` when it is a
+        leaf with no ``.grad`` yet (this is its first gradient of the pass), unless the
+        same tensor is another input of this Function too (its gradients must add).
+        Returning that same array as the gradient then costs no copy.
+        """
+        x = self.inputs[i]
+        if (not isinstance(x, Tensor) or x.grad_buffer is None or x.grad is not None
+                or x.creator is not None or sum(y is x for y in self.inputs) > 1):
+            return None
+        return x.grad_buffer
 
     def forward(self, *xs: Any) -> Any:
         raise NotImplementedError
@@ -427,7 +445,8 @@ def _accumulate_leaf(x: Tensor, g: Any, owned: bool = False) -> None:
         )
     if x.grad is None:
         if x.grad_buffer is not None:
-            x.grad_buffer[...] = g
+            if g is not x.grad_buffer:  # else backward wrote it there (grad_buffer_for)
+                x.grad_buffer[...] = g
             x.grad = x.grad_buffer
             return
         if (owned and type(g) is type(x.data) and g.dtype == x.data.dtype

@@ -41,10 +41,13 @@ class LinearFunction(Function):
         gx = gw = gb = None
         if nx:
             gx = xp.matmul(gy2, self.weight).reshape(self.x_shape)  # (N, in)
+        # Weight and bias gradients go straight into their data-parallel bucket slices
+        # when there are any (out=None: a fresh array).
         if nw:
-            gw = xp.matmul(gy2.T, self.x2)  # (out, in), the weight's own layout
+            # (out, in), the weight's own layout
+            gw = xp.matmul(gy2.T, self.x2, out=self.grad_buffer_for(1))
         if nb:
-            gb = gy2.sum(axis=0)
+            gb = gy2.sum(axis=0, out=self.grad_buffer_for(2))
         return gx, gw, gb
 
 

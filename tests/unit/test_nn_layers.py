@@ -4,10 +4,11 @@ import pytest
 
 from mpidl import functions as F
 from mpidl.nn import (
-    GELU, Embedding, EmbeddingBag, LayerNorm, Linear, MultiHeadAttention,
+    GELU, Embedding, EmbeddingBag, LayerNorm, Linear, MultiHeadAttention, Parameter,
     TransformerEncoderLayer,
 )
 from mpidl.nn.attention import merge_heads, split_heads
+from mpidl.nn.linear import linear
 from mpidl.testing import allclose
 
 F64 = numpy.float64
@@ -61,6 +62,31 @@ def test_linear_computes_x_wt_plus_b_on_any_leading_shape():
     assert allclose(y.data, x @ lin.weight.data.T + lin.bias.data)
     with pytest.raises(ValueError, match="4 features.*expects 5"):
         Linear(5, 3, seed=0)(x)
+
+
+def test_linear_writes_first_gradients_into_grad_buffers_then_adds():
+    lin = Linear(3, 2, seed=0, dtype="float64")
+    x = numpy.random.default_rng(1).standard_normal((4, 3))
+    F.sum(lin(x)).backward()
+    ref_w, ref_b = lin.weight.grad.copy(), lin.bias.grad.copy()
+    lin.zero_grad()
+    flat = numpy.full(9, numpy.nan)  # as a data-parallel bucket: stale values
+    lin.weight.grad_buffer, lin.bias.grad_buffer = flat[:6].reshape(2, 3), flat[6:8]
+    F.sum(lin(x)).backward()
+    assert lin.weight.grad is lin.weight.grad_buffer and lin.bias.grad is lin.bias.grad_buffer
+    assert allclose(flat[:6].reshape(2, 3), ref_w) and allclose(flat[6:8], ref_b)
+    F.sum(lin(x)).backward()
+    assert allclose(lin.weight.grad, 2 * ref_w) and lin.weight.grad is lin.weight.grad_buffer
+    assert numpy.isnan(flat[8])  # nothing written past the slices
+
+
+def test_a_tensor_used_twice_by_one_linear_still_sums_both_gradients():
+    w = Parameter(numpy.random.default_rng(2).standard_normal((3, 3)))
+    F.sum(linear(w, w)).backward()  # w as the input and as the weight
+    ref = w.grad.copy()
+    w.grad, w.grad_buffer = None, numpy.full((3, 3), numpy.nan)
+    F.sum(linear(w, w)).backward()
+    assert allclose(w.grad, ref) and w.grad is w.grad_buffer
 
 
 def test_linear_initial_scale_is_pytorchs():
