@@ -81,7 +81,7 @@ class DataParallel:
             step (:func:`mpidl.backend.keep_freed_memory`; a process-wide setting, made
             once here). Each step frees and reallocates the same activations; by default
             glibc returns them to the kernel and the next step page-faults them back in:
-            the reference transformer at 2 ranks trains at 251 samples/s without and 294
+            the reference transformer at 2 ranks trains at 249 samples/s without and 313
             with it (benchmarks/README.md). The process keeps its peak heap, as a GPU
             framework's caching allocator does. False leaves the allocator as it is.
     """
