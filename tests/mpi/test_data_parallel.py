@@ -114,22 +114,30 @@ class _TwoHeads(Module):
         return self.a(x) + self.b(x) if use_b else self.a(x)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_parameter_only_rank_0_reaches_gets_its_gradient_on_every_rank(comm, overlap):
-    # Only rank 0's batch goes through head b: elsewhere b gets no gradient in backward,
-    # so its bucket slice must sum zeros (not the previous step's values, as zero_grad
-    # drops .grad) and still receive rank 0's contribution.
-    dp = DataParallel(_TwoHeads(), comm, overlap=overlap)
+@pytest.mark.parametrize("options", [
+    {"overlap": False}, {"overlap": True}, {"overlap": True, "compression": "bfloat16"},
+    {"overlap": True, "hierarchical": 1}, {"overlap": False, "hierarchical": 2},
+], ids=["blocking", "overlap", "overlap-bf16", "overlap-hierarchical", "hierarchical"])
+def test_a_parameter_only_rank_0_reaches_gets_its_gradient_on_every_rank(comm, options):
+    # Only rank 0's batch goes through head b: elsewhere b gets no gradient in backward
+    # (so its hook never fires), its bucket slice must sum zeros (not the previous step's
+    # values, as zero_grad drops .grad), and every rank must still issue the same
+    # collectives and receive rank 0's contribution.
+    dp = DataParallel(_TwoHeads(), comm, **options)
     x = numpy.full((2, 4), comm.rank + 1.0)
     n = 2 * comm.size
+    wire = options.get("compression")  # the tolerance of the dtype gradients travel in
     for _ in range(2):
         dp.backward(F.sum(dp(x, comm.rank == 0)), global_count=n)
         # d sum(x W^T + b) / dW[j, k] = sum_i x[i, k]
-        assert_allclose_all_ranks(comm, dp.module.b.weight.grad, numpy.full((3, 4), 2 / n))
-        assert_allclose_all_ranks(comm, dp.module.b.bias.grad, numpy.full(3, 2 / n))
+        assert_allclose_all_ranks(comm, dp.module.b.weight.grad, numpy.full((3, 4), 2 / n),
+                                  dtype=wire)
+        assert_allclose_all_ranks(comm, dp.module.b.bias.grad, numpy.full(3, 2 / n), dtype=wire)
         total = sum(2 * (r + 1) for r in range(comm.size)) / n
-        assert_allclose_all_ranks(comm, dp.module.a.weight.grad, numpy.full((3, 4), total))
+        assert_allclose_all_ranks(comm, dp.module.a.weight.grad, numpy.full((3, 4), total),
+                                  dtype=wire)
         dp.module.zero_grad()
+    dp.remove_hooks()
 
 
 def test_replicas_stay_identical(comm):
