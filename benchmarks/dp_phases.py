@@ -1,0 +1,200 @@
+"""Where a data-parallel mlp step goes, phase by phase, and three other ways to sync it.
+
+Runs under a launcher (2 ranks, 1 thread each)::
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 .venv/bin/python benchmarks/dp_phases.py
+    OMP_NUM_THREADS=1 mpiexec -n 1 .venv/bin/python benchmarks/dp_phases.py   # the 1-rank step
+
+Each step of the reference mlp (batch 128 per rank, SGD, ``DataParallel`` defaults, freed
+memory kept) is timed in four phases: forward + backward without the exchange
+(``no_sync``), a barrier (the ranks' skew), the gradient exchange, and the optimizer step
+with ``zero_grad``. The exchange is one of (``--variants``):
+
+- ``dataparallel``: what ``DataParallel.backward`` does (one blocking Allreduce per bucket);
+- ``ring``: a hand-written ring allreduce (reduce-scatter, then allgather) over ``Sendrecv``;
+- ``shm``: the buckets live in an MPI-3 shared-memory window (``Win.Allocate_shared``) and
+  each rank sums its share of every bucket straight out of the other ranks' memory, then
+  copies the others' shares back (three barriers; ranks on one node only; the PyPI
+  Open MPI 5.0 prints a harmless "OSC UCX component priority ... Error" per window,
+  silenced by ``OMPI_MCA_osc=^ucx``);
+- ``zero1``: ZeRO stage 1 as a prototype: the ring's reduce-scatter, each rank's SGD
+  update of its own share of the parameters, then the ring's allgather of the updated
+  parameters (here into a flat copy: the prototype does not rewire the model's arrays,
+  so its model stops training; the time per step is what it measures). Its optimizer
+  phase is only ``zero_grad``: the update is part of the exchange.
+
+Median milliseconds per phase over the timed steps, the slowest rank's. Prototypes, not
+library code: they show where a step's time goes and what another exchange would save
+(benchmarks/README.md, "Third session").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy  # noqa: E402
+
+PHASES = ("compute", "skew", "sync", "opt", "step")
+
+
+def _bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-size // parts)
+    return [(min(i * step, size), min((i + 1) * step, size)) for i in range(parts)]
+
+
+def ring_reduce_scatter(w, flat, tmp) -> int:
+    """Sum ``flat`` over the ranks, leaving the full sum of one share here: its index."""
+    n, r = w.size, w.rank
+    bd = _bounds(flat.size, n)
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        (a, b), (c, d) = bd[(r - s) % n], bd[(r - s - 1) % n]
+        w.Sendrecv(flat[a:b], right, 0, tmp[:d - c], left, 0)
+        flat[c:d] += tmp[:d - c]
+    return (r + 1) % n
+
+
+def ring_allgather(w, flat, own: int) -> None:
+    """Every rank's share ``own`` of ``flat`` (the full sum) to every rank."""
+    n, r = w.size, w.rank
+    bd = _bounds(flat.size, n)
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        (a, b), (c, d) = bd[(own - s) % n], bd[(own - s - 1) % n]
+        w.Sendrecv(flat[a:b], right, 1, flat[c:d], left, 1)
+
+
+def shared_buckets(w, dp) -> list[list]:
+    """Move ``dp``'s buckets into shared windows; per bucket, every rank's flat array."""
+    from mpi4py import MPI
+
+    node = w.Split_type(MPI.COMM_TYPE_SHARED)
+    if node.size != w.size:
+        raise SystemExit("dp_phases --variants shm: every rank must share one node")
+    views = []
+    for b in dp.buckets:
+        win = MPI.Win.Allocate_shared(b.flat.nbytes, b.flat.itemsize, comm=node)
+        flats = [numpy.frombuffer(win.Shared_query(q)[0], b.flat.dtype, count=b.flat.size)
+                 for q in range(node.size)]
+        b.flat = flats[node.rank]
+        start, b.views = 0, []
+        for p in b.params:
+            view = b.flat[start:start + p.data.size].reshape(p.data.shape)
+            start += p.data.size
+            b.views.append(view)
+            p.grad, p.grad_buffer = None, view
+        views.append(flats)
+    dp._shm_keep = (node, views)  # windows live as long as the DataParallel
+    return views
+
+
+def shm_allreduce(w, flats: list) -> None:
+    r = w.rank
+    bd = _bounds(flats[r].size, w.size)
+    a, b = bd[r]
+    w.Barrier()  # every rank's gradients are final
+    for q, other in enumerate(flats):
+        if q != r:
+            flats[r][a:b] += other[a:b]
+    w.Barrier()  # every share is summed
+    for q, other in enumerate(flats):
+        if q != r:
+            c, d = bd[q]
+            flats[r][c:d] = other[c:d]
+    w.Barrier()  # nobody overwrites a bucket another rank still reads
+
+
+def run(variant: str, steps: int, warmup: int) -> dict:
+    from mpi4py import MPI
+
+    import mpidl.comm
+    import mpidl.models as models
+    from mpidl import functions as F
+    from mpidl.optim import SGD
+    from mpidl.parallel import DataParallel
+
+    w = MPI.COMM_WORLD
+    dp = DataParallel(models.build("mlp", seed=0), mpidl.comm.world())
+    opt = SGD(dp.module.parameters(), lr=0.01)
+    rng = numpy.random.default_rng(1000 + w.rank)
+    batches = [(rng.standard_normal((128, 784)).astype(numpy.float32),
+                rng.integers(0, 10, 128)) for _ in range(8)]
+    n = 128 * w.size
+    tmp = numpy.empty(max(b.flat.size for b in dp.buckets), numpy.float32)
+    shm = shared_buckets(w, dp) if variant == "shm" else None
+    params = [numpy.zeros_like(b.flat) for b in dp.buckets]  # zero1's flat parameters
+    scratch = numpy.empty(1 << 16, numpy.float32)
+    times: dict[str, list[float]] = {k: [] for k in PHASES}
+    for i in range(warmup + steps):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        loss = F.softmax_cross_entropy(dp(x), y, reduction="sum")
+        with dp.no_sync():
+            dp.backward(loss, global_count=n)
+        t1 = time.perf_counter()
+        w.Barrier()
+        t2 = time.perf_counter()
+        for k, b in enumerate(dp.buckets):
+            if w.size == 1:
+                break
+            if variant == "dataparallel":
+                dp._start(b, blocking=True)
+            elif variant == "ring":
+                ring_allgather(w, b.flat, ring_reduce_scatter(w, b.flat, tmp))
+            elif variant == "shm":
+                shm_allreduce(w, shm[k])
+            else:  # zero1: update this rank's share, then gather the parameters
+                own = ring_reduce_scatter(w, b.flat, tmp)
+                lo, hi = _bounds(b.flat.size, w.size)[own]
+                for s in range(lo, hi, scratch.size):
+                    e = min(hi, s + scratch.size)
+                    numpy.multiply(b.flat[s:e], -0.01, out=scratch[:e - s])
+                    params[k][s:e] += scratch[:e - s]
+                ring_allgather(w, params[k], own)
+        t3 = time.perf_counter()
+        if variant != "zero1" or w.size == 1:
+            opt.step()
+        opt.zero_grad()
+        t4 = time.perf_counter()
+        if i >= warmup:
+            for key, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+                times[key].append(1e3 * v)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {k: w.allreduce(v, op=MPI.MAX) for k, v in med.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="dataparallel,ring,shm,zero1")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=100)
+    args = p.parse_args(argv)
+    from mpi4py import MPI
+
+    rows = []
+    for variant in [v for v in args.variants.split(",") if v]:
+        if variant not in ("dataparallel", "ring", "shm", "zero1"):
+            raise SystemExit(f"unknown variant {variant!r}")
+        res = run(variant, args.steps, args.warmup)
+        rec = {"bench": "dp_phases", "variant": variant, "ranks": MPI.COMM_WORLD.size,
+               "ms": res}
+        rows.append(rec)
+        if MPI.COMM_WORLD.rank == 0:
+            print(json.dumps(rec), flush=True)
+    if MPI.COMM_WORLD.rank == 0:
+        print("\n| variant | ranks | " + " | ".join(f"{k} ms" for k in PHASES) + " |")
+        print("|---|---|" + "---|" * len(PHASES))
+        for rec in rows:
+            print(f"| {rec['variant']} | {rec['ranks']} | "
+                  + " | ".join(f"{rec['ms'][k]:.2f}" for k in PHASES) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
