@@ -10,13 +10,11 @@ memory kept) is timed in four phases: forward + backward without the exchange
 (``no_sync``), a barrier (the ranks' skew), the gradient exchange, and the optimizer step
 with ``zero_grad``. The exchange is one of (``--variants``):
 
-- ``dataparallel``: what ``DataParallel.backward`` does (one blocking Allreduce per bucket);
+- ``dataparallel``: what ``DataParallel.backward`` does (on one node: the buckets live in
+  an MPI-3 shared-memory window and each rank sums its share of them straight out of the
+  other ranks' copies, :mod:`mpidl.comm.shared`);
+- ``allreduce``: ``DataParallel(shared_memory=False)``: one blocking MPI Allreduce per bucket;
 - ``ring``: a hand-written ring allreduce (reduce-scatter, then allgather) over ``Sendrecv``;
-- ``shm``: the buckets live in an MPI-3 shared-memory window (``Win.Allocate_shared``) and
-  each rank sums its share of every bucket straight out of the other ranks' memory, then
-  copies the others' shares back (three barriers; ranks on one node only; the PyPI
-  Open MPI 5.0 prints a harmless "OSC UCX component priority ... Error" per window,
-  silenced by ``OMPI_MCA_osc=^ucx``);
 - ``zero1``: ZeRO stage 1 as a prototype: the ring's reduce-scatter, each rank's SGD
   update of its own share of the parameters, then the ring's allgather of the updated
   parameters (here into a flat copy: the prototype does not rewire the model's arrays,
@@ -70,46 +68,6 @@ def ring_allgather(w, flat, own: int) -> None:
         w.Sendrecv(flat[a:b], right, 1, flat[c:d], left, 1)
 
 
-def shared_buckets(w, dp) -> list[list]:
-    """Move ``dp``'s buckets into shared windows; per bucket, every rank's flat array."""
-    from mpi4py import MPI
-
-    node = w.Split_type(MPI.COMM_TYPE_SHARED)
-    if node.size != w.size:
-        raise SystemExit("dp_phases --variants shm: every rank must share one node")
-    views = []
-    for b in dp.buckets:
-        win = MPI.Win.Allocate_shared(b.flat.nbytes, b.flat.itemsize, comm=node)
-        flats = [numpy.frombuffer(win.Shared_query(q)[0], b.flat.dtype, count=b.flat.size)
-                 for q in range(node.size)]
-        b.flat = flats[node.rank]
-        start, b.views = 0, []
-        for p in b.params:
-            view = b.flat[start:start + p.data.size].reshape(p.data.shape)
-            start += p.data.size
-            b.views.append(view)
-            p.grad, p.grad_buffer = None, view
-        views.append(flats)
-    dp._shm_keep = (node, views)  # windows live as long as the DataParallel
-    return views
-
-
-def shm_allreduce(w, flats: list) -> None:
-    r = w.rank
-    bd = _bounds(flats[r].size, w.size)
-    a, b = bd[r]
-    w.Barrier()  # every rank's gradients are final
-    for q, other in enumerate(flats):
-        if q != r:
-            flats[r][a:b] += other[a:b]
-    w.Barrier()  # every share is summed
-    for q, other in enumerate(flats):
-        if q != r:
-            c, d = bd[q]
-            flats[r][c:d] = other[c:d]
-    w.Barrier()  # nobody overwrites a bucket another rank still reads
-
-
 def run(variant: str, steps: int, warmup: int) -> dict:
     from mpi4py import MPI
 
@@ -120,14 +78,14 @@ def run(variant: str, steps: int, warmup: int) -> dict:
     from mpidl.parallel import DataParallel
 
     w = MPI.COMM_WORLD
-    dp = DataParallel(models.build("mlp", seed=0), mpidl.comm.world())
+    dp = DataParallel(models.build("mlp", seed=0), mpidl.comm.world(),
+                      shared_memory=False if variant != "dataparallel" else None)
     opt = SGD(dp.module.parameters(), lr=0.01)
     rng = numpy.random.default_rng(1000 + w.rank)
     batches = [(rng.standard_normal((128, 784)).astype(numpy.float32),
                 rng.integers(0, 10, 128)) for _ in range(8)]
     n = 128 * w.size
     tmp = numpy.empty(max(b.flat.size for b in dp.buckets), numpy.float32)
-    shm = shared_buckets(w, dp) if variant == "shm" else None
     params = [numpy.zeros_like(b.flat) for b in dp.buckets]  # zero1's flat parameters
     scratch = numpy.empty(1 << 16, numpy.float32)
     times: dict[str, list[float]] = {k: [] for k in PHASES}
@@ -140,15 +98,13 @@ def run(variant: str, steps: int, warmup: int) -> dict:
         t1 = time.perf_counter()
         w.Barrier()
         t2 = time.perf_counter()
+        if variant in ("dataparallel", "allreduce"):
+            dp._sync_dense()
         for k, b in enumerate(dp.buckets):
-            if w.size == 1:
+            if w.size == 1 or variant in ("dataparallel", "allreduce"):
                 break
-            if variant == "dataparallel":
-                dp._start(b, blocking=True)
-            elif variant == "ring":
+            if variant == "ring":
                 ring_allgather(w, b.flat, ring_reduce_scatter(w, b.flat, tmp))
-            elif variant == "shm":
-                shm_allreduce(w, shm[k])
             else:  # zero1: update this rank's share, then gather the parameters
                 own = ring_reduce_scatter(w, b.flat, tmp)
                 lo, hi = _bounds(b.flat.size, w.size)[own]
@@ -171,7 +127,7 @@ def run(variant: str, steps: int, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="dataparallel,ring,shm,zero1")
+    p.add_argument("--variants", default="dataparallel,allreduce,ring,zero1")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=100)
     args = p.parse_args(argv)
@@ -179,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for variant in [v for v in args.variants.split(",") if v]:
-        if variant not in ("dataparallel", "ring", "shm", "zero1"):
+        if variant not in ("dataparallel", "allreduce", "ring", "zero1"):
             raise SystemExit(f"unknown variant {variant!r}")
         res = run(variant, args.steps, args.warmup)
         rec = {"bench": "dp_phases", "variant": variant, "ranks": MPI.COMM_WORLD.size,

@@ -59,6 +59,15 @@ class Bucket:
                 view[...] = p.grad
                 p.grad = view
 
+    def rebind(self, flat: Any) -> None:
+        """Move the bucket into ``flat`` (same size and dtype), values and gradients too."""
+        flat[...] = self.flat
+        self.flat, self.views = flat, _views(flat, self.params)
+        for p, view in zip(self.params, self.views):
+            if p.grad is not None:
+                p.grad = view
+        self.attach()
+
     def fill_missing(self) -> None:
         """Zero the views of members that got no gradient, and make them ``.grad``.
 
@@ -108,13 +117,18 @@ def build_buckets(params: Sequence[Any], bucket_bytes: int) -> list[Bucket]:
         first = params[members[0]].data
         xp = get_array_module(first)
         total = sum(params[i].data.size for i in members)
-        bucket = Bucket(index=index, flat=xp.zeros(total, dtype=first.dtype))
-        start = 0
-        for i in members:
-            p = params[i]
-            bucket.params.append(p)
-            bucket.views.append(bucket.flat[start:start + p.data.size].reshape(p.data.shape))
-            start += p.data.size
+        bucket = Bucket(index=index, flat=xp.zeros(total, dtype=first.dtype),
+                        params=[params[i] for i in members])
+        bucket.views = _views(bucket.flat, bucket.params)
         bucket.attach()
         buckets.append(bucket)
     return buckets
+
+
+def _views(flat: Any, params: Sequence[Any]) -> list:
+    """Each parameter's gradient view into ``flat``, in order."""
+    views, start = [], 0
+    for p in params:
+        views.append(flat[start:start + p.data.size].reshape(p.data.shape))
+        start += p.data.size
+    return views

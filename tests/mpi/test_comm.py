@@ -203,3 +203,25 @@ def test_mismatched_collective_is_reported_in_check_mode(comm):
     finally:
         comm.check_collectives = False
     assert_all_ranks(comm, True)
+
+
+def test_node_shared_arrays_sum_every_rank_in_place(comm):
+    # Arrays smaller than the rank count (empty shares), empty, and of several dtypes;
+    # summed twice, to see that the second sum starts from the first's result.
+    from mpidl.comm.shared import NodeSharedArrays
+
+    if comm.local_size != comm.size:
+        pytest.skip("the ranks span several nodes")
+    shapes = [(1, "float32"), (0, "float64"), (1001, "float64"), (64, "int32")]
+    arrays = [ranked(numpy, (n,), dtype, comm.rank) for n, dtype in shapes]
+    shared = NodeSharedArrays(comm, arrays)
+    try:
+        assert all(numpy.array_equal(a, b) for a, b in zip(shared.local, arrays))
+        for rounds in (1, 2):
+            shared.allreduce_()
+            for (n, dtype), mine in zip(shapes, shared.local):
+                total = sum(ranked(numpy, (n,), dtype, r) for r in range(comm.size))
+                expected = total * comm.size ** (rounds - 1)
+                assert_allclose_all_ranks(comm, mine, expected.astype(dtype))
+    finally:
+        shared.free()

@@ -140,6 +140,34 @@ def test_a_parameter_only_rank_0_reaches_gets_its_gradient_on_every_rank(comm, o
     dp.remove_hooks()
 
 
+def test_shared_memory_buckets_train_like_mpi_allreduce(comm):
+    # On one node the buckets live in a shared window by default; the MPI path must give
+    # the same parameters, and removing the hooks moves the gradients out of the window.
+    if comm.local_size != comm.size:
+        pytest.skip("the ranks span several nodes")
+    runs = {}
+    for shared in (None, False):
+        model = small_mlp()
+        dp = DataParallel(model, comm, shared_memory=shared)
+        assert (dp.node_sum is not None) == (shared is None and comm.size > 1)
+        train_parallel(comm, dp, SGD(model.parameters(), lr=0.1, momentum=0.9),
+                       batches("mlp", 3, 4 * comm.size))
+        x, y = next(batches("mlp", 1, 4 * comm.size, seed=9))
+        xs, ys = my_share(comm, x, y)
+        dp.backward(softmax_cross_entropy(dp(xs), ys, reduction="sum"), global_count=len(x))
+        grads = [p.grad.copy() for p in model.parameters()]
+        dp.remove_hooks()
+        assert dp.node_sum is None
+        assert all(numpy.array_equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        runs[shared] = model
+    assert_same_parameters(comm, runs[None], runs[False])
+
+
+def test_shared_memory_that_cannot_be_used_is_an_error_on_every_rank(comm):
+    with pytest.raises(ValueError, match="shared_memory=True"):
+        DataParallel(small_mlp(), comm, shared_memory=True, compression="bfloat16")
+
+
 def test_replicas_stay_identical(comm):
     model = small_mlp("float32")
     dp = DataParallel(model, comm)
