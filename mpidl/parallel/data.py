@@ -27,6 +27,9 @@ What happens inside:
   the same cores copying memory, nothing is left to overlap with, and one blocking
   allreduce per bucket after backward measured faster (benchmarks/README.md), so that
   is the default there.
+- On one node (the common case for CPU training) the buckets live in an MPI-3
+  shared-memory window and are summed by reading the other ranks' copies directly
+  (:mod:`mpidl.comm.shared`), not by an Allreduce per bucket.
 - ``backward(loss, global_count=n)`` seeds backward with ``1/n`` instead of 1, so the
   allreduced *sum* is the mean over the global batch, with no extra pass over the
   gradients. Ranks with fewer samples (or none, in the last step of an epoch) simply
