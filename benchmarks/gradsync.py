@@ -8,8 +8,11 @@ as dense gradients so all three move the same bytes), at 2 ranks by default:
 - ``per_param``: one blocking ``comm.allreduce_(p.grad)`` per parameter, in backward's
   order (what a naive data-parallel loop does);
 - ``bucketed B``: what :class:`mpidl.parallel.DataParallel` does after backward with
-  ``bucket_mb=B`` for buckets not started during backward: one blocking allreduce per
-  bucket, in order;
+  ``bucket_mb=B`` for buckets not started during backward: on one node, the sum of the
+  buckets in their shared-memory window (:mod:`mpidl.comm.shared`), else one blocking
+  allreduce per bucket, in order;
+- ``bucketed-allreduce B``: ``DataParallel(shared_memory=False)``: one blocking MPI
+  allreduce per bucket, in order (the multi-node path, measured on one node);
 - ``bucketed-nb B``: every bucket's non-blocking allreduce started in order, then
   waited for (what backward does when it starts them all from its hooks).
 
@@ -74,12 +77,16 @@ def cases(model_name: str, bucket_mbs: list[float], comm: Any,
     out["per_param"] = per_param
 
     for mb in bucket_mbs:
-        m = models.build(model_name, seed=0)
-        dp = DataParallel(m, comm, bucket_mb=mb, sparse_embeddings=False, broadcast=False)
-        for b in dp.buckets:
-            b.flat[...] = rng.standard_normal(b.flat.size)
+        dps = {}
+        for name, shared in (("bucketed", None), ("bucketed-allreduce", False)):
+            m = models.build(model_name, seed=0)
+            dps[name] = DataParallel(m, comm, bucket_mb=mb, sparse_embeddings=False,
+                                     broadcast=False, shared_memory=shared)
+            for b in dps[name].buckets:
+                b.flat[...] = rng.standard_normal(b.flat.size)
+        dp = dps["bucketed-allreduce"]
 
-        def bucketed(dp: Any = dp) -> None:
+        def bucketed(dp: Any) -> None:
             # DataParallel.backward's sync when no bucket was started during backward.
             dp._next_launch = 0
             dp._sync_dense()
@@ -90,7 +97,8 @@ def cases(model_name: str, bucket_mbs: list[float], comm: Any,
                 dp._start(b)
             for b in dp.buckets:
                 dp._finish(b)
-        out[f"bucketed {mb:g}"] = bucketed
+        for name, each in dps.items():
+            out[f"{name} {mb:g}"] = lambda each=each: bucketed(each)
         if args_nonblocking:
             out[f"bucketed-nb {mb:g}"] = nonblocking
     return out
