@@ -40,6 +40,7 @@ What happens inside:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any, Iterator
 
@@ -166,6 +167,16 @@ class DataParallel:
             return "compression, hierarchical and overlap use MPI's allreduce"
         if get_array_module(self.buckets[0].flat) is not numpy:
             return "gradients on a device (CuPy) are exchanged through MPI"
+        # Open MPI backs the window with a file in /dev/shm; a full tmpfs (containers
+        # default to 64 MiB) would kill the job with SIGBUS on first touch. Collective:
+        # every rank reaches it (the conditions above are the same on all).
+        need = self.comm.local_size * sum(b.flat.nbytes for b in self.buckets)
+        free = _shm_free_bytes()
+        short = self.comm.allgather_obj(free is not None and free < 2 * need)
+        if any(short):
+            ranks = [r for r, s in enumerate(short) if s]
+            return (f"/dev/shm has {(free or 0) >> 20} MiB free on rank(s) {ranks}, the "
+                    f"buckets need {need >> 20} MiB twice over (Docker: --shm-size)")
         return ""
 
     # -- construction-time agreement ------------------------------------------------------
@@ -405,6 +416,15 @@ class DataParallel:
                 p.grad_buffer = None
         if self.reducer is not self.comm:
             self.reducer.free()
+
+
+def _shm_free_bytes() -> int | None:
+    """Free bytes in /dev/shm, or None where there is none to ask."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _allreduce_pieces(comm: Any, flat: Any, piece_bytes: int, op: Any = "sum") -> None:

@@ -168,6 +168,19 @@ def test_shared_memory_that_cannot_be_used_is_an_error_on_every_rank(comm):
         DataParallel(small_mlp(), comm, shared_memory=True, compression="bfloat16")
 
 
+def test_a_full_dev_shm_falls_back_to_allreduce(comm, monkeypatch):
+    # A container's 64 MiB /dev/shm would SIGBUS a window that does not fit in it.
+    import mpidl.parallel.data as data_module
+
+    if comm.size == 1 or comm.local_size != comm.size:
+        pytest.skip("needs several ranks on one node")
+    monkeypatch.setattr(data_module, "_shm_free_bytes", lambda: 1024)
+    dp = DataParallel(small_mlp(), comm)
+    assert_all_ranks(comm, dp.node_sum is None)
+    with pytest.raises(ValueError, match="/dev/shm has 0 MiB free"):
+        DataParallel(small_mlp(), comm, shared_memory=True)
+
+
 def test_replicas_stay_identical(comm):
     model = small_mlp("float32")
     dp = DataParallel(model, comm)
