@@ -62,11 +62,11 @@ class Bucket:
     def rebind(self, flat: Any) -> None:
         """Move the bucket into ``flat`` (same size and dtype), values and gradients too."""
         flat[...] = self.flat
-        self.flat, self.views = flat, _views(flat, self.params)
-        for p, view in zip(self.params, self.views):
-            if p.grad is not None:
+        old, self.flat, self.views = self.views, flat, _views(flat, self.params)
+        for p, was, view in zip(self.params, old, self.views):
+            if p.grad is was:
                 p.grad = view
-        self.attach()
+        self.attach()  # a gradient that was not the old view is copied in
 
     def fill_missing(self) -> None:
         """Zero the views of members that got no gradient, and make them ``.grad``.

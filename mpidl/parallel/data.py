@@ -114,6 +114,10 @@ class DataParallel:
         self.bucket_mb = bucket_mb
         self.compression = compression if comm.size > 1 else None
         self.named = list(model.named_parameters())
+        self._check_same_options(bucket_mb=bucket_mb, compression=compression,
+                                 hierarchical=hierarchical, sparse_embeddings=sparse_embeddings,
+                                 broadcast=broadcast, overlap=overlap,
+                                 shared_memory=shared_memory)
         self._check_same_parameters()
         if broadcast:
             self.broadcast_parameters()
@@ -180,6 +184,22 @@ class DataParallel:
         return ""
 
     # -- construction-time agreement ------------------------------------------------------
+    def _check_same_options(self, **options: Any) -> None:
+        """Raise DistributedError on every rank unless all ranks passed the same options.
+
+        They decide which collectives run (and how many, in what order); ranks that
+        disagree would wait for each other forever.
+        """
+        everyone = self.comm.allgather_obj(sorted(options.items()))
+        differing = sorted({name for theirs in everyone
+                            for (name, value), (_, ref) in zip(theirs, everyone[0])
+                            if value != ref})
+        detail = "; ".join(f"{name}: " + ", ".join(
+            f"rank {r} {dict(theirs)[name]!r}" for r, theirs in enumerate(everyone))
+            for name in differing)
+        self.comm.check(not differing, "DataParallel options differ between ranks: "
+                        f"{detail}. Pass the same options on every rank.")
+
     def _check_same_parameters(self) -> None:
         """Raise DistributedError on every rank unless all ranks built the same parameters."""
         mine = [(n, tuple(p.data.shape), str(p.data.dtype)) for n, p in self.named]

@@ -236,6 +236,14 @@ def test_a_rank_with_a_different_model_gets_a_clear_error_everywhere(comm):
     assert_all_ranks(comm, ok, text)
 
 
+def test_ranks_with_different_options_get_a_clear_error_everywhere(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    compression = "bfloat16" if comm.rank == 1 else None
+    with pytest.raises(DistributedError, match="compression: rank 0 None, rank 1 'bfloat16'"):
+        DataParallel(small_mlp(), comm, compression=compression)
+
+
 def test_parameters_are_broadcast_from_rank_0(comm):
     model = mlp(sizes=(4, 5, 2), seed=comm.rank)  # different weights on every rank
     DataParallel(model, comm)
