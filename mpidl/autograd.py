@@ -75,8 +75,8 @@ class Tensor:
         self.grad: Any = None
         # Where a leaf's gradient is written when it arrives while .grad is None (that
         # array then becomes .grad): data parallelism points it at the parameter's slice
-        # of a flat bucket, so the first contribution of a step is one copy into the
-        # bucket, with no zero-fill before it and no read-add-write.
+        # of a flat bucket, so the first contribution of a step lands in the bucket (by
+        # the backward itself, or one copy), with no zero-fill and no read-add-write.
         self.grad_buffer: Any = None
         self.requires_grad = requires_grad
         self.creator: Function | None = None

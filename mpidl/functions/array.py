@@ -127,8 +127,7 @@ def getitem(x: Any, index: Any) -> Tensor:
 
     The backward of integer-array indexing adds the gradients of repeated indices.
     """
-    xp = get_array_module(x.data if isinstance(x, Tensor) else x)
-    return GetItem.apply(x, index=_index_data(index, xp))
+    return GetItem.apply(x, index=_index_data(index, get_array_module(x)))
 
 
 def concat(xs: Sequence[Any], axis: int = 0) -> Tensor:
