@@ -16,6 +16,14 @@ as dense gradients so all three move the same bytes), at 2 ranks by default:
 - ``bucketed-nb B``: every bucket's non-blocking allreduce started in order, then
   waited for (what backward does when it starts them all from its hooks).
 
+Every sync starts from gradients just written by this rank (the same values rewritten
+before each call, outside the timed time, then a barrier), as backward leaves them: a
+sync of buffers that the previous sync left in the caches is faster than training ever
+sees, and on this VM it flips between two speeds from one run to the next. ``--hot``
+times back-to-back syncs of the same buffers instead. ``--then-read`` adds one read of
+every gradient to each timed sync (the optimizer's next pass): the shared-memory sum
+leaves each share in the cache of the core that summed it, MPI in the caller's.
+
 Throughput is gradient bytes / time (the slowest rank's, per window). Each round
 measures every case once, cases alternating, and windows are pooled over rounds. On a
 shared machine the median moves with other tenants' load (a spin-waiting MPI rank that
@@ -49,9 +57,31 @@ import mpi_timing as mt  # noqa: E402
 MODELS = ("mlp", "bow", "transformer")
 
 
+Case = tuple[list[Any], Callable[[], None]]  # the gradient arrays it syncs, the sync
+
+
+def _refill(arrays: list[Any]) -> Callable[[], None]:
+    """Rewrites ``arrays`` with their present values, as backward writes fresh gradients."""
+    sources = [a.copy() for a in arrays]
+
+    def refill() -> None:
+        for a, src in zip(arrays, sources):
+            a[...] = src
+    return refill
+
+
+def _then_read(sync: Callable[[], None], arrays: list[Any]) -> Callable[[], None]:
+    """``sync``, then one pass reading every gradient, as the optimizer's step does next."""
+    def step() -> None:
+        sync()
+        for a in arrays:
+            a.max()
+    return step
+
+
 def cases(model_name: str, bucket_mbs: list[float], comm: Any,
-          args_nonblocking: bool = True) -> dict[str, Callable[[], None]]:
-    """The sync step of each case, on a model whose gradients hold random values."""
+          args_nonblocking: bool = True) -> dict[str, Case]:
+    """``(arrays, sync)`` of each case, on a model whose gradients hold random values."""
     import numpy as np
     from mpi4py import MPI
 
@@ -59,13 +89,14 @@ def cases(model_name: str, bucket_mbs: list[float], comm: Any,
     from mpidl.parallel.data import DataParallel
 
     rng = np.random.default_rng(comm.rank)
-    out: dict[str, Callable[[], None]] = {}
+    out: dict[str, Case] = {}
 
     model = models.build(model_name, seed=0)
     params = model.parameters()
     total = sum(p.data.size for p in params)
     flat = rng.standard_normal(total).astype(np.float32)
-    out["raw"] = lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+    out["raw"] = ([flat],
+                  lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM))
 
     for p in params:
         p.grad = rng.standard_normal(p.data.shape).astype(p.data.dtype)
@@ -74,7 +105,7 @@ def cases(model_name: str, bucket_mbs: list[float], comm: Any,
     def per_param() -> None:
         for p in backward_order:
             comm.allreduce_(p.grad)
-    out["per_param"] = per_param
+    out["per_param"] = ([p.grad for p in params], per_param)
 
     for mb in bucket_mbs:
         dps = {}
@@ -98,9 +129,10 @@ def cases(model_name: str, bucket_mbs: list[float], comm: Any,
             for b in dp.buckets:
                 dp._finish(b)
         for name, each in dps.items():
-            out[f"{name} {mb:g}"] = lambda each=each: bucketed(each)
+            out[f"{name} {mb:g}"] = ([b.flat for b in each.buckets],
+                                     lambda each=each: bucketed(each))
         if args_nonblocking:
-            out[f"bucketed-nb {mb:g}"] = nonblocking
+            out[f"bucketed-nb {mb:g}"] = ([b.flat for b in dp.buckets], nonblocking)
     return out
 
 
@@ -121,11 +153,16 @@ def worker(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             names = list(steps) if r % 2 == 0 else list(steps)[::-1]
             for name in names:
-                times = mt.timed_windows(comm.mpi_comm, steps[name], args.window_s,
-                                         args.windows, args.warmup_s)
+                arrays, sync = steps[name]
+                if args.then_read:
+                    sync = _then_read(sync, arrays)
+                times = mt.timed_windows(comm.mpi_comm, sync, args.window_s, args.windows,
+                                         args.warmup_s,
+                                         prepare=None if args.hot else _refill(arrays))
                 rec = results.setdefault((model, name), {
                     "bench": "gradsync", "model": model, "case": name, "world": comm.size,
                     "grad_bytes": nbytes, "params": nparams, "mca": args.mca_note,
+                    "gradients": "hot" if args.hot else "fresh", "then_read": args.then_read,
                     "times": []})
                 rec["times"] += times
     if not rank0:
@@ -164,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mca", action="append", default=[],
                    help="KEY=VALUE passed to mpiexec as --mca KEY VALUE (repeatable)")
+    p.add_argument("--hot", action="store_true",
+                   help="sync the same buffers back to back (cache-hot, no rewrite between)")
+    p.add_argument("--then-read", action="store_true",
+                   help="time each sync with one read of every gradient after it (the "
+                        "optimizer's next pass), wherever the sync left the result")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mca-note", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -180,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             "--models", args.models, "--bucket-mb", args.bucket_mb,
             "--window-s", str(args.window_s), "--windows", str(args.windows),
             "--warmup-s", str(args.warmup_s), "--rounds", str(args.rounds),
-            "--mca-note", " ".join(args.mca)]
+            "--mca-note", " ".join(args.mca)] + (["--hot"] if args.hot else []) \
+        + (["--then-read"] if args.then_read else [])
     env = dict(os.environ, **mt.MPI_ENV, MPIDL_COMM="mpi",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print("# " + " ".join(cmd), file=sys.stderr)

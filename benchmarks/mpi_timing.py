@@ -64,32 +64,43 @@ def machine() -> dict:
 
 
 def timed_windows(mpi_comm: Any, step: Callable[[], None], window_s: float, windows: int,
-                  warmup_s: float) -> list[float]:
+                  warmup_s: float, prepare: Callable[[], None] | None = None) -> list[float]:
     """Seconds per ``step`` for each timed window, the slowest rank's, on every rank.
 
     Collective over ``mpi_comm`` (an mpi4py communicator). ``step`` may itself be
-    collective: every rank runs it the same number of times.
+    collective: every rank runs it the same number of times. With ``prepare``, every
+    ``step`` is preceded by ``prepare()`` and a barrier, both outside the timed time:
+    ``step`` is timed alone, each call from aligned ranks.
     """
     from mpi4py import MPI
+
+    def run(count: int) -> float:
+        if prepare is None:
+            t0 = time.perf_counter()
+            for _ in range(count):
+                step()
+            return time.perf_counter() - t0
+        spent = 0.0
+        for _ in range(count):
+            prepare()
+            mpi_comm.Barrier()
+            t0 = time.perf_counter()
+            step()
+            spent += time.perf_counter() - t0
+        return spent
 
     t_end = time.perf_counter() + warmup_s
     n, done = 0, False
     while not done:  # rank 0 decides when the warm-up ends: equal step counts everywhere
-        step()
+        run(1)
         n += 1
         done = mpi_comm.bcast(n >= 3 and time.perf_counter() >= t_end, root=0)
-    t0 = time.perf_counter()
-    for _ in range(2):
-        step()
-    per_step = mpi_comm.allreduce((time.perf_counter() - t0) / 2, op=MPI.MAX)
+    per_step = mpi_comm.allreduce(run(2) / 2, op=MPI.MAX)
     count = max(1, int(round(window_s / max(per_step, 1e-9))))
     out = []
     for _ in range(windows):
         mpi_comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(count):
-            step()
-        out.append(mpi_comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / count)
+        out.append(mpi_comm.allreduce(run(count), op=MPI.MAX) / count)
     return out
 
 

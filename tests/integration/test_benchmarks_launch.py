@@ -1,0 +1,59 @@
+"""The data-parallel benchmarks still run, on real ranks, and report what they claim to.
+
+Tiny windows: these check the scripts (their cases, records and launches), never a time.
+``dp_train.py`` needs PyTorch and is not run here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpidl.testing.launch import launch_env, mpiexec
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmarks")
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+
+def _records(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("flags", [[], ["--hot"], ["--then-read"]])
+def test_gradsync_measures_every_case_on_two_ranks(flags):
+    # The script launches mpiexec itself, as a user runs it.
+    result = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "gradsync.py"), "--models", "transformer",
+         "--bucket-mb", "1,4", "--rounds", "1", "--windows", "2", "--window-s", "0.01",
+         "--warmup-s", "0.01", *flags],
+        capture_output=True, text=True, timeout=200, cwd=ROOT, env=launch_env(ENV))
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = _records(result.stdout)
+    cases = {r["case"] for r in records}
+    assert cases == {"raw", "per_param", "bucketed 1", "bucketed 4", "bucketed-allreduce 1",
+                     "bucketed-allreduce 4", "bucketed-nb 1", "bucketed-nb 4"}, cases
+    for r in records:
+        assert (r["model"], r["world"], r["params"]) == ("transformer", 2, 28)
+        assert r["gradients"] == ("hot" if "--hot" in flags else "fresh")
+        assert r["then_read"] == ("--then-read" in flags)
+        assert 0 < r["ms"]["min"] <= r["ms"]["median"] <= r["ms"]["max"]
+        assert r["ms"]["n"] == 2
+    assert "| transformer | 5.7 | 28 | bucketed 4 |" in result.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_dp_phases_times_each_variant(n):
+    result = mpiexec(n, [sys.executable, os.path.join(BENCH, "dp_phases.py"), "--steps", "3",
+                         "--warmup", "1"], timeout=200, env=ENV, cwd=ROOT)
+    assert result.returncode == 0, result.output
+    records = _records(result.stdout)
+    assert [r["variant"] for r in records] == ["dataparallel", "allreduce", "ring", "zero1"]
+    for r in records:
+        assert r["ranks"] == n
+        assert r["ms"]["step"] > 0 and r["ms"]["compute"] > 0
