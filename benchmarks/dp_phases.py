@@ -1,14 +1,17 @@
-"""Where a data-parallel mlp step goes, phase by phase, and three other ways to sync it.
+"""Where a data-parallel step goes, phase by phase, and three other ways to sync it.
 
 Runs under a launcher (2 ranks, 1 thread each)::
 
     OMP_NUM_THREADS=1 mpiexec -n 2 .venv/bin/python benchmarks/dp_phases.py
     OMP_NUM_THREADS=1 mpiexec -n 1 .venv/bin/python benchmarks/dp_phases.py   # the 1-rank step
+    OMP_NUM_THREADS=1 mpiexec -n 2 .venv/bin/python benchmarks/dp_phases.py --model transformer \
+        --variants dataparallel,allreduce --steps 40 --warmup 5
 
-Each step of the reference mlp (batch 128 per rank, SGD, ``DataParallel`` defaults, freed
-memory kept) is timed in four phases: forward + backward without the exchange
-(``no_sync``), a barrier (the ranks' skew), the gradient exchange, and the optimizer step
-with ``zero_grad``. The exchange is one of (``--variants``):
+Each step of a reference model (the mlp by default; dp_train.py's batches, SGD,
+``DataParallel`` defaults, freed memory kept) is timed in five phases: forward + backward
+without the exchange (``no_sync``), a barrier (the ranks' skew), the dense gradient
+exchange, the sparse exchange of embedding rows (none in the mlp), and the optimizer
+step with ``zero_grad``. The exchange is one of (``--variants``):
 
 - ``dataparallel``: what ``DataParallel.backward`` does (on one node: the buckets live in
   an MPI-3 shared-memory window and each rank sums its share of them straight out of the
@@ -34,11 +37,12 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy  # noqa: E402
 
-PHASES = ("compute", "skew", "sync", "opt", "step")
+PHASES = ("compute", "skew", "sync", "sparse", "opt", "step")
 
 
 def _bounds(size: int, parts: int) -> list[tuple[int, int]]:
@@ -68,7 +72,7 @@ def ring_allgather(w, flat, own: int) -> None:
         w.Sendrecv(flat[a:b], right, 1, flat[c:d], left, 1)
 
 
-def run(variant: str, steps: int, warmup: int) -> dict:
+def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
     from mpi4py import MPI
 
     import mpidl.comm
@@ -77,14 +81,14 @@ def run(variant: str, steps: int, warmup: int) -> dict:
     from mpidl.optim import SGD
     from mpidl.parallel import DataParallel
 
+    from dp_train import CASES, make_batches
+
     w = MPI.COMM_WORLD
-    dp = DataParallel(models.build("mlp", seed=0), mpidl.comm.world(),
+    dp = DataParallel(models.build(model, seed=0), mpidl.comm.world(),
                       shared_memory=False if variant != "dataparallel" else None)
     opt = SGD(dp.module.parameters(), lr=0.01)
-    rng = numpy.random.default_rng(1000 + w.rank)
-    batches = [(rng.standard_normal((128, 784)).astype(numpy.float32),
-                rng.integers(0, 10, 128)) for _ in range(8)]
-    n = 128 * w.size
+    batches = make_batches(model, w.rank, "zipf")
+    n = CASES[model]["batch"] * w.size
     tmp = numpy.empty(max(b.flat.size for b in dp.buckets), numpy.float32)
     params = [numpy.zeros_like(b.flat) for b in dp.buckets]  # zero1's flat parameters
     scratch = numpy.empty(1 << 16, numpy.float32)
@@ -99,6 +103,7 @@ def run(variant: str, steps: int, warmup: int) -> dict:
         w.Barrier()
         t2 = time.perf_counter()
         if variant in ("dataparallel", "allreduce"):
+            dp._next_launch = 0
             dp._sync_dense()
         for k, b in enumerate(dp.buckets):
             if w.size == 1 or variant in ("dataparallel", "allreduce"):
@@ -114,12 +119,15 @@ def run(variant: str, steps: int, warmup: int) -> dict:
                     params[k][s:e] += scratch[:e - s]
                 ring_allgather(w, params[k], own)
         t3 = time.perf_counter()
+        dp._sync_sparse()  # embedding rows (none in the mlp), as DataParallel.backward
+        t3s = time.perf_counter()
         if variant != "zero1" or w.size == 1:
             opt.step()
         opt.zero_grad()
         t4 = time.perf_counter()
         if i >= warmup:
-            for key, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+            for key, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3s - t3, t4 - t3s,
+                                       t4 - t0)):
                 times[key].append(1e3 * v)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {k: w.allreduce(v, op=MPI.MAX) for k, v in med.items()}
@@ -128,6 +136,8 @@ def run(variant: str, steps: int, warmup: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="dataparallel,allreduce,ring,zero1")
+    p.add_argument("--model", default="mlp", help="mlp, bow or transformer (dp_train's "
+                   "batches); ring and zero1 are mlp only")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=100)
     args = p.parse_args(argv)
@@ -137,17 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     for variant in [v for v in args.variants.split(",") if v]:
         if variant not in ("dataparallel", "allreduce", "ring", "zero1"):
             raise SystemExit(f"unknown variant {variant!r}")
-        res = run(variant, args.steps, args.warmup)
-        rec = {"bench": "dp_phases", "variant": variant, "ranks": MPI.COMM_WORLD.size,
-               "ms": res}
+        if variant in ("ring", "zero1") and args.model != "mlp":
+            continue  # prototypes over the buckets only: no sparse rows, no other model
+        res = run(variant, args.steps, args.warmup, args.model)
+        rec = {"bench": "dp_phases", "model": args.model, "variant": variant,
+               "ranks": MPI.COMM_WORLD.size, "ms": res}
         rows.append(rec)
         if MPI.COMM_WORLD.rank == 0:
             print(json.dumps(rec), flush=True)
     if MPI.COMM_WORLD.rank == 0:
-        print("\n| variant | ranks | " + " | ".join(f"{k} ms" for k in PHASES) + " |")
-        print("|---|---|" + "---|" * len(PHASES))
+        print("\n| model | variant | ranks | " + " | ".join(f"{k} ms" for k in PHASES) + " |")
+        print("|---|---|---|" + "---|" * len(PHASES))
         for rec in rows:
-            print(f"| {rec['variant']} | {rec['ranks']} | "
+            print(f"| {rec['model']} | {rec['variant']} | {rec['ranks']} | "
                   + " | ".join(f"{rec['ms'][k]:.2f}" for k in PHASES) + " |")
     return 0
 

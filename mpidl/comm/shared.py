@@ -5,12 +5,12 @@ Ranks on one node share memory, and MPI moves an allreduce's data through it by 
 step of its algorithm). When the arrays themselves live in an MPI-3 shared-memory window
 (``MPI_Win_allocate_shared``), every rank reads the others' copies directly:
 :meth:`NodeSharedArrays.allreduce_` has each rank sum its 1/N share of every array out
-of all N copies and write the sum into every copy. With the reference mlp's
-7.5 MB of gradients on 2 ranks it took 0.5-1.0 ms per step against 1.3-1.8 ms for Open
+of all N copies and write the sum into every copy. With the reference mlp's 7.5 MB of
+gradients on 2 ranks it took 0.58-0.61 ms per training step against 1.68-1.85 ms for Open
 MPI's Allreduce of the same buckets (benchmarks/dp_phases.py).
 
 MPI stays the transport: the window, the barriers and the memory model are MPI-3's (a
-passive-target epoch over the window's lifetime, ``Win.Sync`` around every barrier).
+passive-target epoch over the window's lifetime, ``Win.Sync`` around both barriers).
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ What happens inside:
   allreduce per bucket after backward measured faster (benchmarks/README.md), so that
   is the default there.
 - On one node (the common case for CPU training) the buckets live in an MPI-3
-  shared-memory window and are summed by reading the other ranks' copies directly
-  (:mod:`mpidl.comm.shared`), not by an Allreduce per bucket.
+  shared-memory window: each rank sums its share of them out of the other ranks' copies
+  and writes the sum into every copy (:mod:`mpidl.comm.shared`), no Allreduce per bucket.
 - ``backward(loss, global_count=n)`` seeds backward with ``1/n`` instead of 1, so the
   allreduced *sum* is the mean over the global batch, with no extra pass over the
   gradients. Ranks with fewer samples (or none, in the last step of an epoch) simply
@@ -90,10 +90,11 @@ class DataParallel:
             the reference transformer at 2 ranks trains at 249 samples/s without and 313
             with it (benchmarks/README.md). The process keeps its peak heap, as a GPU
             framework's caching allocator does. False leaves the allocator as it is.
-        shared_memory: keep the buckets in an MPI-3 shared-memory window and sum them by
-            reading the other ranks' copies directly (:mod:`mpidl.comm.shared`) instead
-            of an MPI Allreduce per bucket: the mlp's exchange at 2 ranks took 0.5-1.0
-            ms against 1.3-1.8. Only when every rank shares one node, on host arrays,
+        shared_memory: keep the buckets in an MPI-3 shared-memory window, where each
+            rank sums its share straight out of the other ranks' copies and writes the
+            sum into all of them (:mod:`mpidl.comm.shared`), instead of an MPI Allreduce
+            per bucket: the mlp's exchange in a 2-rank step took 0.58-0.61 ms against
+            1.68-1.85 (benchmarks/dp_phases.py). Only when every rank shares one node, on host arrays,
             without compression, hierarchy or overlap; None (the default) uses it
             exactly then, True raises if it cannot, False never uses it.
     """

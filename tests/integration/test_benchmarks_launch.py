@@ -47,13 +47,15 @@ def test_gradsync_measures_every_case_on_two_ranks(flags):
     assert "| transformer | 5.7 | 28 | bucketed 4 |" in result.stdout
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_dp_phases_times_each_variant(n):
+@pytest.mark.parametrize("n,model", [(1, "mlp"), (2, "mlp"), (2, "bow")])
+def test_dp_phases_times_each_variant(n, model):
     result = mpiexec(n, [sys.executable, os.path.join(BENCH, "dp_phases.py"), "--steps", "3",
-                         "--warmup", "1"], timeout=200, env=ENV, cwd=ROOT)
+                         "--warmup", "1", "--model", model], timeout=200, env=ENV, cwd=ROOT)
     assert result.returncode == 0, result.output
     records = _records(result.stdout)
-    assert [r["variant"] for r in records] == ["dataparallel", "allreduce", "ring", "zero1"]
+    expected = ["dataparallel", "allreduce"] + (["ring", "zero1"] if model == "mlp" else [])
+    assert [r["variant"] for r in records] == expected
     for r in records:
-        assert r["ranks"] == n
-        assert r["ms"]["step"] > 0 and r["ms"]["compute"] > 0
+        assert (r["ranks"], r["model"]) == (n, model)
+        assert r["ms"]["step"] >= r["ms"]["compute"] > 0
+        assert all(r["ms"][k] >= 0 for k in ("skew", "sync", "sparse", "opt"))
