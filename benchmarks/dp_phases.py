@@ -26,7 +26,7 @@ step with ``zero_grad``. The exchange is one of (``--variants``):
 
 Median milliseconds per phase over the timed steps, the slowest rank's. Prototypes, not
 library code: they show where a step's time goes and what another exchange would save
-(benchmarks/README.md, "Third session").
+(benchmarks/README.md, "Third session" and "Fourth session").
 """
 from __future__ import annotations
 
