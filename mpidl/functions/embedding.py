@@ -45,7 +45,9 @@ def _check_ids(ids: Any, vocab: int, padding_idx: int | None) -> None:
     if ids.dtype.kind not in "iu":
         raise TypeError(f"embedding ids must be integers, got dtype {ids.dtype}")
     # Out-of-range ids would wrap or fail deep inside take; a GPU check would cost a
-    # sync, so only host arrays are checked.
+    # sync, so only host arrays are checked: ids from the host (a loader's batch) are
+    # checked before they move to a device table (_ids_data), ids already on a device
+    # are not.
     if get_array_module(ids) is numpy and ids.size:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
@@ -297,12 +299,14 @@ class EmbeddingBag(Function):
         return None, grad
 
 
-def _ids_data(ids: Any, weight: Any) -> Any:
+def _ids_data(ids: Any, weight: Any, padding_idx: int | None) -> Any:
+    """``ids`` as an array on ``weight``'s device, checked while they are still on the host."""
     ids = ids.data if isinstance(ids, Tensor) else ids
-    xp = get_array_module(weight)
     if not hasattr(ids, "dtype"):
-        ids = xp.asarray(ids)  # a list of ids
-    elif get_array_module(ids) is not xp:
+        ids = numpy.asarray(ids)  # a list of ids
+    _check_ids(ids, weight.shape[0], padding_idx)
+    xp = get_array_module(weight)
+    if get_array_module(ids) is not xp:
         ids = to_device(ids, xp)  # host ids for a device table
     return ids
 
@@ -315,8 +319,7 @@ def embedding(ids: Any, weight: Any, padding_idx: int | None = None) -> Tensor:
         weight: the table.
         padding_idx: an id whose output is zeros and whose row gets no gradient.
     """
-    ids = _ids_data(ids, weight)
-    _check_ids(ids, weight.shape[0], padding_idx)
+    ids = _ids_data(ids, weight, padding_idx)
     return Embedding.apply(ids, weight, padding_idx=padding_idx)
 
 
@@ -327,8 +330,7 @@ def embedding_bag(ids: Any, weight: Any, padding_idx: int | None = None) -> Tens
     is left out of each mean (a bag of only padding gives zeros), as PyTorch's
     ``EmbeddingBag(mode="mean", padding_idx=...)``.
     """
-    ids = _ids_data(ids, weight)
+    ids = _ids_data(ids, weight, padding_idx)
     if ids.ndim < 1:
         raise ValueError("embedding_bag needs ids with at least one axis (the bag)")
-    _check_ids(ids, weight.shape[0], padding_idx)
     return EmbeddingBag.apply(ids, weight, padding_idx=padding_idx)

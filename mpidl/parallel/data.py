@@ -94,9 +94,9 @@ class DataParallel:
             rank sums its share straight out of the other ranks' copies and writes the
             sum into all of them (:mod:`mpidl.comm.shared`), instead of an MPI Allreduce
             per bucket: the mlp's exchange in a 2-rank step took 0.58-0.61 ms against
-            1.68-1.85 (benchmarks/dp_phases.py). Only when every rank shares one node, on host arrays,
-            without compression, hierarchy or overlap; None (the default) uses it
-            exactly then, True raises if it cannot, False never uses it.
+            1.68-1.85 (benchmarks/dp_phases.py). Only when every rank shares one node,
+            on host arrays, without compression, hierarchy or overlap; None (the
+            default) uses it exactly then, True raises if it cannot, False never uses it.
     """
 
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,

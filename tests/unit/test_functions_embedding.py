@@ -105,14 +105,18 @@ def test_embedding_bag_padding_idx_is_left_out_of_the_mean(xp):
     assert gradcheck(lambda t: F.embedding_bag(ids, t, padding_idx=0), [w])
 
 
-def test_embedding_rejects_bad_ids():
-    w = Tensor(numpy.zeros((4, 2)))
+def test_embedding_rejects_bad_ids(xp):
+    # Host ids are checked before they move to the table's device (no device sync).
+    w = Tensor(xp.zeros((4, 2)))
     with pytest.raises(IndexError, match="out of range"):
         F.embedding(numpy.array([0, 4]), w)
     with pytest.raises(IndexError, match="out of range"):
         F.embedding_bag(numpy.array([[-1, 0]]), w)
     with pytest.raises(TypeError, match="integers"):
         F.embedding(numpy.array([0.0, 1.0]), w)
+    with pytest.raises(IndexError, match="id 9 is out of range for a table of 4 rows"):
+        F.embedding([[0, 9]], w)  # a list
+    assert F.embedding([[0, 3]], w).shape == (1, 2, 2)
 
 
 def test_embedding_ids_may_be_tensors(xp):
