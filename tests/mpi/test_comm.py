@@ -205,6 +205,42 @@ def test_mismatched_collective_is_reported_in_check_mode(comm):
     assert_all_ranks(comm, True)
 
 
+def test_node_shared_arrays_rounds_back_to_back_never_mix(comm):
+    # As in training: every rank rewrites its copy the moment allreduce_ returns (the
+    # next backward) while slower ranks may still be writing their sums into it. Each
+    # round's values are distinct, so any write that lands in the wrong round shows.
+    # The ranks are skewed by work of different lengths before a round, and one rank
+    # per round is slowed down inside it (a delay as it turns to each array).
+    import time
+
+    from mpidl.comm.shared import NodeSharedArrays
+
+    if comm.local_size != comm.size:
+        pytest.skip("the ranks span several nodes")
+    sizes = [1, 7, 100_003, 4096]
+    shared = NodeSharedArrays(comm, [numpy.zeros(n, numpy.float64) for n in sizes])
+    ranks = numpy.arange(comm.size, dtype=numpy.float64)
+    share = shared._share
+    wrong = 0
+    try:
+        for k in range(60):
+            for mine, n in zip(shared.local, sizes):
+                mine[...] = numpy.arange(n) * (comm.rank + 1) + 1000.0 * k + comm.rank
+            if (k + comm.rank) % 3 == 0:
+                numpy.sort(numpy.random.default_rng(k).standard_normal(20_000))  # skew
+            slow = k % 2 == 0 and k // 2 % comm.size == comm.rank
+            shared._share = (lambda n, q: (time.sleep(0.0005), share(n, q))[1]) if slow \
+                else share
+            shared.allreduce_()
+            for mine, n in zip(shared.local, sizes):
+                expected = (numpy.arange(n) * (ranks + 1).sum()
+                            + comm.size * 1000.0 * k + ranks.sum())
+                wrong += int(not numpy.array_equal(mine, expected))
+    finally:
+        shared.free()
+    assert_all_ranks(comm, wrong == 0)
+
+
 def test_node_shared_arrays_sum_every_rank_in_place(comm):
     # Arrays smaller than the rank count (empty shares), empty, and of several dtypes;
     # summed twice, to see that the second sum starts from the first's result.
