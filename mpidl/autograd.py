@@ -78,6 +78,10 @@ class Tensor:
         # of a flat bucket, so the first contribution of a step lands in the bucket (by
         # the backward itself, or one copy), with no zero-fill and no read-add-write.
         self.grad_buffer: Any = None
+        # The backward pass (current_backward_pass()) in which this leaf last received a
+        # gradient that is not row-sparse (Function.row_sparse_grads): data parallelism
+        # may exchange only the touched rows of a table only while this is not the pass.
+        self.dense_grad_pass = 0
         self.requires_grad = requires_grad
         self.creator: Function | None = None
         self.name = name
@@ -255,11 +259,18 @@ class Function:
     A backward that computes a gradient with an ``out=`` argument (a GEMM, a sum) can
     write it straight into its leaf's :attr:`Tensor.grad_buffer` (data parallelism's
     bucket slice): :meth:`grad_buffer_for` says where, or None for a fresh array.
+
+    ``row_sparse_grads`` lists the input positions whose gradient is zero outside the
+    rows that ``backward`` records on the input tensor as ``grad_rows`` (the embedding
+    functions). A leaf that receives any other gradient in a pass gets that pass in
+    :attr:`Tensor.dense_grad_pass`: a table tied to an output projection, or under a
+    weight penalty written into the loss, then has a dense gradient in that step.
     """
 
     generation = 0
     inputs: tuple | None = None
     owned_grads: tuple[int, ...] = ()
+    row_sparse_grads: tuple[int, ...] = ()
 
     def __init__(self, **params: Any) -> None:
         self.__dict__.update(params)
@@ -361,6 +372,7 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
     _state.backward_pass = next(_backward_passes)
     if root.creator is None:
         if root.requires_grad:
+            root.dense_grad_pass = _state.backward_pass
             _accumulate_leaf(root, grad)
             _fire(root)
         return
@@ -404,7 +416,7 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
         gxs = f.backward(*gys) if len(gys) > 1 else f.backward(gys[0])
         if not isinstance(gxs, tuple):
             gxs = (gxs,)
-        inputs, owned = f.inputs, f.owned_grads
+        inputs, owned, row_sparse = f.inputs, f.owned_grads, f.row_sparse_grads
         if not retain_graph:
             f.release()
         for i, (x, gx) in enumerate(zip(inputs, gxs)):
@@ -412,6 +424,8 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
                 continue
             if x.creator is None:
                 if gx is not None:
+                    if i not in row_sparse:
+                        x.dense_grad_pass = _state.backward_pass
                     # An owned array may be adopted, unless the same array was also
                     # returned for another input (it would then be aliased).
                     _accumulate_leaf(x, gx, i in owned

@@ -21,8 +21,9 @@ weight tensor carries ``weight.grad_rows``, the sorted unique row ids (an xp int
 array) that received a gradient in that pass (the union over every embedding call on
 the table in the pass). ``weight.grad[weight.grad_rows]`` is then all of the gradient
 that this pass added; every other row got nothing from it. The attribute is only
-meaningful when the table is used by the embedding functions alone (not, say, tied to
-an output projection, which gives it a dense gradient).
+meaningful when the table is used by the embedding functions alone in that pass (not,
+say, tied to an output projection, which gives it a dense gradient): autograd then
+sets the table's ``dense_grad_pass`` to the pass (``Function.row_sparse_grads``).
 """
 from __future__ import annotations
 
@@ -232,6 +233,7 @@ def _record_rows(weight: Any, rows: Any) -> None:
 
 class Embedding(Function):
     owned_grads = (1,)  # the table gradient is a fresh zeroed array
+    row_sparse_grads = (1,)  # rows recorded by _record_rows
 
     def forward(self, ids, weight):
         xp = get_array_module(weight)
@@ -257,6 +259,7 @@ class Embedding(Function):
 
 class EmbeddingBag(Function):
     owned_grads = (1,)
+    row_sparse_grads = (1,)  # rows recorded by _record_rows
 
     def forward(self, ids, weight):
         xp = get_array_module(weight)

@@ -9,7 +9,8 @@ float additions, which is the same on every rank, so replicas stay identical).
 Whether sparse pays is decided per step, the same way on every rank (from the
 allgathered row counts): sparse when the bytes each rank receives, weighted by
 ``SPARSE_BYTE_COST``, are fewer than a ring allreduce of the dense table moves, else
-the dense allreduce.
+the dense allreduce. A rank whose table gradient is dense this step (the table is also
+used outside an embedding lookup) sends no count, and every rank goes dense.
 """
 from __future__ import annotations
 
@@ -46,14 +47,16 @@ def allreduce_rows_(comm: Any, grad: Any, rows: Any, piece_bytes: int | None = N
     """Sum ``grad`` over all ranks in place, sending only ``rows`` if that is cheaper.
 
     Collective. ``grad`` is a dense ``(vocab, dim)`` gradient that is zero outside
-    ``rows`` (a sorted array of unique row ids) on this rank. Returns True if the sparse
-    exchange was used, False if it fell back to the dense allreduce (sent in messages of
-    at most ``piece_bytes`` when given: large allreduces are slower per byte).
+    ``rows`` (a sorted array of unique row ids) on this rank, or ``rows`` is None: the
+    gradient may be nonzero anywhere, and every rank takes the dense allreduce. Returns
+    True if the sparse exchange was used, False if it fell back to the dense allreduce
+    (sent in messages of at most ``piece_bytes`` when given: large allreduces are slower
+    per byte).
     """
     xp = get_array_module(grad)
-    counts = [int(n) for n in comm.allgather_obj(int(rows.shape[0]))]
+    counts = [int(n) for n in comm.allgather_obj(-1 if rows is None else int(rows.shape[0]))]
     row_bytes = grad.itemsize * (grad.size // grad.shape[0])
-    if not sparse_is_cheaper(counts, grad.shape[0], row_bytes, comm.size):
+    if min(counts) < 0 or not sparse_is_cheaper(counts, grad.shape[0], row_bytes, comm.size):
         flat = grad.reshape(-1)
         step = flat.size if not piece_bytes else max(1, piece_bytes // flat.itemsize)
         for i in range(0, flat.size, step):

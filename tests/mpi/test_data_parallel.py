@@ -6,6 +6,8 @@ in float64 so that "the same up to float tolerance" is a tight statement.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy
 import pytest
 
@@ -308,6 +310,55 @@ def test_sparse_embedding_exchange_matches_dense(comm):
                      f"sparse tables {len(dp.sparse)}, used {dp.sparse_used}")
     assert_same_parameters(comm, model, ref)
     assert_same_parameters(comm, dense_model, ref)
+
+
+def test_a_tied_embedding_table_is_exchanged_dense(comm):
+    # GPT ties its output projection to the token table (linear(h, tok.weight)): the
+    # table's gradient is dense, although only Embedding modules hold it.
+    from mpidl.models import GPT
+
+    vocab = 200
+    model, ref = (GPT(vocab=vocab, seq_len=SEQ, dim=8, layers=1, heads=2, seed=0,
+                      dtype="float64") for _ in range(2))
+    dp = DataParallel(model, comm)
+    opt, ref_opt = SGD(model.parameters(), lr=0.5), SGD(ref.parameters(), lr=0.5)
+    for x, y in batches("tokens", 2, 2 * comm.size + 1, vocab=vocab):
+        xs, _ = my_share(comm, x, y)
+        loss = softmax_cross_entropy(dp(xs[:, :-1]).reshape(-1, vocab),
+                                     xs[:, 1:].reshape(-1), reduction="sum")
+        dp.backward(loss, global_count=x[:, 1:].size)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        softmax_cross_entropy(ref(x[:, :-1]).reshape(-1, vocab), x[:, 1:].reshape(-1),
+                              reduction="mean").backward()
+        ref_opt.step()
+    assert_all_ranks(comm, not dp.sparse_used, "the tied table went through the row exchange")
+    assert_same_parameters(comm, model, ref, scale=100)
+
+
+@pytest.mark.parametrize("dense_step", [0, 1], ids=["penalty-then-rows", "rows-then-penalty"])
+def test_a_weight_penalty_in_the_loss_makes_the_table_gradient_dense(comm, dense_step):
+    # An L2 term over every parameter, in one micro-batch of a no_sync cycle: the
+    # accumulated table gradient is dense, so the cycle's sync must be dense.
+    vocab = 5000
+    model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab)
+    dp = DataParallel(model, comm)
+    (x, y), = batches("tokens", 1, 4 * comm.size, vocab=vocab)
+    halves = [(x[:2 * comm.size], y[:2 * comm.size]), (x[2 * comm.size:], y[2 * comm.size:])]
+    for step, (xh, yh) in enumerate(halves):
+        xs, ys = my_share(comm, xh, yh)
+        loss = softmax_cross_entropy(dp(xs), ys, reduction="sum")
+        if step == dense_step:  # each rank adds 1/size of the penalty: the sum is one
+            loss = loss + sum(F.sum(p * p) for p in model.parameters()) * (
+                0.5 * len(x) / comm.size)
+        with dp.no_sync() if step == 0 else contextlib.nullcontext():
+            dp.backward(loss, global_count=len(x))
+    loss = softmax_cross_entropy(ref(x), y, reduction="mean")
+    (loss + sum(F.sum(p * p) for p in ref.parameters()) * 0.5).backward()
+    assert_all_ranks(comm, not dp.sparse_used, "the penalised table went through the rows")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_allclose_all_ranks(comm, p.grad, q.grad, scale=100, what=name)
 
 
 def test_optimizer_state_is_broadcast_for_resume(comm):

@@ -141,3 +141,16 @@ def test_embedding_bag_backward_with_many_small_bags_and_padding(xp):
         for i in real:
             ref[i] += as_numpy(g)[b] / len(real)
     assert allclose(w.grad, ref)
+
+
+def test_a_table_reached_outside_embedding_lookups_is_marked_dense_for_the_pass(xp):
+    from mpidl.autograd import current_backward_pass
+
+    w = Tensor(_randn(xp, 5, 3, seed=13), requires_grad=True)
+    ids = xp.asarray([[1, 2], [2, 4]])
+    F.sum(F.embedding_bag(ids, w)).backward()  # lookups only: row-sparse
+    assert w.dense_grad_pass != current_backward_pass()
+    assert as_numpy(w.grad_rows).tolist() == [1, 2, 4]
+    h = F.embedding(ids, w)
+    F.sum(F.matmul(h, F.transpose(w, (1, 0)))).backward()  # tied: a dense gradient too
+    assert w.dense_grad_pass == current_backward_pass()
