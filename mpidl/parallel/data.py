@@ -104,21 +104,24 @@ class DataParallel:
                  sparse_embeddings: bool = True, broadcast: bool = True,
                  overlap: bool | None = None, keep_freed_memory: bool = True,
                  shared_memory: bool | None = None) -> None:
-        if compression is not None and compression not in wire.WIRE_DTYPES:
-            raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
-        if keep_freed_memory:
-            backend.keep_freed_memory()
-        self.module = model
         self.comm = comm
-        self.bucket_mb = bucket_mb
-        self.compression = compression if comm.size > 1 else None
-        self.named = list(model.named_parameters())
+        # First the agreement (collective), then the values: an option that only some
+        # ranks got wrong is a DistributedError everywhere, not an error on those ranks
+        # while the others wait; one that all got wrong is the same ValueError everywhere.
         self._check_same_options(bucket_mb=bucket_mb, compression=compression,
                                  hierarchical=hierarchical, sparse_embeddings=sparse_embeddings,
                                  broadcast=broadcast, overlap=overlap,
                                  shared_memory=shared_memory)
+        if compression is not None and compression not in wire.WIRE_DTYPES:
+            raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
+        if keep_freed_memory:
+            backend.keep_freed_memory()
+        self.module = model
+        self.bucket_mb = bucket_mb
+        self.compression = compression if comm.size > 1 else None
+        self.named = list(model.named_parameters())
         self._check_same_parameters()
         if broadcast:
             self.broadcast_parameters()
@@ -193,9 +196,11 @@ class DataParallel:
         disagree would wait for each other forever.
         """
         everyone = self.comm.allgather_obj(sorted(options.items()))
+        # True == 1 in Python, but hierarchical=True (the real nodes) and hierarchical=1
+        # (one rank per node) differ; 4 and 4.0 MiB do not.
         differing = sorted({name for theirs in everyone
                             for (name, value), (_, ref) in zip(theirs, everyone[0])
-                            if value != ref})
+                            if (isinstance(value, bool), value) != (isinstance(ref, bool), ref)})
         detail = "; ".join(f"{name}: " + ", ".join(
             f"rank {r} {dict(theirs)[name]!r}" for r, theirs in enumerate(everyone))
             for name in differing)

@@ -246,6 +246,26 @@ def test_ranks_with_different_options_get_a_clear_error_everywhere(comm):
         DataParallel(small_mlp(), comm, compression=compression)
 
 
+@pytest.mark.parametrize("option, mine, theirs", [
+    ("hierarchical", True, 1),   # equal in Python, not to DataParallel
+    ("bucket_mb", 4.0, 0),       # invalid on one rank only: still agreed on first
+], ids=["true-vs-1", "invalid-on-one-rank"])
+def test_options_that_only_look_alike_or_fail_on_one_rank_are_errors_everywhere(
+        comm, option, mine, theirs):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    value = theirs if comm.rank == comm.size - 1 else mine
+    with pytest.raises(DistributedError, match=f"{option}: rank 0 {mine!r}"):
+        DataParallel(small_mlp(), comm, **{option: value})
+
+
+def test_an_option_wrong_on_every_rank_is_a_value_error_everywhere(comm):
+    with pytest.raises(ValueError, match="bucket_mb=0 must be > 0"):
+        DataParallel(small_mlp(), comm, bucket_mb=0)
+    dp = DataParallel(small_mlp(), comm, bucket_mb=4 if comm.rank % 2 else 4.0)  # agree
+    assert_all_ranks(comm, dp.bucket_mb == 4)
+
+
 def test_parameters_are_broadcast_from_rank_0(comm):
     model = mlp(sizes=(4, 5, 2), seed=comm.rank)  # different weights on every rank
     DataParallel(model, comm)
