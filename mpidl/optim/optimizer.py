@@ -67,6 +67,9 @@ class Optimizer:
                 next backward writes fresh gradients instead of adding to zeros, one pass
                 over memory fewer (into a parameter's :attr:`~mpidl.autograd.Tensor.grad_buffer`
                 where data parallelism set one). False fills the arrays with zeros in place.
+                Under :class:`~mpidl.parallel.DataParallel` a dropped array is a view of
+                the bucket that the next backward writes again (as PyTorch DDP's
+                ``gradient_as_bucket_view``): copy a gradient you keep across steps.
         """
         for p in self.params:
             if set_to_none:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from typing import Any, Iterator
 
 import numpy
@@ -57,7 +58,10 @@ from mpidl.parallel import compression as wire
 class DataParallel:
     """Replicate ``model`` on every rank of ``comm`` and average its gradients.
 
-    Construction is collective over ``comm``.
+    Construction is collective over ``comm``; wrapping a model again detaches its
+    previous wrapper. The parameters' ``.grad`` are views of the buckets, rewritten every
+    step: copy a gradient you keep across steps. :meth:`close` (collective) releases the
+    buckets' shared memory; :meth:`remove_hooks` only detaches.
 
     Args:
         model: an :class:`mpidl.nn.Module`, built identically on every rank.
@@ -123,6 +127,13 @@ class DataParallel:
         self.compression = compression if comm.size > 1 else None
         self.named = list(model.named_parameters())
         self._check_same_parameters()
+        # Wrapping a model again replaces its wrapper, which would otherwise keep its
+        # hooks and buckets on the same parameters. Collective like this constructor.
+        previous = _WRAPPERS.get(id(model))
+        if previous is not None and previous.module is model:
+            previous.remove_hooks()
+        self._detached = False
+        _WRAPPERS[id(model)] = self
         if broadcast:
             self.broadcast_parameters()
 
@@ -287,6 +298,9 @@ class DataParallel:
         gradients are summed over ranks and divided by ``size`` (the mean of per-rank
         means, right only when every rank has the same number of samples).
         """
+        if self._detached:
+            raise RuntimeError("DataParallel.backward after remove_hooks() or close(): this "
+                               "wrapper no longer owns the gradients; wrap the model again")
         xp = loss.xp
         seed = 1.0 / global_count if global_count else 1.0
         for b in self.buckets:
@@ -436,22 +450,45 @@ class DataParallel:
     def remove_hooks(self) -> None:
         """Detach from the model (its parameters' ``.grad`` keep their values).
 
-        Collective: frees the shared window and hierarchical communicators, if any.
+        Collective: frees the hierarchical communicators, if any. The buckets (and the
+        ``.grad`` views) move out of the shared window into private memory, but the
+        window stays mapped until :meth:`close` or the end of the process, so arrays
+        taken from ``.grad`` earlier stay valid. Calling it again does nothing.
         """
+        if self._detached:
+            return
+        self._detached = True
         for h in self._handles:
             h.remove()
         self._handles = []
         if self.node_sum is not None:
-            # The buckets (and the .grad views) move out of the window before it goes.
             for b in self.buckets:
                 b.rebind(numpy.array(b.flat))
-            self.node_sum.free()
-            self.node_sum = None
+            self._retired_window, self.node_sum = self.node_sum, None
         for b in self.buckets:
             for p in b.params:
                 p.grad_buffer = None
         if self.reducer is not self.comm:
             self.reducer.free()
+        if _WRAPPERS.get(id(self.module)) is self:
+            del _WRAPPERS[id(self.module)]
+
+    def close(self) -> None:
+        """:meth:`remove_hooks`, then release the shared window's memory. Collective.
+
+        Arrays taken from ``.grad`` before the wrapper was detached must not be used
+        afterwards: on one node they point into the window, which is unmapped here.
+        """
+        self.remove_hooks()
+        window = getattr(self, "_retired_window", None)
+        if window is not None:
+            window.free()
+            self._retired_window = None
+
+
+# id(model) -> its DataParallel; an entry lives as long as that wrapper (which holds the
+# model, so the id cannot be reused meanwhile).
+_WRAPPERS: "weakref.WeakValueDictionary[int, DataParallel]" = weakref.WeakValueDictionary()
 
 
 def _shm_free_bytes() -> int | None:

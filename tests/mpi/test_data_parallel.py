@@ -165,6 +165,48 @@ def test_shared_memory_buckets_train_like_mpi_allreduce(comm):
     assert_same_parameters(comm, runs[None], runs[False])
 
 
+def test_grads_kept_across_remove_hooks_stay_readable_until_close(comm):
+    # The .grad arrays a user took point into the shared window; remove_hooks() keeps
+    # it mapped (reading them after the window was unmapped killed the process), and
+    # close() releases its memory.
+    import mpidl.parallel.data as data_module
+
+    model = Linear(512, 1024, seed=3, dtype="float64")  # 4 MiB of gradients
+    dp = DataParallel(model, comm)
+    x = numpy.random.default_rng(comm.rank).standard_normal((2, 512))
+    dp.backward(F.sum(dp(x)), global_count=2 * comm.size)
+    kept = [p.grad for p in model.parameters()]
+    expected = [g.copy() for g in kept]
+    dp.remove_hooks()
+    dp.remove_hooks()  # again: nothing
+    ok = all(numpy.array_equal(k, e) for k, e in zip(kept, expected))
+    ok &= all(numpy.array_equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+    with pytest.raises(RuntimeError, match="after remove_hooks"):
+        dp.backward(F.sum(dp(x)), global_count=2 * comm.size)
+    shared = getattr(dp, "_retired_window", None) is not None
+    assert_all_ranks(comm, ok and shared == (comm.size > 1 and comm.local_size == comm.size),
+                     f"kept grads intact and window retired: {ok}, {shared}")
+    free_before = data_module._shm_free_bytes()
+    dp.close()
+    comm.barrier()
+    free_after = data_module._shm_free_bytes()
+    if shared and free_before is not None:
+        released = free_after - free_before  # the window holds every rank's 4 MiB copy
+        assert_all_ranks(comm, released >= 0.9 * comm.size * 4 * 2**20,
+                         f"close() released {released} bytes of /dev/shm")
+
+
+def test_wrapping_a_model_again_replaces_the_old_wrapper(comm):
+    model, ref = small_mlp(), small_mlp()
+    first = DataParallel(model, comm)
+    second = DataParallel(model, comm)
+    assert_all_ranks(comm, first._detached and not first._handles and not second._detached)
+    data = list(batches("mlp", 2, 4 * comm.size))
+    train_parallel(comm, second, SGD(model.parameters(), lr=0.1), data)
+    train_reference(ref, SGD(ref.parameters(), lr=0.1), data)
+    assert_same_parameters(comm, model, ref)
+
+
 def test_shared_memory_that_cannot_be_used_is_an_error_on_every_rank(comm):
     with pytest.raises(ValueError, match="shared_memory=True"):
         DataParallel(small_mlp(), comm, shared_memory=True, compression="bfloat16")
