@@ -162,27 +162,31 @@ class DataLoader:
         self._step = step
         self._resumed = True
 
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "step", "seed", "block_size"}`` of the next step to produce (after
-        the last step of an epoch: step 0 of the next epoch)."""
+    # What decides the order of an epoch's samples: a checkpoint's must be this run's.
+    _ORDER_KEYS = ("seed", "block_size", "num_samples", "global_batch", "shuffle", "drop_last")
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "step"}`` of the next step to produce (after the last step of an
+        epoch: step 0 of the next epoch), and the sampler settings that fix the order
+        (seed, block size, sample count, global batch, shuffle, drop_last)."""
         epoch, step = self.sampler.epoch, self._step
         if step >= len(self):
             epoch, step = epoch + 1, 0
-        return {"epoch": epoch, "step": step, "seed": self.sampler.seed,
-                "block_size": self.sampler.block_size}
+        return {"epoch": epoch, "step": step,
+                **{key: getattr(self.sampler, key) for key in self._ORDER_KEYS}}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a ``state_dict()``; its seed and block size must be the sampler's
-        (either one changes the order, so the rest of the epoch would repeat some samples
-        and skip others). A state without ``block_size`` (older checkpoints) is taken as
-        it is."""
-        for key in ("seed", "block_size"):
-            if key in state and int(state[key]) != getattr(self.sampler, key):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict()``; the settings that fix the order must be the
+        sampler's (any of them changes the order or the steps, so the rest of the epoch
+        would repeat some samples and skip others). Settings a state lacks (older
+        checkpoints) are not checked."""
+        for key in self._ORDER_KEYS:
+            mine = getattr(self.sampler, key)
+            if key in state and type(mine)(state[key]) != mine:
                 raise ValueError(
-                    f"checkpoint {key} {state[key]} != sampler {key} "
-                    f"{getattr(self.sampler, key)}: build the sampler with the checkpoint's "
-                    f"{key}={state[key]}"
-                )
+                    f"the checkpoint was written with {key}={state[key]!r}, this run has "
+                    f"{key}={mine!r}: the rest of the epoch would skip some samples and "
+                    f"repeat others. Resume with {key}={state[key]!r}, or start a new run")
         self.resume(int(state["epoch"]), int(state["step"]))
 
     # -- reading ------------------------------------------------------------------------

@@ -170,7 +170,11 @@ class Trainer:
         for name, m in self.model.named_modules():
             if name in state.rng:
                 m.rng.bit_generator.state = state.rng[name]
-        self.loader.load_state_dict(state.sampler)
+        try:
+            self.loader.load_state_dict(state.sampler)
+        except ValueError as e:  # the same on every rank: each reads the same file
+            raise ValueError(f"cannot resume from {path}: {e} (in the config: --global-batch, "
+                             "--seed, --data.shuffle, --data.block-size, the dataset)") from e
         self.step = int(state.step)
         if self.comm.rank == 0:
             # Records of steps after the checkpoint are redone: drop them. The writer holds

@@ -105,6 +105,20 @@ def test_resume_on_a_different_number_of_ranks(tmp_path, cache, first_ranks, the
         numpy.testing.assert_allclose(b[k], a[k], rtol=100 * rtol, atol=100 * atol, err_msg=k)
 
 
+@pytest.mark.parametrize("change", ["--global-batch=128", "--data.shuffle=full"])
+def test_resuming_with_another_sample_order_is_refused(tmp_path, cache, change):
+    # Either one changes which samples the rest of the epoch reads: some would be read
+    # twice and others never, silently.
+    run = str(tmp_path / "run")
+    assert train(2, run, cache, "--stop-at-step=5").returncode == 0
+    resumed = train(2, run, cache, change)
+    assert resumed.returncode != 0, resumed.output
+    key, value = {"--global-batch=128": ("global_batch", 64),
+                  "--data.shuffle=full": ("shuffle", "'block'")}[change]
+    assert f"the checkpoint was written with {key}={value}" in resumed.stderr, resumed.output
+    assert "cannot resume from" in resumed.stderr and "checkpoint-00000005.h5" in resumed.stderr
+
+
 def _rank_pid(marker, rank):
     """The pid of the python process of ``rank`` whose command line contains ``marker``."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
