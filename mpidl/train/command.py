@@ -33,12 +33,13 @@ def _help() -> str:
 
 def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
     """Load the config on every rank; on any error, rank 0 reports it once. Collective."""
-    from mpidl.train.config import ConfigError, load_config, split_args
+    from mpidl.train.config import ConfigError, check_model, load_config, split_args
 
     config, error = None, None
     try:
         preset, overrides = split_args(argv)
         config = load_config(preset, overrides)
+        check_model(config)
     except ConfigError as e:
         error = str(e)
     errors = comm.allgather_obj(error)

@@ -180,8 +180,18 @@ def _validate(config: Config) -> None:
                               f"got {getattr(config, key)}")
     if config.bucket_mb is not None and not config.bucket_mb > 0:
         raise ConfigError(f"config key 'bucket_mb' must be > 0 or none, got {config.bucket_mb}")
-    if not config.lr > 0:
-        raise ConfigError(f"config key 'lr' must be > 0, got {config.lr}")
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        raise ConfigError(f"config key 'lr' must be a finite number > 0, got {config.lr}")
+    if not 0.0 <= config.min_lr_ratio <= 1.0:
+        raise ConfigError(f"config key 'min_lr_ratio' must be in [0, 1] (the schedule's "
+                          f"floor as a fraction of lr), got {config.min_lr_ratio}")
+    if not (config.weight_decay >= 0 and math.isfinite(config.weight_decay)):
+        raise ConfigError(f"config key 'weight_decay' must be a finite number >= 0, "
+                          f"got {config.weight_decay}")
+    if not 0.0 <= config.momentum < 1.0:
+        raise ConfigError(f"config key 'momentum' must be in [0, 1), got {config.momentum}")
+    if config.seed < 0:
+        raise ConfigError(f"config key 'seed' must be >= 0, got {config.seed}")
     if not 0.0 <= config.warmup_fraction < 1.0:
         raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), "
                           f"got {config.warmup_fraction}")
@@ -194,6 +204,9 @@ def _validate(config: Config) -> None:
     for key in ("num_train", "num_test", "seq_len", "vocab_size", "block_size"):
         if getattr(d, key) < 1:
             raise ConfigError(f"config key 'data.{key}' must be >= 1, got {getattr(d, key)}")
+    for key in ("seed", "prefetch"):
+        if getattr(d, key) < 0:
+            raise ConfigError(f"config key 'data.{key}' must be >= 0, got {getattr(d, key)}")
 
 
 def config_from_dict(table: dict) -> Config:
@@ -268,6 +281,38 @@ def load_config(preset_or_path: str | None = None, overrides: Sequence[str] = ()
     return apply_overrides(config, overrides)
 
 
+def check_model(config: Config) -> Callable[..., Any]:
+    """The factory of ``config.model.name``, after checking the name and the model's keys.
+
+    Raises ConfigError (an unknown name with the close matches, or a bad ``model.*``
+    key), so that ``mpidl train`` reports it once with exit 2 before building anything.
+    """
+    from mpidl import models
+
+    name = config.model.name
+    if name not in models.MODELS:
+        close = difflib.get_close_matches(name, list(models.MODELS), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ConfigError(f"unknown model {name!r}{hint} (known: "
+                          f"{', '.join(sorted(models.MODELS))}; --model=NAME)")
+    factory = models.MODELS[name]
+    check_model_kwargs(config, factory)
+    return factory
+
+
+def _keyword_parameters(f: Callable[..., Any]) -> tuple[dict, bool, dict]:
+    """``f``'s parameters passable by keyword, whether it takes ``**kwargs``, its hints."""
+    sig = inspect.signature(f)
+    params = {n: p for n, p in sig.parameters.items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    try:
+        hints = typing.get_type_hints(f)
+    except Exception:  # unresolvable annotations: fall back to the defaults' types
+        hints = {}
+    return params, takes_any, hints
+
+
 def check_model_kwargs(config: Config, factory: Callable[..., Any]) -> None:
     """Check ``config.model.kwargs`` against the signature of the model's constructor.
 
@@ -276,14 +321,15 @@ def check_model_kwargs(config: Config, factory: Callable[..., Any]) -> None:
     the close matches, and ``--model.dim=big`` one naming the expected type (from the
     parameter's annotation or default value), before anything is built.
     """
-    sig = inspect.signature(factory)
-    params = {n: p for n, p in sig.parameters.items()
-              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    try:
-        hints = typing.get_type_hints(factory)
-    except Exception:  # unresolvable annotations: fall back to the defaults' types
-        hints = {}
+    params, takes_any, hints = _keyword_parameters(factory)
+    built = hints.pop("return", None)
+    if takes_any and isinstance(built, type):
+        # A factory that hands **kwargs on to the class it returns (every reference
+        # model's does): that class's constructor says which keys exist.
+        more, takes_any, more_hints = _keyword_parameters(built.__init__)
+        more.pop("self", None)
+        params = {**more, **params}
+        hints = {**more_hints, **hints}
     for key, value in config.model.kwargs.items():
         full = f"model.{key}"
         if key not in params:

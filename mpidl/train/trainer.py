@@ -27,7 +27,7 @@ import numpy
 from mpidl import functions as F
 from mpidl.autograd import no_grad
 from mpidl.train import checkpoint as ckpt
-from mpidl.train.config import Config, check_model_kwargs, to_toml
+from mpidl.train.config import Config, check_model, to_toml
 from mpidl.train.log import Logger, ProgressBar, format_summary
 from mpidl.train.metrics import MetricsWriter, StepTimer, Throughput, read_metrics, trim_metrics
 from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag
@@ -38,13 +38,7 @@ EVAL_BATCH = 512  # samples per evaluation step over all ranks (no gradients kep
 
 def build_model(config: Config, dataset: Any) -> Any:
     """The configured model, with vocab/seq_len/classes taken from the data when unset."""
-    from mpidl import models
-
-    if config.model.name not in models.MODELS:
-        raise ValueError(f"unknown model {config.model.name!r}; choose one of "
-                         f"{sorted(models.MODELS)} (--model=NAME)")
-    factory = models.MODELS[config.model.name]
-    check_model_kwargs(config, factory)
+    factory = check_model(config)
     kwargs = dict(config.model.kwargs)
     known = {"classes": dataset.num_classes,
              "vocab": len(dataset.vocab) if dataset.vocab else None,

@@ -177,6 +177,9 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly_then_resumes_exactly(
     (["--epochz=3"], "unknown config key 'epochz'"),
     (["--epochs=three"], "'epochs'"),
     (["/nonexistent/run.toml"], "/nonexistent/run.toml"),
+    (["--model=transformer", "--model.dimm=64"], "did you mean 'model.dim'"),
+    (["--model=bowx"], "unknown model 'bowx'"),
+    (["--lr=inf"], "'lr' must be a finite number > 0"),
 ])
 def test_config_errors_give_one_message_and_exit_2_on_every_rank(tmp_path, args, message):
     result = mpiexec(2, [sys.executable, "-m", "mpidl", "train", *args,

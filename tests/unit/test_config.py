@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import typing
 
@@ -220,6 +221,34 @@ def test_check_model_kwargs_against_the_constructor():
     config = load_config(None, ["--model.causal=yes"])      # a string, not a bool
     with pytest.raises(ConfigError, match="'model.causal'"):
         check_model_kwargs(config, _model)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model=transformer", "--model.dimm=64"], "'model.dimm'; did you mean 'model.dim'"),
+    (["--model=transformer", "--model.dim=big"], "'model.dim'"),
+    (["--model=bowx"], "unknown model 'bowx'; did you mean 'bow'"),
+])
+def test_the_reference_models_keys_are_checked_through_their_factories(args, message):
+    # The factories take **kwargs and hand them to the model class: its constructor
+    # decides which keys exist.
+    from mpidl.train.config import check_model
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_model(load_config(None, args))
+    config = load_config(None, ["--model=transformer", "--model.dropout=0.1",
+                                "--model.layers=1"])
+    check_model(config)
+    assert config.model.kwargs == {"dropout": 0.1, "layers": 1}
+
+
+@pytest.mark.parametrize("arg, key", [
+    ("--lr=inf", "'lr' must be a finite number > 0"), ("--min-lr-ratio=-3", "'min_lr_ratio'"),
+    ("--weight-decay=-0.1", "'weight_decay'"), ("--momentum=1.5", "'momentum'"),
+    ("--seed=-1", "'seed' must be >= 0"), ("--data.prefetch=-1", "'data.prefetch'"),
+])
+def test_out_of_range_values_name_their_key(arg, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(None, [arg])
 
 
 def test_default_run_dir_uses_the_job_id_so_requeued_jobs_resume():
