@@ -36,6 +36,20 @@ from mpidl.train.timeline import Timeline
 EVAL_BATCH = 512  # samples per evaluation step over all ranks (no gradients kept)
 
 
+def _check_splits(train: Any, test: Any) -> None:
+    """What the trainer reads: features ``x`` (inputs) and ``y`` (labels), some samples."""
+    for split in (train, test):
+        missing = [name for name in ("x", "y") if name not in split.features]
+        if missing:
+            raise ValueError(
+                f"dataset {split.path} has features {sorted(split.features)}, but the "
+                f"trainer reads 'x' (inputs) and 'y' (labels): write the split with those "
+                f"names (missing: {', '.join(missing)})")
+    if len(train) == 0:
+        raise ValueError(f"dataset {train.path} has no samples: nothing to train on; "
+                         f"write a non-empty train split")
+
+
 def build_model(config: Config, dataset: Any) -> Any:
     """The configured model, with vocab/seq_len/classes taken from the data when unset."""
     factory = check_model(config)
@@ -102,6 +116,7 @@ class Trainer:
             bind(comm.local_rank)
         self.train_set = ShardedDataset(os.path.join(data_dir, "train"), comm=comm)
         self.test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
+        _check_splits(self.train_set, self.test_set)  # the same files: alike on every rank
         self.model = build_model(config, self.train_set).to(self.xp)
         dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
         self.dp = DataParallel(self.model, comm, overlap=config.overlap,

@@ -190,6 +190,29 @@ def test_config_errors_give_one_message_and_exit_2_on_every_rank(tmp_path, args,
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("names, n_train, message", [
+    (("tokens", "label"), 40, "has features ['label', 'tokens'], but the trainer reads 'x'"),
+    (("x", "y"), 0, "has no samples: nothing to train on"),
+])
+def test_a_custom_dataset_the_trainer_cannot_use_is_named_on_every_rank(
+        tmp_path, names, n_train, message):
+    from mpidl.data import write_shards
+
+    rng = numpy.random.default_rng(0)
+    data = str(tmp_path / "data")
+    arrays = {names[0]: rng.integers(0, 50, (n_train, 8)).astype(numpy.int32),
+              names[1]: rng.integers(0, 2, n_train)}
+    test = {names[0]: rng.integers(0, 50, (10, 8)).astype(numpy.int32),
+            names[1]: rng.integers(0, 2, 10)}
+    write_shards(data, arrays, test_arrays=test)
+    result = mpiexec(2, [sys.executable, "-m", "mpidl", "train", "--task=custom",
+                         f"--data={data}", f"--run-dir={tmp_path / 'run'}", "--progress=never",
+                         "--model.vocab=50"], timeout=120)
+    assert result.returncode != 0, result.output
+    assert message in result.stderr and os.path.join(data, "train") in result.stderr, \
+        result.output
+
+
 def test_eval_command_scores_the_latest_checkpoint(tmp_path, cache):
     run = str(tmp_path / "run")
     assert train(2, run, cache, "--epochs=1").returncode == 0
