@@ -243,7 +243,7 @@ class Trainer:
         self.timeline.reset_origin()
         t_start = time.perf_counter()
         start_step = self.step
-        preempted = False
+        preempted, eval_due = False, False
         stop = min(self.total_steps, cfg.stop_at_step or self.total_steps)
         with PreemptionFlag() as flag:
             while self.step < stop and not preempted:
@@ -276,16 +276,13 @@ class Trainer:
                     if self.step >= stop:
                         break
                 batches.close()  # stop the prefetch thread of an epoch left early
-                if preempted:
-                    break
                 epoch_done = self.loader.state_dict()["step"] == 0
                 last = self.step >= self.total_steps
-                if last or (epoch_done and (epoch + 1) % cfg.eval_every == 0):
-                    test_loss, test_acc = self.evaluate()
-                    self.metrics.write(kind="eval", epoch=epoch, step=self.step,
-                                       test_loss=test_loss, test_accuracy=test_acc)
-                    bar.write(f"epoch {epoch}: test loss {test_loss:.4f}, "
-                              f"test accuracy {test_acc:.4f}")
+                eval_due = last or (epoch_done and (epoch + 1) % cfg.eval_every == 0)
+                if preempted:
+                    break  # the checkpoint first, then any evaluation due (below)
+                if eval_due:
+                    self._evaluate_epoch(epoch, bar.write)
                 if last or (epoch_done and cfg.checkpoint_epochs) or self.step == stop:
                     self.save()
             signal_name = flag.signal_name
@@ -296,6 +293,11 @@ class Trainer:
             self.log.info(f"preempted ({signal_name or 'signal on another rank'}): checkpoint "
                           f"{path} at step {self.step}; exiting with {EXIT_PREEMPTED} to be "
                           "requeued")
+            if eval_due:
+                # The preempted step ended an epoch: its evaluation would be lost (the
+                # checkpoint resumes in the next epoch), so it runs now, after the
+                # checkpoint that must survive the preemption's grace period.
+                self._evaluate_epoch(epoch, self.log.info)
         self.timeline.write(os.path.join(self.run_dir, "trace.json"), gather=comm.allgather_obj)
         self.metrics.close()
         if not preempted:
@@ -304,6 +306,13 @@ class Trainer:
             self.log.info(f"stopped at step {self.step} of {self.total_steps} (stop_at_step); "
                           "run the same command again to continue")
         return EXIT_PREEMPTED if preempted else 0
+
+    def _evaluate_epoch(self, epoch: int, say: Any) -> None:
+        """Evaluate on the test split, record it and ``say`` it. Collective."""
+        test_loss, test_acc = self.evaluate()
+        self.metrics.write(kind="eval", epoch=epoch, step=self.step,
+                           test_loss=test_loss, test_accuracy=test_acc)
+        say(f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {test_acc:.4f}")
 
     def _record_train(self, window: list, rate: Throughput, epoch: int) -> dict[str, Any]:
         """Write a train record of the steps since the last one. Collective."""

@@ -173,6 +173,38 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly_then_resumes_exactly(
         assert numpy.array_equal(a[k], b[k]), f"{k} differs after preemption and resume"
 
 
+_SIGNAL_AT_STEP = """
+import os, signal, sys
+from mpidl.train import trainer
+at, train_step = int(os.environ["SIGNAL_AT_STEP"]), trainer.Trainer._train_step
+def step(self, x, y, n):  # rank 0 gets SIGUSR1 while it runs step `at`, as from Slurm
+    if self.step == at and self.comm.rank == 0:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return train_step(self, x, y, n)
+trainer.Trainer._train_step = step
+from mpidl.cli import main
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("at", [EPOCH - 1, 2 * EPOCH - 1], ids=["epoch-end", "last-step"])
+def test_a_preemption_at_an_epochs_last_step_keeps_its_evaluation(tmp_path, cache, at):
+    script = tmp_path / "train_signalled.py"
+    script.write_text(_SIGNAL_AT_STEP)
+    run = str(tmp_path / "run")
+    args = [*SMALL, f"--data.cache-dir={cache}", f"--run-dir={run}", "--epochs=2"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"SIGNAL_AT_STEP": str(at),
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    first = mpiexec(2, [sys.executable, str(script), *args], timeout=240, env=env)
+    assert first.returncode == 75, first.output
+    assert [(r["epoch"], r["step"]) for r in evals(run)] == \
+        [(e, (e + 1) * EPOCH) for e in range(at // EPOCH + 1)]
+    resumed = train(2, run, cache, "--epochs=2")
+    assert resumed.returncode == 0, resumed.output
+    assert [(r["epoch"], r["step"]) for r in evals(run)] == [(0, EPOCH), (1, 2 * EPOCH)]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--epochz=3"], "unknown config key 'epochz'"),
     (["--epochs=three"], "'epochs'"),
