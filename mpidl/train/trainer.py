@@ -150,18 +150,39 @@ class Trainer:
         return os.path.join(self.run_dir, ckpt.CHECKPOINT_DIR)
 
     def _rng_states(self) -> dict[str, Any]:
-        return {name: m.rng.bit_generator.state for name, m in self.model.named_modules()
+        """The modules' generators (dropout) on every rank. Collective.
+
+        Each rank draws as many masks as its share of a batch asks, so after an uneven
+        batch the ranks' generators differ: all of them are saved (as ``per_rank``), so
+        that a resume on as many ranks continues bit for bit. While they agree, one is.
+        """
+        mine = {name: m.rng.bit_generator.state for name, m in self.model.named_modules()
                 if isinstance(getattr(m, "rng", None), numpy.random.Generator)}
+        everyone = self.comm.allgather_obj(mine)
+        if all(s == mine for s in everyone):
+            return mine
+        return {"per_rank": {str(r): s for r, s in enumerate(everyone)}}
+
+    def _load_rng_states(self, saved: dict[str, Any]) -> None:
+        states = saved.get("per_rank")
+        if states is not None:
+            # Another number of ranks splits batches otherwise anyway (equal up to
+            # rounding, not bitwise): rank 0's generators then serve every rank.
+            saved = states[str(self.comm.rank) if len(states) == self.comm.size else "0"]
+        for name, m in self.model.named_modules():
+            if name in saved:
+                m.rng.bit_generator.state = saved[name]
 
     def save(self) -> str | None:
         """Rank 0 writes a checkpoint of the current step; every rank waits. Collective."""
         path = None
         error = None
+        rng = self._rng_states()
         if self.comm.rank == 0:
             try:
                 path = ckpt.save_checkpoint(
                     self.checkpoint_dir, self.step, model=self.model.state_dict(),
-                    optimizer=self.optimizer.state_dict(), rng=self._rng_states(),
+                    optimizer=self.optimizer.state_dict(), rng=rng,
                     sampler=self.loader.state_dict(), config=to_toml(self.config),
                     epoch=self.loader.state_dict()["epoch"],
                     extra={"ranks": self.comm.size, "total_steps": self.total_steps})
@@ -176,9 +197,7 @@ class Trainer:
         state = ckpt.load_checkpoint(path)
         self.model.load_state_dict(state.model)
         self.optimizer.load_state_dict(state.optimizer)
-        for name, m in self.model.named_modules():
-            if name in state.rng:
-                m.rng.bit_generator.state = state.rng[name]
+        self._load_rng_states(state.rng)
         try:
             self.loader.load_state_dict(state.sampler)
         except ValueError as e:  # the same on every rank: each reads the same file
