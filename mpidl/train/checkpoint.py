@@ -308,6 +308,27 @@ def keep_last(directory: str | os.PathLike, k: int) -> list[str]:
     return removed
 
 
+def set_aside_after(directory: str | os.PathLike, step: int) -> str | None:
+    """Move the checkpoints of steps after ``step`` into a subdirectory; return it.
+
+    A run resumed from an older checkpoint starts a new branch: the newer checkpoints
+    belong to the one abandoned, and left in place they would be the ``latest`` that a
+    plain rerun resumes from, and the ones ``keep_last`` keeps instead of the new
+    branch's. Moved, not deleted: they are someone's results. Call it on one rank.
+    """
+    directory = os.fspath(directory)
+    newer = [path for s, path in _listed(directory) if s > step]
+    if not newer:
+        return None
+    aside = os.path.join(directory, f"abandoned-after-{int(step):08d}-"
+                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(aside, exist_ok=True)
+    for path in newer:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    _fsync_dir(directory)
+    return aside
+
+
 def resolve_resume(resume: bool | str, run_dir: str | os.PathLike) -> str | None:
     """The checkpoint a run resumes from, per the ``resume`` config key.
 

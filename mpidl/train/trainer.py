@@ -204,6 +204,16 @@ class Trainer:
             raise ValueError(f"cannot resume from {path}: {e} (in the config: --global-batch, "
                              "--seed, --data.shuffle, --data.block-size, the dataset)") from e
         self.step = int(state.step)
+        aside, error = None, None
+        if self.comm.rank == 0:
+            try:
+                aside = ckpt.set_aside_after(self.checkpoint_dir, self.step)
+            except OSError as e:
+                error = f"cannot move checkpoints newer than {path} aside: {e}"
+        self.comm.check(error is None, str(error))
+        if aside:
+            self.log.info(f"checkpoints after step {self.step} (another branch of this run) "
+                          f"moved to {aside}")
         if self.comm.rank == 0:
             # Records of steps after the checkpoint are redone: drop them. The writer holds
             # the file open, so it is reopened on the trimmed file.

@@ -107,6 +107,23 @@ def test_resume_with_dropout_after_uneven_batches_is_bit_for_bit(tmp_path, cache
         assert numpy.array_equal(a[k], b[k]), f"{k} differs after resume"
 
 
+def test_rewinding_to_an_older_checkpoint_sets_the_abandoned_branch_aside(tmp_path, cache):
+    run = str(tmp_path / "run")
+    ckpts = os.path.join(run, "checkpoints")
+    assert train(2, run, cache, "--epochs=2").returncode == 0  # checkpoints at 94, 188
+    rewound = train(2, run, cache, "--epochs=2", f"--resume={ckpts}/checkpoint-00000094.h5",
+                    "--checkpoint-every=50", "--stop-at-step=150")
+    assert rewound.returncode == 0, rewound.output
+    assert "moved to" in rewound.stdout, rewound.output
+    files = sorted(os.listdir(ckpts))
+    aside = [f for f in files if f.startswith("abandoned-after-00000094-")]
+    assert len(aside) == 1 and os.listdir(os.path.join(ckpts, aside[0])) == \
+        ["checkpoint-00000188.h5"]
+    assert [f for f in files if f.endswith(".h5")][-1] == "checkpoint-00000150.h5"
+    again = train(2, run, cache, "--epochs=2")  # continues the new branch
+    assert again.returncode == 0 and "at step 150" in again.stdout, again.output
+
+
 @pytest.mark.parametrize("first_ranks, then_ranks", [(2, 1), (1, 3)])
 def test_resume_on_a_different_number_of_ranks(tmp_path, cache, first_ranks, then_ranks):
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")

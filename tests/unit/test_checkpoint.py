@@ -19,6 +19,7 @@ from mpidl.train.checkpoint import (
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
+    set_aside_after,
 )
 from mpidl.train.config import Config, to_toml
 
@@ -163,6 +164,22 @@ def test_keep_last_keeps_the_newest_k(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [checkpoint_name(15), checkpoint_name(20), "notes.txt"]
     with pytest.raises(ValueError, match="k must be >= 1"):
         keep_last(tmp_path, 0)
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    for step in (16, 32, 48):
+        _save(tmp_path, step)
+    assert set_aside_after(tmp_path, 48) is None  # nothing newer
+    aside = set_aside_after(tmp_path, 16)
+    assert os.path.dirname(aside) == str(tmp_path)
+    assert os.path.basename(aside).startswith("abandoned-after-00000016-")
+    assert sorted(os.listdir(aside)) == [checkpoint_name(32), checkpoint_name(48)]
+    # The new branch's checkpoints are the latest, and the ones keep_last keeps.
+    for step in (20, 25):
+        _save(tmp_path, step)
+    keep_last(tmp_path, 2)
+    assert latest_checkpoint(tmp_path) == str(tmp_path / checkpoint_name(25))
+    assert load_checkpoint(os.path.join(aside, checkpoint_name(48))).step == 48
 
 
 def test_resolve_resume(tmp_path):
