@@ -134,6 +134,9 @@ class Trainer:
         steps = config.epochs * len(self.loader)
         self.total_steps = min(steps, config.steps) if config.steps else steps
         self.step = 0
+        # Loss sum, correct, samples since the last train record (xp scalars): their
+        # host sync waits for the record.
+        self.window: list = [0, 0, 0]
         self.metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"),
                                      enabled=comm.rank == 0)
         self.timeline = Timeline(comm.rank, enabled=config.trace)
@@ -178,6 +181,9 @@ class Trainer:
         path = None
         error = None
         rng = self._rng_states()
+        # The steps since the last train record, so a resumed run's first record averages
+        # as many steps as the uninterrupted run's (all ranks' sums: any rank count).
+        window = [float(v) for v in self._window_totals(self.window)]
         if self.comm.rank == 0:
             try:
                 path = ckpt.save_checkpoint(
@@ -185,7 +191,8 @@ class Trainer:
                     optimizer=self.optimizer.state_dict(), rng=rng,
                     sampler=self.loader.state_dict(), config=to_toml(self.config),
                     epoch=self.loader.state_dict()["epoch"],
-                    extra={"ranks": self.comm.size, "total_steps": self.total_steps})
+                    extra={"ranks": self.comm.size, "total_steps": self.total_steps,
+                           "train_window": window})
                 ckpt.keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
             except OSError as e:
                 error = f"cannot write a checkpoint into {self.checkpoint_dir}: {e}"
@@ -198,6 +205,9 @@ class Trainer:
         self.model.load_state_dict(state.model)
         self.optimizer.load_state_dict(state.optimizer)
         self._load_rng_states(state.rng)
+        saved_window = state.extra.get("train_window")
+        if saved_window is not None:  # all ranks' sums: on rank 0, once
+            self.window = list(saved_window) if self.comm.rank == 0 else [0, 0, 0]
         try:
             self.loader.load_state_dict(state.sampler)
         except ValueError as e:  # the same on every rank: each reads the same file
@@ -266,7 +276,6 @@ class Trainer:
         cfg, comm = self.config, self.comm
         bar = ProgressBar(self.total_steps, enabled=comm.rank == 0, mode=cfg.progress,
                           initial=self.step)
-        window = [0, 0, 0]  # loss sum, correct, samples since the last record (xp scalars)
         rate = Throughput(window=cfg.log_every)
         comm.barrier()
         self.timeline.reset_origin()
@@ -289,11 +298,12 @@ class Trainer:
                         self.timer.add("input", time.perf_counter() - start, start=start)
                         loss, correct = self._train_step(x, y, n)
                     self.step += 1
-                    window = [window[0] + loss, window[1] + correct, window[2] + len(y)]
+                    w = self.window
+                    self.window = [w[0] + loss, w[1] + correct, w[2] + len(y)]
                     rate.update(n, self.timer.last.total)
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        rec = self._record_train(window, rate, epoch)
-                        window = [0, 0, 0]
+                        rec = self._record_train(self.window, rate, epoch)
+                        self.window = [0, 0, 0]
                         bar.update(1, loss=rec["loss"], acc=rec["accuracy"])
                     else:
                         bar.update(1)
@@ -343,12 +353,16 @@ class Trainer:
                            test_loss=test_loss, test_accuracy=test_acc)
         say(f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {test_acc:.4f}")
 
-    def _record_train(self, window: list, rate: Throughput, epoch: int) -> dict[str, Any]:
-        """Write a train record of the steps since the last one. Collective."""
+    def _window_totals(self, window: list) -> numpy.ndarray:
+        """Loss sum, correct and samples of ``window`` over all ranks. Collective."""
         from mpidl.backend import as_numpy
 
         local = numpy.array([float(as_numpy(v)) for v in window])  # the one host sync
-        totals = self.comm.allreduce(local)
+        return self.comm.allreduce(local)
+
+    def _record_train(self, window: list, rate: Throughput, epoch: int) -> dict[str, Any]:
+        """Write a train record of the steps since the last one. Collective."""
+        totals = self._window_totals(window)
         times = self.timer.last.as_record() if self.timer.last else {}
         record = dict(kind="train", epoch=epoch, step=self.step,
                       loss=totals[0] / max(totals[2], 1), accuracy=totals[1] / max(totals[2], 1),
