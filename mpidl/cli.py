@@ -15,6 +15,7 @@ whole job instead of leaving the other ranks hanging in a collective.
 from __future__ import annotations
 
 import importlib
+import os
 import runpy
 import sys
 from typing import Callable, Sequence
@@ -56,6 +57,9 @@ def run_main(argv: Sequence[str]) -> int:
               "exception on any rank prints that rank's traceback and aborts every rank.")
         return 0 if argv else 2
     sys.argv = list(argv)
+    # As `python SCRIPT.py` does: the script's directory first on the path, so that it
+    # imports the modules that sit next to it.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     runpy.run_path(argv[0], run_name="__main__")
     return 0
 

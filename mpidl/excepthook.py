@@ -50,11 +50,13 @@ def _report_and_abort(exc_type: type, exc: BaseException, tb: TracebackType | No
     rank, size, comm = _world_position()
     from mpidl.comm.base import DistributedError
 
-    if isinstance(exc, DistributedError) and not where:
+    if isinstance(exc, DistributedError) and not where and exc.group_size == size:
         if rank == 0:
             sys.stderr.write(f"mpidl: error: {exc}\n")
             sys.stderr.flush()
         return  # every rank raised it: normal exit with status 1, MPI finalizes cleanly
+    # Anything else, a DistributedError of a sub-communicator included (the job's other
+    # ranks did not raise it and would wait for these forever): report and abort.
     header = f"rank {rank}/{size}: unhandled exception{where}; aborting all {size} ranks\n"
     sys.stderr.write(header + format_exception(rank, size, exc_type, exc, tb))
     sys.stderr.flush()

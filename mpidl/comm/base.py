@@ -21,13 +21,18 @@ class DistributedError(RuntimeError):
     Attributes:
         failed_ranks: the ranks that reported the failure.
         messages: rank -> that rank's message, for the failing ranks.
+        group_size: the size of the communicator whose ranks all raised it (None when
+            unknown): on a sub-communicator, the job's other ranks did not, and the
+            exception hook must abort them (:mod:`mpidl.excepthook`).
     """
 
     def __init__(self, message: str, failed_ranks: Sequence[int] = (),
-                 messages: dict[int, str] | None = None) -> None:
+                 messages: dict[int, str] | None = None,
+                 group_size: int | None = None) -> None:
         super().__init__(message)
         self.failed_ranks = list(failed_ranks)
         self.messages = dict(messages or {})
+        self.group_size = group_size
 
 
 def check_op(op: str) -> str:
@@ -78,7 +83,8 @@ class Communicator:
         lines = [f"rank {r}: {messages[r]}" for r in failed]
         summary = f"check failed on rank{'s' if len(failed) > 1 else ''} " \
                   f"{', '.join(map(str, failed))} of {self.size}"
-        raise DistributedError(summary + "\n" + "\n".join(lines), failed, messages)
+        raise DistributedError(summary + "\n" + "\n".join(lines), failed, messages,
+                               group_size=self.size)
 
     def agree(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any rank (a logical OR).

@@ -64,6 +64,33 @@ def test_distributed_error_exits_every_rank_with_one_message(tmp_path):
     assert "rank 1: value 7 is out of range [0, 5)" in result.stderr
 
 
+def test_a_failed_check_on_a_sub_communicator_aborts_the_other_ranks(tmp_path):
+    # Only rank 0's group raises; rank 1 waits in a world barrier: it must be aborted.
+    path = tmp_path / "subcheck.py"
+    path.write_text(textwrap.dedent("""
+        from mpidl.comm import world
+        comm = world()
+        group = comm.split(comm.rank)
+        if comm.rank == 0:
+            group.check(False, "bad shard on rank 0")
+        comm.barrier()
+        print("unreachable: rank", comm.rank, "got past the barrier")
+    """))
+    result = mpiexec(2, [sys.executable, "-m", "mpidl", "run", str(path)], timeout=60)
+    assert result.returncode != 0 and result.seconds < 20, result.output
+    assert "rank 0/2: unhandled exception; aborting all 2 ranks" in result.stderr
+    assert "bad shard on rank 0" in result.stderr and "unreachable" not in result.stdout
+
+
+def test_a_script_imports_the_modules_next_to_it(tmp_path):
+    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    (tmp_path / "main.py").write_text("import helper\nprint('ok', helper.VALUE)\n")
+    result = mpiexec(2, [sys.executable, "-m", "mpidl", "run", str(tmp_path / "main.py")],
+                     timeout=60)
+    assert result.returncode == 0, result.output
+    assert result.stdout.count("ok 42") == 2
+
+
 def test_script_that_succeeds_exits_zero_on_every_rank(tmp_path):
     path = tmp_path / "ok.py"
     path.write_text("import sys\nfrom mpidl.comm import world\n"
