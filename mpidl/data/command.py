@@ -219,3 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"mpidl shard: error: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # a bad option (checked before anything is written): usage
+        print(f"mpidl shard: error: {e}", file=sys.stderr)
+        return 2

@@ -75,6 +75,17 @@ def _prepare_dir(directory: str, overwrite: bool) -> None:
             os.remove(os.path.join(directory, f))
 
 
+def _check_options(rows_per_shard: int | None, compression: str | None = None,
+                   compression_opts: Any = None) -> dict[str, Any]:
+    """Raise ValueError for bad writing options; return the shards' storage settings.
+
+    Called before anything in the output directory is removed (``overwrite``).
+    """
+    if rows_per_shard is not None and rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard {rows_per_shard} must be >= 1")
+    return _storage(compression, compression_opts)
+
+
 def _storage(compression: str | None, compression_opts: Any) -> dict[str, Any]:
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression {compression!r} is not one of {COMPRESSIONS}")
@@ -197,10 +208,8 @@ def write_split(
             y = arrays.get(labels)
             num_classes = int(y.max()) + 1 if y is not None and n else 1
         _check_labels(arrays, labels, num_classes, source)
-    storage = _storage(compression, compression_opts)
+    storage = _check_options(rows_per_shard, compression, compression_opts)
     row_bytes = sum(v[:1].nbytes for v in arrays.values())
-    if rows_per_shard is not None and rows_per_shard < 1:
-        raise ValueError(f"rows_per_shard {rows_per_shard} must be >= 1")
     per = rows_per_shard or max(1, SHARD_BYTES // max(1, row_bytes))
     _prepare_dir(directory, overwrite)
     dataset_id = dataset_id or uuid.uuid4().hex
@@ -308,8 +317,12 @@ def write_shards(
         _check_labels(arrays, labels, num_classes, source)
         if test_arrays is not None:
             _check_labels(test_arrays, labels, num_classes, f"{source} (test split)")
-    # Check every split directory before writing any: an old test split left beside a new
-    # train split would pair the wrong vocabulary with the wrong shards.
+    # Check the options and every split directory before writing (or, with overwrite,
+    # removing) any: an old test split left beside a new train split would pair the
+    # wrong vocabulary with the wrong shards, and a bad option found after the old
+    # dataset was removed would leave nothing.
+    _check_options(options.get("rows_per_shard"), options.get("compression"),
+                   options.get("compression_opts"))
     for name in ("train", "test"):
         if os.path.isdir(os.path.join(out_dir, name)):
             _prepare_dir(os.path.join(out_dir, name), options.get("overwrite", False))

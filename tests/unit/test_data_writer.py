@@ -235,6 +235,18 @@ def test_overwrite_needs_force(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "d" / "test" / "manifest.json")
 
 
+def test_a_bad_option_with_force_keeps_the_old_dataset(tmp_path, capsys):
+    write_shards(tmp_path / "d", {"x": numpy.zeros((4, 1))}, test_fraction=0.5)
+    numpy.savez(tmp_path / "in.npz", x=numpy.ones((3, 1)))
+    for bad in (["--rows-per-shard", "0"], ["--test-fraction", "1.5"]):
+        rc = shard_main(["--from-npz", str(tmp_path / "in.npz"), "--force", *bad,
+                         str(tmp_path / "d")])
+        err = capsys.readouterr().err
+        assert rc == 2 and "mpidl shard: error:" in err, err
+        assert len(ShardedDataset(str(tmp_path / "d" / "train"))) == 2  # untouched
+        assert len(ShardedDataset(str(tmp_path / "d" / "test"))) == 2
+
+
 def test_real_sentiment_sentences_shard_through_the_tsv_path(tmp_path, capsys,
                                                              sentiment_sentences):
     src = sentiment_sentences
