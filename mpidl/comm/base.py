@@ -43,6 +43,23 @@ def check_op(op: str) -> str:
     return name
 
 
+def check_reducible(x: Any, what: str) -> None:
+    """Raise TypeError for an array MPI cannot reduce; the same on every communicator.
+
+    MPI has no reduction for booleans, and mpi4py refuses non-native byte order (h5py
+    returns it for big-endian files). A single rank would reduce either without
+    complaint and the script then fail on two: so every communicator checks.
+    """
+    dtype = x.dtype
+    if dtype.kind == "b":
+        raise TypeError(f"{what} of a bool array: MPI has no reduction for booleans; "
+                        "reduce x.astype(numpy.uint8) (max is any, min is all)")
+    if not dtype.isnative:
+        raise TypeError(f"{what} of a {dtype.str!r} array (non-native byte order, as h5py "
+                        "returns for big-endian files); reduce "
+                        "x.astype(x.dtype.newbyteorder('='))")
+
+
 def split_counts(n: int, parts: int) -> list[int]:
     """``n`` items into ``parts`` nearly equal counts, the first ``n % parts`` one larger.
 

@@ -17,7 +17,7 @@ import os
 from typing import Any, Callable
 
 from mpidl.backend import get_array_module, is_cupy, synchronize
-from mpidl.comm.base import Communicator, Request, check_op, split_counts
+from mpidl.comm.base import Communicator, Request, check_op, check_reducible, split_counts
 from mpidl.comm.staged import Stager
 
 MAX_MESSAGE_BYTES = 2**31 - 1
@@ -35,6 +35,20 @@ def _mpi_op(op: Any):
         return op
     MPI = _mpi()
     return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[check_op(op)]
+
+
+def _described(value: Any) -> str:
+    """``value`` as ranks can compare it: an object (an ``MPI.Op``) by its type, since
+    its ``str`` holds a per-process address."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return str(value)
+    return type(value).__name__
+
+
+def _same_shape_contiguous(xp: Any, x: Any) -> Any:
+    """``x`` C-contiguous with its own shape (``ascontiguousarray`` makes 0-d arrays 1-d)."""
+    x = xp.asarray(x)
+    return xp.ascontiguousarray(x).reshape(x.shape)
 
 
 def _contiguous(x: Any, what: str) -> Any:
@@ -104,7 +118,7 @@ class MpiCommunicator(Communicator):
     def _verify(self, name: str, x: Any, **extra: Any) -> None:
         if not self.check_collectives:
             return
-        params = tuple(sorted((k, str(v)) for k, v in extra.items()))
+        params = tuple(sorted((k, _described(v)) for k, v in extra.items()))
         mine = (name, tuple(x.shape), str(x.dtype), params)
         everyone = self.allgather_obj(mine)
         bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
@@ -130,6 +144,7 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "allreduce_")
+        check_reducible(x, "allreduce_")
         self._verify("allreduce_", x, op=op)
         buf, finish = self._device(x, "inout")
         flat = buf.reshape(-1)
@@ -149,6 +164,7 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "iallreduce_")
+        check_reducible(x, "iallreduce_")
         self._verify("iallreduce_", x, op=op)
         buf, finish = self._device(x, "inout")
         flat = buf.reshape(-1)
@@ -165,6 +181,7 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "reduce_")
+        check_reducible(x, "reduce_")
         self._verify("reduce_", x, root=root, op=op)
         buf, finish = self._device(x, "inout")
         flat = buf.reshape(-1)
@@ -199,7 +216,7 @@ class MpiCommunicator(Communicator):
         Collective: same shape and dtype on every rank.
         """
         xp = get_array_module(x)
-        x = xp.ascontiguousarray(x)
+        x = _same_shape_contiguous(xp, x)
         self._verify("allgather", x)
         out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
         src, release = self._device(x, "in")
@@ -324,7 +341,7 @@ class MpiCommunicator(Communicator):
         with the same shape and dtype (a ring shift is the usual use).
         """
         xp = get_array_module(x)
-        x = xp.ascontiguousarray(x)
+        x = _same_shape_contiguous(xp, x)
         out = xp.empty_like(x)
         src, release = self._device(x, "in")
         dst, finish = self._device(out, "out")

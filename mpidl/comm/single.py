@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from mpidl.comm.base import Communicator, CompletedRequest, Request, check_op
+from mpidl.comm.base import Communicator, CompletedRequest, Request, check_op, check_reducible
 
 
 class SingleCommunicator(Communicator):
@@ -23,11 +23,13 @@ class SingleCommunicator(Communicator):
     def allreduce_(self, x: Any, op: str = "sum") -> Any:
         """In place: the reduction over one rank leaves ``x`` unchanged."""
         check_op(op)
+        check_reducible(x, "allreduce_")
         return x
 
     def reduce_(self, x: Any, root: int = 0, op: str = "sum") -> Any:
         """In place: root's reduction over one rank is ``x``."""
         check_op(op)
+        check_reducible(x, "reduce_")
         self._check_peer(root, "root")
         return x
 
@@ -64,6 +66,7 @@ class SingleCommunicator(Communicator):
     def iallreduce_(self, x: Any, op: str = "sum") -> Request:
         """Non-blocking in-place reduction; already complete on one rank."""
         check_op(op)
+        check_reducible(x, "iallreduce_")
         return CompletedRequest(x)
 
     def barrier(self) -> None:

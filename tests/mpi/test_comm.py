@@ -205,6 +205,43 @@ def test_mismatched_collective_is_reported_in_check_mode(comm):
     assert_all_ranks(comm, True)
 
 
+def test_check_mode_accepts_the_same_custom_op_on_every_rank(comm):
+    # An MPI.Op's str() holds a per-process address: it must not count as a mismatch.
+    if comm.size == 1 or not hasattr(comm, "check_collectives"):
+        pytest.skip("custom ops need MPI")
+    from mpidl.parallel.compression import wire_sum_op
+
+    comm.check_collectives = True
+    try:
+        x = numpy.full(4, 1.5, dtype=numpy.float16).view(numpy.uint16)
+        comm.allreduce_(x, op=wire_sum_op("float16"))
+    finally:
+        comm.check_collectives = False
+    assert_all_ranks(comm, numpy.all(x.view(numpy.float16) == 1.5 * comm.size))
+
+
+@pytest.mark.parametrize("dtype, message", [
+    ("bool", "bool array: MPI has no reduction for booleans"),
+    (">f4", "non-native byte order"),
+])
+def test_unreducible_dtypes_are_the_same_clear_error_on_any_size(comm, dtype, message):
+    x = numpy.zeros(3, dtype=dtype)
+    for reduce in (comm.allreduce_, comm.iallreduce_, comm.reduce_):
+        with pytest.raises(TypeError, match=message):
+            reduce(x)
+    assert_all_ranks(comm, True)
+
+
+def test_zero_d_arrays_keep_their_shape(comm):
+    x = numpy.array(float(comm.rank))
+    gathered = comm.allgather(x)
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    got = comm.sendrecv(x, dest=right, source=left)
+    ok = gathered.shape == (comm.size,) and gathered.tolist() == list(range(comm.size))
+    assert_all_ranks(comm, ok and got.shape == () and float(got) == left,
+                     f"allgather {gathered.shape}, sendrecv {got.shape}")
+
+
 def test_node_shared_arrays_rounds_back_to_back_never_mix(comm):
     # As in training: every rank rewrites its copy the moment allreduce_ returns (the
     # next backward) while slower ranks may still be writing their sums into it. Each
