@@ -409,6 +409,14 @@ def verify_dataset(path: str, level: str = "sha256", comm: Any = None) -> list[S
     dtypes and shapes. Collective when ``comm`` is given: each rank hashes a share.
 
     Raises:
-        DataError: listing every bad file of the first bad split.
+        DataError: listing every bad file of every bad split.
     """
-    return [ShardedDataset(d, verify=level, comm=comm) for d in split_dirs(path)]
+    good, problems = [], []
+    for d in split_dirs(path):
+        try:
+            good.append(ShardedDataset(d, verify=level, comm=comm))
+        except DataError as e:  # the other splits are still checked and named
+            problems.append(str(e))
+    if problems:
+        raise DataError("\n".join(problems))
+    return good

@@ -110,6 +110,20 @@ def test_checksum_mismatch_is_found_by_verify(split, capsys):
     assert "shard-00002.h5" in err and "sha256" in err
 
 
+def test_verify_names_the_bad_files_of_every_split(tmp_path, capsys):
+    x = numpy.arange(40 * 3, dtype=numpy.float32).reshape(40, 3)
+    write_shards(tmp_path / "d", {"x": x, "y": numpy.arange(40) % 2}, rows_per_shard=PER,
+                 test_fraction=0.5)
+    (tmp_path / "d" / "test" / "shard-00001.h5").unlink()
+    train = tmp_path / "d" / "train" / "shard-00000.h5"
+    data = bytearray(train.read_bytes())
+    data[-8:] = b"\xff" * 8
+    train.write_bytes(bytes(data))
+    assert shard_main(["--verify", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "train/shard-00000.h5" in err and "test/shard-00001.h5" in err, err
+
+
 def test_missing_dataset(split):
     path = rewrite_shard(split, 1, {"x": numpy.zeros((PER, 3), numpy.float32)})
     assert path in expect(split, "missing dataset 'y'")
