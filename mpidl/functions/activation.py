@@ -111,7 +111,7 @@ def _polyval_monic(tail: tuple, z: Any, out: Any) -> Any:
 def _erf32_block(x: Any, out: Any, c: Any, z: Any, phi: bool = False) -> None:
     """Float32 erf (or, with ``phi``, the normal CDF) of block ``x`` into ``out``.
 
-    ``c`` and ``z`` are scratch arrays of x's size. 23 array passes (24 with ``phi``).
+    ``c`` and ``z`` are scratch arrays of x's size. 23 array passes (25 with ``phi``).
     """
     xp = get_array_module(x)
     t = x.dtype.type
@@ -125,6 +125,9 @@ def _erf32_block(x: Any, out: Any, c: Any, z: Any, phi: bool = False) -> None:
     out /= c
     if phi:
         out += t(0.5)
+        # Past the clamp, 0.5 + x P/Q rounds to -6e-8, not 0: a wrong-signed GELU that
+        # grows with |x| (x * Phi at x = -1e6: 0.06). A CDF is never negative.
+        xp.maximum(out, t(0), out=out)
 
 
 def erf(x: Any) -> Any:
@@ -195,10 +198,14 @@ class Tanh(Function):
 class Sigmoid(Function):
     def forward(self, x):
         xp = get_array_module(x)
-        # tanh form: stable for large |x|, no overflow in exp.
-        y = xp.tanh(x * x.dtype.type(0.5))
-        y += 1
-        y *= x.dtype.type(0.5)
+        # e = exp(-|x|) never overflows; 1 / (1 + e) for x >= 0 and e / (1 + e) below
+        # keep every digit for negative x, where 0.5 (1 + tanh(x / 2)) cancels to 0
+        # (float32 at x = -20: 2.06e-9, not 0; log(sigmoid) stays finite).
+        e = xp.exp(-xp.abs(x))
+        d = e + 1
+        y = xp.where(x >= 0, 1, e)
+        y = y.astype(x.dtype, copy=False)
+        y /= d
         self.y = y
         return y
 
@@ -218,14 +225,18 @@ class GELU(Function):
 
     def forward(self, x):
         xp = get_array_module(x)
+        # float16 is computed in float32 and rounded once at the end (as PyTorch): in
+        # float16, 1 + erf cancels near x = -3 (8% off) and x * x overflows past 256.
+        out_dtype = x.dtype
+        if x.dtype == numpy.float16:
+            x = x.astype(numpy.float32)
         xf = xp.ascontiguousarray(x).reshape(-1)
         y = xp.empty_like(xf)
         # Saved for backward: Phi(x) for the exact form, tanh(u) for the approximation.
         saved = xp.empty_like(xf)
         exact = self.approximate == "none"
         if exact and x.dtype != numpy.float32:
-            # float64 (gradient checks) wants Cephes' accuracy, float16 erf's float32
-            # evaluation.
+            # float64 (gradient checks) wants Cephes' accuracy.
             xp.add(erf(xf * xf.dtype.type(_SQRT_HALF)), 1, out=saved)
             saved *= xf.dtype.type(0.5)
             xp.multiply(xf, saved, out=y)
@@ -236,18 +247,18 @@ class GELU(Function):
                 _gelu_forward_block(xf[b], y[b], saved[b], scratch[0, :n], scratch[1, :n],
                                     exact)
         self.x, self.saved = xf, saved
-        return y.reshape(x.shape)
+        return y.reshape(x.shape).astype(out_dtype, copy=False)
 
     def backward(self, gy):
         xp = get_array_module(gy)
-        g = xp.ascontiguousarray(gy).reshape(-1)
+        g = xp.ascontiguousarray(gy, dtype=self.x.dtype).reshape(-1)
         gx = xp.empty_like(self.x)
         exact = self.approximate == "none"
         scratch = xp.empty(_block_len(xp, gx.size), dtype=gx.dtype)
         for b in _blocks(xp, gx.size):
             _gelu_backward_block(self.x[b], self.saved[b], g[b], gx[b],
                                  scratch[: b.stop - b.start], exact)
-        return gx.reshape(gy.shape)
+        return gx.reshape(gy.shape).astype(gy.dtype, copy=False)
 
 
 def _gelu_forward_block(x: Any, y: Any, saved: Any, s1: Any, s2: Any, exact: bool) -> None:

@@ -145,11 +145,18 @@ class Pow(Function):
             elif isinstance(p, (int, float)) and p == 1:
                 gx = gy
             else:
-                gx = gy * (p * x ** (p - 1))
+                xp = get_array_module(x, p)
+                with numpy.errstate(divide="ignore", invalid="ignore"):
+                    d = p * x ** (p - 1)
+                # x**0 is constant: 0, not the 0 * inf = NaN of the formula at x == 0.
+                gx = gy * xp.where(xp.asarray(p) == 0, 0, d).astype(d.dtype, copy=False)
             gx = sum_to(gx, _shape(x))
         if np_:
             xp = get_array_module(x)
-            gp = sum_to(gy * self.y * xp.log(x), _shape(p))
+            # d(x**p)/dp = x**p log x; at x == 0 (x**p == 0 for p > 0) it is 0, not the
+            # 0 * -inf = NaN of the formula.
+            log_x = xp.log(xp.where(x == 0, 1, x).astype(self.y.dtype, copy=False))
+            gp = sum_to(gy * self.y * log_x, _shape(p))
         return gx, gp
 
 

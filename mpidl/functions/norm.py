@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy
+
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module
 from mpidl.functions.math import sum_last_axis, sum_leading_axes
@@ -35,10 +37,31 @@ def _op_with_row_vector(op: Any, a: Any, v: Any, out: Any) -> Any:
     return out
 
 
+def _float32(a: Any) -> Any:
+    return None if a is None else a.astype(numpy.float32)
+
+
 class LayerNorm(Function):
     owned_grads = (0, 1, 2)  # every gradient is a fresh array
 
     def forward(self, x, weight, bias):
+        if x.dtype == numpy.float16:
+            # A float16 sum of squares overflows (D = 1024, std 10: inf, so an output of
+            # zeros): normalise in float32 and round once, as PyTorch does.
+            self.dtypes = (x.dtype, None if weight is None else weight.dtype,
+                           None if bias is None else bias.dtype)
+            y = self._forward(x.astype(numpy.float32), _float32(weight), _float32(bias))
+            return y.astype(numpy.float16)
+        self.dtypes = None
+        return self._forward(x, weight, bias)
+
+    def backward(self, gy):
+        if self.dtypes is None:
+            return self._backward(gy)
+        grads = self._backward(gy.astype(numpy.float32))
+        return tuple(None if g is None else g.astype(dt) for g, dt in zip(grads, self.dtypes))
+
+    def _forward(self, x, weight, bias):
         xp = get_array_module(x)
         t = x.dtype.type
         d = x.shape[-1]
@@ -59,7 +82,7 @@ class LayerNorm(Function):
         self.x, self.mu, self.rstd, self.weight = x, mu, rstd, weight
         return y
 
-    def backward(self, gy):
+    def _backward(self, gy):
         xp = get_array_module(gy)
         nx, nw, nb = self.needs_input_grad
         x, mu, rstd, weight = self.x, self.mu, self.rstd, self.weight

@@ -17,12 +17,14 @@ def grad_norm(params: Iterable[Tensor]) -> Any:
     if not grads:
         return None
     xp = get_array_module(grads[0])
+    # float16 squares overflow past a norm of 256: sum them in float32 at least.
+    dtype = xp.promote_types(grads[0].dtype, xp.float32)
     total = None
     for g in grads:
-        flat = g.reshape(-1)
+        flat = g.reshape(-1).astype(dtype, copy=False)
         sq = xp.dot(flat, flat)
         total = sq if total is None else total + sq
-    return xp.sqrt(xp.asarray(total, dtype=grads[0].dtype))
+    return xp.sqrt(xp.asarray(total, dtype=dtype))
 
 
 def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, eps: float = 1e-6) -> Any:
