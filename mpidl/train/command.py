@@ -42,13 +42,17 @@ def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
         check_model(config)
     except ConfigError as e:
         error = str(e)
-    errors = comm.allgather_obj(error)
-    first = next((e for e in errors if e), None)
-    if first is not None:
-        if comm.rank == 0:
-            print(f"mpidl train: error: {first}", file=sys.stderr, flush=True)
+    if _config_error(comm, error):
         return None, EXIT_CONFIG
     return config, 0
+
+
+def _config_error(comm, error: str | None) -> bool:
+    """Whether any rank has a configuration error; rank 0 reports the first. Collective."""
+    first = next((e for e in comm.allgather_obj(error) if e), None)
+    if first is not None and comm.rank == 0:
+        print(f"mpidl train: error: {first}", file=sys.stderr, flush=True)
+    return first is not None
 
 
 def _run_dir(config, comm) -> str:
@@ -67,7 +71,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     from mpidl.comm import world
     from mpidl.train.checkpoint import resolve_resume
-    from mpidl.train.config import to_toml
+    from mpidl.train.config import ConfigError, to_toml
     from mpidl.train.task import prepare_data
     from mpidl.train.trainer import Trainer
 
@@ -94,10 +98,16 @@ def main(argv: Sequence[str]) -> int:
             resume_from = resolve_resume(config.resume, run_dir)
         except FileNotFoundError as e:
             error = str(e)
-    comm.check(error is None, str(error))
+    if _config_error(comm, error):  # --resume=PATH that is not there: a config error
+        return EXIT_CONFIG
     resume_from = comm.bcast_obj(resume_from)
     if resume_from:
-        trainer.restore(resume_from)
+        try:
+            trainer.restore(resume_from)
+        except ConfigError as e:  # the checkpoint's sample order is not this config's
+            error = str(e)
+        if _config_error(comm, error):
+            return EXIT_CONFIG
     return trainer.fit()
 
 

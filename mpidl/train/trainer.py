@@ -27,7 +27,7 @@ import numpy
 from mpidl import functions as F
 from mpidl.autograd import no_grad
 from mpidl.train import checkpoint as ckpt
-from mpidl.train.config import Config, check_model, to_toml
+from mpidl.train.config import Config, ConfigError, check_model, to_toml
 from mpidl.train.log import Logger, ProgressBar, format_summary
 from mpidl.train.metrics import MetricsWriter, StepTimer, Throughput, read_metrics, trim_metrics
 from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag
@@ -211,8 +211,8 @@ class Trainer:
         try:
             self.loader.load_state_dict(state.sampler)
         except ValueError as e:  # the same on every rank: each reads the same file
-            raise ValueError(f"cannot resume from {path}: {e} (in the config: --global-batch, "
-                             "--seed, --data.shuffle, --data.block-size, the dataset)") from e
+            raise ConfigError(f"cannot resume from {path}: {e} (in the config: --global-batch, "
+                              "--seed, --data.shuffle, --data.block-size, the dataset)") from e
         self.step = int(state.step)
         aside, error = None, None
         if self.comm.rank == 0:

@@ -153,11 +153,20 @@ def test_resuming_with_another_sample_order_is_refused(tmp_path, cache, change):
     run = str(tmp_path / "run")
     assert train(2, run, cache, "--stop-at-step=5").returncode == 0
     resumed = train(2, run, cache, change)
-    assert resumed.returncode != 0, resumed.output
+    assert resumed.returncode == 2, resumed.output  # a configuration error: one message
     key, value = {"--global-batch=128": ("global_batch", 64),
                   "--data.shuffle=full": ("shuffle", "'block'")}[change]
-    assert f"the checkpoint was written with {key}={value}" in resumed.stderr, resumed.output
+    assert resumed.stderr.count(f"the checkpoint was written with {key}={value}") == 1
     assert "cannot resume from" in resumed.stderr and "checkpoint-00000005.h5" in resumed.stderr
+    assert "Traceback" not in resumed.stderr, resumed.stderr
+
+
+def test_a_resume_file_that_is_not_there_is_a_config_error(tmp_path, cache):
+    missing = str(tmp_path / "nowhere" / "checkpoint-00000020.h5")
+    result = train(2, str(tmp_path / "run"), cache, f"--resume={missing}")
+    assert result.returncode == 2, result.output
+    assert result.stderr.count("mpidl train: error:") == 1 and missing in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def _rank_pid(marker, rank):
