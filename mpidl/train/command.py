@@ -5,7 +5,8 @@ Run::
     mpiexec -n 2 mpidl train                       # the built-in reviews task
     mpiexec -n 4 mpidl train reviews-transformer --epochs=3 --run-dir=runs/tf
     srun --mpi=pmix mpidl train my.toml --lr=3e-4  # a TOML config plus overrides
-    mpidl train --help                             # every key, its type and default
+    mpidl train --help                             # every key and its value (reviews)
+    mpidl train reviews-transformer --help         # ... as that preset sets them
     mpiexec -n 2 mpidl eval runs/tf                # evaluate the run's latest checkpoint
 
 Exit codes (the same on every rank): 0 done; 2 a configuration error (unknown key,
@@ -23,12 +24,22 @@ from typing import Sequence
 EXIT_CONFIG = 2
 
 
-def _help() -> str:
-    from mpidl.train.config import Config, list_presets, to_toml
+def _help(argv: Sequence[str]) -> str:
+    """The docstring, the presets, and every key as the given preset (and overrides) set
+    it: what the same command line without --help would run."""
+    from mpidl.train.config import (DEFAULT_PRESET, ConfigError, list_presets, load_config,
+                                    split_args, to_toml)
 
+    rest = [a for a in argv if a not in ("-h", "--help")]
+    try:
+        preset, overrides = split_args(rest)
+        shown = to_toml(load_config(preset, overrides))
+        name = preset or DEFAULT_PRESET
+    except ConfigError as e:
+        shown, name = f"# {e}\n", "?"
     return (__doc__ + "\nPresets: " + ", ".join(list_presets()) +
-            "\n\nKeys (TOML; override any as --key=value, tables as --model.dim=64):\n\n" +
-            to_toml(Config()))
+            f"\n\nKeys as `{name}` sets them (TOML; override any as --key=value, tables "
+            "as --model.dim=64):\n\n" + shown)
 
 
 def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
@@ -67,7 +78,7 @@ def _run_dir(config, comm) -> str:
 def main(argv: Sequence[str]) -> int:
     """``mpidl train [PRESET | CONFIG.toml] [--key=value ...]``. Collective."""
     if any(a in ("-h", "--help") for a in argv):
-        print(_help())
+        print(_help(argv))
         return 0
     from mpidl.comm import world
     from mpidl.train.checkpoint import resolve_resume

@@ -265,3 +265,15 @@ def test_the_training_order_is_configurable_and_checked():
         load_config(None, ["--data.block_size=0"])
     with pytest.raises(ConfigError, match="not one of \\['block', 'full'\\]"):
         load_config(None, ["--data.shuffle=random"])
+
+
+def test_train_help_shows_the_values_the_same_command_would_run(capsys):
+    from mpidl.train.command import main as train_main
+
+    assert train_main(["reviews-transformer", "--epochs=7", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Keys as `reviews-transformer` sets them" in out
+    assert "\nepochs = 7\n" in out and "\nclip_grad_norm = 1.0\n" in out
+    assert train_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Keys as `reviews` sets them" in out and "\nepochs = 2\n" in out
