@@ -283,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     ranks = [int(n) for n in args.ranks.split(",")]
     frameworks = [f for f in args.frameworks.split(",") if f]
+    if "torch" in frameworks:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            print("dp_train.py: PyTorch is not installed here (pip install torch, the CPU "
+                  "build), or measure mpidl alone with --frameworks mpidl", file=sys.stderr)
+            return 2
     res: dict[tuple[str, str, int], dict] = {}
     for r in range(args.rounds):
         for model in models:
