@@ -71,7 +71,11 @@ def read_csv(
     csv.field_size_limit(2**31 - 1)  # whole reviews can exceed the 128 KiB default
     texts, labels = [], []
     try:
-        with open(path, newline="", encoding=encoding) as f:
+        # utf-8-sig: a byte-order mark (Excel and Windows write one) is not part of the
+        # first header name or the first label.
+        opened = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") \
+            else encoding
+        with open(path, newline="", encoding=opened) as f:
             reader = csv.reader(f, delimiter=delimiter, quoting=modes[quoting])
             names = next(reader, None) if header else None
             if header and names is None:
@@ -79,13 +83,24 @@ def read_csv(
             ti = _column(names, text_col, path, "text column")
             li = _column(names, label_col, path, "label column")
             need = max(ti, li) + 1
+            # Every line has as many fields as the header (or the first line): an extra
+            # field is an unquoted delimiter inside a text, which would cut it silently.
+            width = len(names) if names is not None else None
             for row in reader:
                 if not row:
                     continue
+                width = width or len(row)
                 if len(row) < need:
                     raise DataError(
                         f"{path}:{reader.line_num}: {len(row)} field(s), need at least {need} "
                         f"(text column {ti}, label column {li}); check --delimiter/--quoting"
+                    )
+                if len(row) != width:
+                    raise DataError(
+                        f"{path}:{reader.line_num}: {len(row)} fields where "
+                        f"{'the header has' if names is not None else 'the first line has'} "
+                        f"{width}: a delimiter inside a text? Quote that field, or check "
+                        "--delimiter/--quoting"
                     )
                 label = row[li].strip()
                 if not label:

@@ -226,6 +226,26 @@ def test_bad_csv_inputs_name_file_and_line(tmp_path):
         read_csv(str(p), "review", "sentiment")
 
 
+def test_a_text_cut_by_an_unquoted_delimiter_is_an_error_naming_the_line(tmp_path):
+    p = tmp_path / "r.csv"
+    p.write_text("sentiment,review\npositive,Great movie, loved it\nnegative,Bad\n")
+    with pytest.raises(DataError, match=r"r.csv:2: 3 fields where the header has 2"):
+        read_csv(str(p), "review", "sentiment")
+    p.write_text("positive,Great\nnegative,Bad, awful\n")  # no header: the first line
+    with pytest.raises(DataError, match=r"r.csv:2: 3 fields where the first line has 2"):
+        read_csv(str(p), 1, 0, header=False)
+    p.write_text('sentiment,review\npositive,"Great movie, loved it"\n')  # quoted: fine
+    assert read_csv(str(p), "review", "sentiment") == (["Great movie, loved it"], ["positive"])
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_name_or_label(tmp_path):
+    p = tmp_path / "r.csv"
+    p.write_bytes("review,sentiment\ngood,positive\n".encode("utf-8-sig"))
+    assert read_csv(str(p), "review", "sentiment") == (["good"], ["positive"])
+    p.write_bytes("positive\tgood\nnegative\tbad\n".encode("utf-8-sig"))
+    assert read_csv(str(p), 1, 0, header=False, delimiter="\t")[1] == ["positive", "negative"]
+
+
 def test_bad_folder_inputs(tmp_path):
     with pytest.raises(DataError, match="no such folder"):
         read_folder(str(tmp_path / "absent"))
