@@ -119,6 +119,8 @@ def main(argv: Sequence[str]) -> int:
             error = str(e)
         if _config_error(comm, error):
             return EXIT_CONFIG
+    else:
+        trainer.start_fresh()
     return trainer.fit()
 
 

@@ -66,6 +66,9 @@ class MetricsWriter:
         if enabled:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
+            if self._file.tell() and not _ends_with_newline(self.path):
+                # A killed writer's torn last line stays one (torn) line, apart from ours.
+                self._file.write("\n")
 
     def write(self, record: dict[str, Any] | None = None, **fields: Any) -> None:
         """Write one record (a dict and/or keyword fields); adds ``time`` if absent."""
@@ -102,6 +105,12 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             warnings.warn(f"{path}:{i}: skipping a line that is not JSON (torn write?)",
                           RuntimeWarning, stacklevel=2)
     return records
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def trim_metrics(path: str | os.PathLike, step: int) -> int:

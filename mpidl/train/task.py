@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from mpidl.train.config import Config
@@ -55,6 +56,12 @@ def _build_reviews(config: Config, target: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _complete(target: str) -> bool:
+    """Whether a cached corpus has both splits' manifests (written last by the writer)."""
+    return all(os.path.isfile(os.path.join(target, split, "manifest.json"))
+               for split in ("train", "test"))
+
+
 def prepare_data(config: Config, comm: Any, log: Any) -> str:
     """Return the dataset directory of the run, generating the corpus if needed.
 
@@ -68,6 +75,11 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
                          "(a directory written by `mpidl shard`)")
     target = reviews_cache_dir(config)
     error = None
+    if comm.rank == 0 and os.path.isdir(target) and not _complete(target):
+        # Damaged (a scratch purge took files, kept directories): set it aside, rebuild.
+        aside = f"{target}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        log.info(f"the cached corpus {target} is incomplete; moved to {aside}, rebuilding")
+        os.rename(target, aside)
     if comm.rank == 0 and not os.path.isdir(target):
         log.info(f"generating the reviews corpus ({config.data.num_train} train + "
                  f"{config.data.num_test} test) into {target} ...")

@@ -224,15 +224,23 @@ class Trainer:
         if aside:
             self.log.info(f"checkpoints after step {self.step} (another branch of this run) "
                           f"moved to {aside}")
+        self._trim_metrics()
+        self.log.info(f"resumed from {path} at step {self.step} "
+                      f"(epoch {state.sampler['epoch']}, step {state.sampler['step']} of it; "
+                      f"saved by {state.extra.get('ranks', '?')} ranks, now {self.comm.size})")
+
+    def start_fresh(self) -> None:
+        """Begin at step 0 in a run directory that may hold records of a job that died
+        before its first checkpoint: they are redone, so they go. Collective."""
+        self._trim_metrics()
+
+    def _trim_metrics(self) -> None:
         if self.comm.rank == 0:
-            # Records of steps after the checkpoint are redone: drop them. The writer holds
+            # Records of steps after self.step are redone: drop them. The writer holds
             # the file open, so it is reopened on the trimmed file.
             self.metrics.close()
             trim_metrics(self.metrics.path, self.step)
             self.metrics = MetricsWriter(self.metrics.path)
-        self.log.info(f"resumed from {path} at step {self.step} "
-                      f"(epoch {state.sampler['epoch']}, step {state.sampler['step']} of it; "
-                      f"saved by {state.extra.get('ranks', '?')} ranks, now {self.comm.size})")
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self) -> tuple[float, float]:

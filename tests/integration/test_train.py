@@ -131,6 +131,20 @@ def test_rewinding_to_an_older_checkpoint_sets_the_abandoned_branch_aside(tmp_pa
     assert again.returncode == 0 and "at step 150" in again.stdout, again.output
 
 
+def test_a_fresh_start_drops_the_records_of_a_job_that_died_before_a_checkpoint(tmp_path,
+                                                                                cache):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(  # steps 4-6 of a job killed mid-line, no checkpoint
+        "".join(f'{{"kind": "train", "epoch": 0, "step": {s}, "loss": 9.0}}\n'
+                for s in (4, 5)) + '{"kind": "train", "epoch": 0, "st')
+    result = train(2, str(run), cache, "--steps=8")
+    assert result.returncode == 0, result.output
+    steps = [r["step"] for r in map(json.loads, open(run / "metrics.jsonl"))
+             if r["kind"] == "train"]
+    assert steps == [4, 8], steps  # this run's records (every 4 steps), nothing else
+
+
 @pytest.mark.parametrize("first_ranks, then_ranks", [(2, 1), (1, 3)])
 def test_resume_on_a_different_number_of_ranks(tmp_path, cache, first_ranks, then_ranks):
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")

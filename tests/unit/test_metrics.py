@@ -110,3 +110,12 @@ def test_throughput_is_over_a_moving_window():
     assert meter.overall == pytest.approx(500 / 2.5)
     with pytest.raises(ValueError):
         Throughput(window=0)
+
+
+def test_appending_after_a_torn_last_line_starts_a_new_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "train", "st')  # killed mid-line
+    w = MetricsWriter(path)
+    w.write(kind="train", step=1)
+    w.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 1]  # ours intact, the torn one not

@@ -1,0 +1,25 @@
+"""The built-in task's data: the generated reviews corpus and its cache."""
+from __future__ import annotations
+
+import os
+
+from mpidl.comm import world
+from mpidl.data import ShardedDataset
+from mpidl.train.config import Config
+from mpidl.train.log import Logger
+from mpidl.train.task import prepare_data
+
+
+def test_a_damaged_corpus_cache_is_rebuilt(tmp_path):
+    # A scratch purge removes files and keeps directories: the cache must not be reused.
+    config = Config()
+    config.data.num_train, config.data.num_test = 200, 50
+    config.data.cache_dir = str(tmp_path / "cache")
+    comm = world()
+    target = prepare_data(config, comm, Logger(0, 1))
+    for root, _, files in os.walk(target):
+        for name in files:
+            os.remove(os.path.join(root, name))
+    assert prepare_data(config, comm, Logger(0, 1)) == target
+    assert len(ShardedDataset(os.path.join(target, "train"))) == 200
+    assert [d for d in os.listdir(tmp_path / "cache") if ".damaged-" in d]  # set aside
