@@ -48,10 +48,11 @@ from typing import Any, Iterator
 import numpy
 
 from mpidl import backend
-from mpidl.autograd import Tensor, current_backward_pass
+from mpidl.autograd import Tensor
 from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator
 from mpidl.parallel.buckets import Bucket, build_buckets
+from mpidl.parallel.sparse import SparseTables
 from mpidl.parallel import compression as wire
 
 
@@ -143,8 +144,7 @@ class DataParallel:
         self._piece_bytes = int(bucket_mb * 2**20)
         self.buckets: list[Bucket] = build_buckets(dense, self._piece_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._sparse_rows: dict[int, Any] = {}  # id(table) -> rows touched since the sync
-        self._dense_tables: set[int] = set()  # tables with a dense gradient since the sync
+        self.sparse_tables = SparseTables(self.sparse)
 
         self.reducer: Any = comm
         if hierarchical and comm.size > 1:
@@ -314,7 +314,7 @@ class DataParallel:
             self._in_backward = False
         for b in self.buckets:
             b.fill_missing()
-        self._record_sparse_rows()
+        self.sparse_tables.record()
         if not self._syncing:
             return
         t0 = time.perf_counter()
@@ -405,40 +405,8 @@ class DataParallel:
             wire.decompress(b.wire, self.compression, b.flat)
 
     # -- sparse embedding rows --------------------------------------------------------------
-    def _record_sparse_rows(self) -> None:
-        xp = None
-        this_pass = current_backward_pass()
-        for p in self.sparse:
-            if p.dense_grad_pass == this_pass:
-                # Reached by something other than an embedding lookup in this pass (a
-                # tied output projection, a weight penalty in the loss): its rows alone
-                # are not the gradient, so this table goes dense until the next sync.
-                self._dense_tables.add(id(p))
-            rows = getattr(p, "grad_rows", None)
-            if rows is None:
-                continue
-            p.grad_rows = None  # consumed: a later pass that skips the table adds no rows
-            xp = xp or get_array_module(p.data)
-            seen = self._sparse_rows.get(id(p))
-            self._sparse_rows[id(p)] = rows if seen is None else xp.union1d(seen, rows)
-
     def _sync_sparse(self) -> None:
-        from mpidl.parallel.sparse import allreduce_rows_
-
-        used = False
-        for p in self.sparse:
-            xp = get_array_module(p.data)
-            if p.grad is None:  # no rank-local gradient (e.g. an empty batch)
-                p.grad = xp.zeros_like(p.data)
-            rows = self._sparse_rows.pop(id(p), None)
-            if id(p) in self._dense_tables:
-                rows = None  # dense here: allreduce_rows_ then runs dense on every rank
-            elif rows is None:
-                rows = xp.zeros(0, dtype=xp.int64)
-            if self.comm.size > 1:
-                used = allreduce_rows_(self.comm, p.grad, rows, self._piece_bytes) or used
-        self._dense_tables.clear()
-        self.sparse_used = used
+        self.sparse_used = self.sparse_tables.sync(self.comm, self._piece_bytes)
 
     def checksum(self) -> float:
         """Sum of every parameter value in float64, on this rank (not collective)."""

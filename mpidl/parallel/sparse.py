@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpidl.autograd import current_backward_pass
 from mpidl.backend import get_array_module
 
 
@@ -74,3 +75,54 @@ def allreduce_rows_(comm: Any, grad: Any, rows: Any, piece_bytes: int | None = N
         grad[ids[start:start + n]] += values[start:start + n]
         start += n
     return True
+
+
+class SparseTables:
+    """The embedding tables exchanged by rows, and what each touched since the last sync.
+
+    :class:`~mpidl.parallel.DataParallel` calls :meth:`record` after every backward (the
+    passes of a ``no_sync`` cycle add up) and :meth:`sync` when it syncs.
+
+    Args:
+        tables: the tables (leaf tensors), in the same order on every rank.
+    """
+
+    def __init__(self, tables: list[Any]) -> None:
+        self.tables = tables
+        self._rows: dict[int, Any] = {}  # id(table) -> rows touched since the sync
+        self._dense: set[int] = set()  # tables with a dense gradient since the sync
+
+    def record(self) -> None:
+        """Take the rows the last backward touched (not collective)."""
+        xp = None
+        this_pass = current_backward_pass()
+        for p in self.tables:
+            if p.dense_grad_pass == this_pass:
+                # Reached by something other than an embedding lookup in this pass (a
+                # tied output projection, a weight penalty in the loss): its rows alone
+                # are not the gradient, so this table goes dense until the next sync.
+                self._dense.add(id(p))
+            rows = getattr(p, "grad_rows", None)
+            if rows is None:
+                continue
+            p.grad_rows = None  # consumed: a later pass that skips the table adds no rows
+            xp = xp or get_array_module(p.data)
+            seen = self._rows.get(id(p))
+            self._rows[id(p)] = rows if seen is None else xp.union1d(seen, rows)
+
+    def sync(self, comm: Any, piece_bytes: int | None = None) -> bool:
+        """Sum every table's gradient over ``comm``; True if any went by rows. Collective."""
+        used = False
+        for p in self.tables:
+            xp = get_array_module(p.data)
+            if p.grad is None:  # no rank-local gradient (e.g. an empty batch)
+                p.grad = xp.zeros_like(p.data)
+            rows = self._rows.pop(id(p), None)
+            if id(p) in self._dense:
+                rows = None  # dense here: allreduce_rows_ then runs dense on every rank
+            elif rows is None:
+                rows = xp.zeros(0, dtype=xp.int64)
+            if comm.size > 1:
+                used = allreduce_rows_(comm, p.grad, rows, piece_bytes) or used
+        self._dense.clear()
+        return used
