@@ -109,6 +109,14 @@ def encode_tokens(
     return out
 
 
+def _is_integer(label: str) -> bool:
+    try:
+        int(label)
+    except ValueError:
+        return False
+    return True
+
+
 def encode_labels(
     labels: Sequence[str], classes: Sequence[str] | None = None
 ) -> tuple[numpy.ndarray, list[str]]:
@@ -117,12 +125,19 @@ def encode_labels(
     Args:
         labels: one label per sample, e.g. ``"positive"``/``"negative"`` or ``"1"``/``"0"``.
         classes: the class names in id order; by default the sorted distinct labels
-            (so ``negative`` is 0 and ``positive`` 1, ``"0"`` is 0 and ``"1"`` is 1).
+            (so ``negative`` is 0 and ``positive`` 1, ``"0"`` is 0 and ``"1"`` is 1),
+            in numeric order when every label is an integer (``"2"`` before ``"10"``, as
+            the same labels get from an ``.npz`` of integers).
 
     Raises:
         ValueError: a label is not one of ``classes``; names the label and its position.
     """
-    classes = sorted(set(labels)) if classes is None else list(classes)
+    if classes is None:
+        distinct = set(labels)
+        numeric = all(_is_integer(c) for c in distinct)
+        classes = sorted(distinct, key=(lambda c: (int(c), c)) if numeric else None)
+    else:
+        classes = list(classes)
     index = {c: i for i, c in enumerate(classes)}
     out = numpy.empty(len(labels), dtype=numpy.int64)
     for i, label in enumerate(labels):

@@ -41,6 +41,11 @@ def _build_reviews(config: Config, target: str) -> None:
     parent = os.path.dirname(os.path.abspath(target)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".reviews-", dir=parent)
+    # mkdtemp makes it 0700; the cache is meant to be shared (a group's cache_dir), so it
+    # gets the mode any directory made here would get (umask applied).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
     try:
         write_text_shards(tmp, train_texts, [names[i] for i in train_labels],
                           test_texts=test_texts, test_labels=[names[i] for i in test_labels],

@@ -67,6 +67,15 @@ def test_encode_labels_sorts_classes_and_rejects_unknown_labels():
         encode_labels(["positive", "neutral"], classes=["negative", "positive"])
 
 
+def test_integer_labels_are_ordered_as_numbers():
+    # As strings "10" would sort before "2" and get id 1; an .npz of the same integers
+    # gives them their own values' order.
+    y, classes = encode_labels(["1", "2", "10", "9", "-1"])
+    assert classes == ["-1", "1", "2", "9", "10"]
+    assert y.tolist() == [1, 2, 4, 3, 0]
+    assert encode_labels(["b", "10", "2"])[1] == ["10", "2", "b"]  # not all integers
+
+
 @pytest.mark.parametrize("kwargs", [dict(max_size=1), dict(min_freq=0)])
 def test_bad_vocab_limits_are_errors(kwargs):
     with pytest.raises(ValueError):

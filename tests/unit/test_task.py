@@ -23,3 +23,15 @@ def test_a_damaged_corpus_cache_is_rebuilt(tmp_path):
     assert prepare_data(config, comm, Logger(0, 1)) == target
     assert len(ShardedDataset(os.path.join(target, "train"))) == 200
     assert [d for d in os.listdir(tmp_path / "cache") if ".damaged-" in d]  # set aside
+
+
+def test_the_corpus_cache_gets_the_umask_mode_not_mkdtemps_0700(tmp_path):
+    config = Config()
+    config.data.num_train, config.data.num_test = 100, 20
+    config.data.cache_dir = str(tmp_path / "cache")
+    old = os.umask(0o002)  # a group-shared cache
+    try:
+        target = prepare_data(config, world(), Logger(0, 1))
+    finally:
+        os.umask(old)
+    assert os.stat(target).st_mode & 0o777 == 0o775
