@@ -134,7 +134,6 @@ class DataParallel:
         if previous is not None and previous.module is model:
             previous.remove_hooks()
         self._detached = False
-        _WRAPPERS[id(model)] = self
         if broadcast:
             self.broadcast_parameters()
 
@@ -173,6 +172,7 @@ class DataParallel:
         self.sparse_used = False  # whether the last sync used the sparse row exchange
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
                          for _, p in self.named]
+        _WRAPPERS[id(model)] = self  # only once complete: a failed construction is not one
 
     def _shared_memory_excluded(self, hierarchical: bool | int) -> str:
         """Why the buckets cannot live in shared memory ("" when they can).
@@ -431,7 +431,7 @@ class DataParallel:
         self._handles = []
         if self.node_sum is not None:
             for b in self.buckets:
-                b.rebind(numpy.array(b.flat))
+                b.rebind(numpy.empty_like(b.flat))  # rebind copies the values over
             self._retired_window, self.node_sum = self.node_sum, None
         for b in self.buckets:
             for p in b.params:
