@@ -10,7 +10,10 @@ Run under a launcher for several ranks::
 
 Every sub-command runs under the global exception hook (:mod:`mpidl.excepthook`): an
 unhandled exception on one rank prints ``rank N/size: <traceback>`` and aborts the
-whole job instead of leaving the other ranks hanging in a collective.
+whole job instead of leaving the other ranks hanging in a collective. And under the
+watchdog (:mod:`mpidl.comm.watchdog`): a collective that waits longer than
+``MPIDL_TIMEOUT`` (600 s by default), or a rank that exits while others wait for it,
+ends the job with a report of what every rank was doing.
 """
 from __future__ import annotations
 
@@ -67,8 +70,10 @@ def run_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mpidl`` console script and ``python -m mpidl``."""
     from mpidl import excepthook
+    from mpidl.comm import watchdog
 
     excepthook.install()
+    watchdog.enable()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
@@ -77,5 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"mpidl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    code = _resolve(COMMANDS[name][0])(rest)
+    try:
+        code = _resolve(COMMANDS[name][0])(rest)
+    except SystemExit as e:  # sys.exit in a command or a user's script: say so at exit
+        _note_exit(e.code)
+        raise
+    _note_exit(code or 0)
     return int(code or 0)
+
+
+def _note_exit(code: object) -> None:
+    from mpidl.comm import watchdog
+
+    if watchdog.current() is not None:
+        watchdog.current().note_exit(code)

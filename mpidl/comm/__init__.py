@@ -74,7 +74,9 @@ def world() -> Communicator:
     Collective the first time it is called (it duplicates ``COMM_WORLD``). Returns a
     :class:`SingleCommunicator` when the process was not started by an MPI launcher or
     mpi4py is not installed; ``MPIDL_COMM=mpi`` forces MPI (a singleton MPI process),
-    ``MPIDL_COMM=single`` forbids it.
+    ``MPIDL_COMM=single`` forbids it. On several ranks it starts the watchdog when the
+    job wants one (:mod:`mpidl.comm.watchdog`: every ``mpidl`` command, or
+    ``MPIDL_TIMEOUT`` set).
     """
     global _world
     if _world is None:
@@ -91,8 +93,11 @@ def world() -> Communicator:
             else:
                 from mpidl.comm.mpi import MpiCommunicator
 
+                from mpidl.comm import watchdog
+
                 _world = MpiCommunicator(MPI.COMM_WORLD)
                 _warn_if_alone(_world)
+                watchdog.start_for(_world)
         else:
             _world = SingleCommunicator()
     return _world

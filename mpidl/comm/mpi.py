@@ -6,10 +6,15 @@ CUDA-aware (the functional probe of :mod:`hpc.gpu` decides, once) and staged thr
 pinned host memory otherwise (:mod:`mpidl.comm.staged`). Messages larger than
 ``max_message_bytes`` (2 GiB by default: MPI counts are C ints) are split into chunks.
 
-Setting ``MPIDL_CHECK_COLLECTIVES=1`` makes every array collective first compare the
-operation, shape and dtype across ranks and raise :class:`DistributedError` naming the
-ranks that differ, instead of hanging or corrupting memory. It costs one small
-allgather per call, so it is for debugging.
+Every collective is numbered and remembered with its call site in the communicator's
+:class:`~mpidl.comm.ledger.Ledger` (what the watchdog reports). Setting
+``MPIDL_CHECK_COLLECTIVES=1`` makes every collective (barrier and ``*_obj`` included)
+first compare its number, name, call site, shape, dtype and options across ranks and
+raise :class:`DistributedError` on every rank at the first call where they differ,
+naming what each rank called, instead of hanging, or pairing a skipped call with the
+next one and corrupting a sum. It costs one small allgather per call, so it is for
+debugging. The call site is compared too, so a rank-dependent branch must make one
+collective call, not one per branch (``comm.bcast_obj(x if rank == 0 else None)``).
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import os
 from typing import Any, Callable
 
 from mpidl.backend import get_array_module, is_cupy, synchronize
-from mpidl.comm.base import Communicator, Request, check_op, check_reducible, split_counts
+from mpidl.comm.base import (Communicator, DistributedError, Request, check_op,
+                             check_reducible, split_counts)
+from mpidl.comm.ledger import Entry, Ledger
 from mpidl.comm.staged import Stager
 
 MAX_MESSAGE_BYTES = 2**31 - 1
@@ -35,6 +42,32 @@ def _mpi_op(op: Any):
         return op
     MPI = _mpi()
     return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[check_op(op)]
+
+
+_next_key = 0  # the next communicator number this process has not seen in use
+
+
+def _agreed_key(comm: Any) -> str:
+    """A name for a new communicator that all its ranks agree on. Collective over it.
+
+    Each rank's count of communicators made differs when ranks belong to different
+    groups, so the members take the largest of their next numbers.
+    """
+    global _next_key
+    MPI = _mpi()
+    number = comm.allreduce(_next_key, op=MPI.MAX)
+    _next_key = number + 1
+    return "world" if number == 0 else f"comm{number}"
+
+
+def _world_ranks(comm: Any) -> tuple[int, ...]:
+    MPI = _mpi()
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return tuple(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
 
 
 def _described(value: Any) -> str:
@@ -63,11 +96,13 @@ def _contiguous(x: Any, what: str) -> Any:
 class MpiRequest(Request):
     """Handle of a (possibly chunked) non-blocking collective."""
 
-    def __init__(self, requests: list, result: Any, finish: Callable[[], None]) -> None:
+    def __init__(self, requests: list, result: Any, finish: Callable[[], None],
+                 ledger: Ledger, entry: Entry) -> None:
         self._requests = requests
         self._result = result
         self._finish = finish
         self._done = False
+        self._ledger, self._entry = ledger, entry
 
     def test(self) -> bool:
         if not self._done and _mpi().Request.Testall(self._requests):
@@ -76,7 +111,8 @@ class MpiRequest(Request):
 
     def wait(self) -> Any:
         if not self._done:
-            _mpi().Request.Waitall(self._requests)
+            with self._ledger.waiting(self._entry):
+                _mpi().Request.Waitall(self._requests)
             self._complete()
         return self._result
 
@@ -107,6 +143,7 @@ class MpiCommunicator(Communicator):
         self.local_size = self.node_comm.Get_size()
         self.max_message_bytes = MAX_MESSAGE_BYTES
         self.check_collectives = os.environ.get("MPIDL_CHECK_COLLECTIVES", "0") not in ("", "0")
+        self.ledger = Ledger(_agreed_key(self.mpi_comm), _world_ranks(self.mpi_comm))
         self._stager = Stager(self, cuda_aware)
 
     # -- helpers ----------------------------------------------------------------------
@@ -115,15 +152,21 @@ class MpiCommunicator(Communicator):
         step = max(1, self.max_message_bytes // itemsize)
         return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
 
-    def _verify(self, name: str, x: Any, **extra: Any) -> None:
-        if not self.check_collectives:
-            return
-        params = tuple(sorted((k, _described(v)) for k, v in extra.items()))
-        mine = (name, tuple(x.shape), str(x.dtype), params)
-        everyone = self.allgather_obj(mine)
-        bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
-        self.check(not bad, f"collective mismatch: rank 0 called {everyone[0]}, "
-                            f"ranks {bad} called {[everyone[r] for r in bad]}")
+    def _begin(self, name: str, x: Any = None, **extra: Any) -> Entry:
+        """Number the collective ``name`` in the ledger; in check mode, first agree with
+        every rank that it is the same call (see the module docstring)."""
+        entry = self.ledger.begin(name)
+        if self.check_collectives:
+            params = tuple(sorted((k, _described(v)) for k, v in extra.items()))
+            shape = None if x is None else (tuple(x.shape), str(x.dtype))
+            mine = (entry.seq, name, entry.site, shape, params)
+            with self.ledger.waiting(entry):
+                everyone = self.mpi_comm.allgather(mine)  # raw: not itself a numbered call
+            if any(other != everyone[0] for other in everyone):
+                raise DistributedError(_mismatch(self.ledger.key, everyone),
+                                       [r for r, o in enumerate(everyone) if o != everyone[0]],
+                                       group_size=self.size)
+        return entry
 
     def _device(self, x: Any, mode: str) -> tuple[Any, Callable[[], None]]:
         """The buffer to hand MPI for ``x`` and a function to call when MPI is done.
@@ -145,12 +188,13 @@ class MpiCommunicator(Communicator):
         MPI = _mpi()
         _contiguous(x, "allreduce_")
         check_reducible(x, "allreduce_")
-        self._verify("allreduce_", x, op=op)
+        entry = self._begin("allreduce_", x, op=op)
         buf, finish = self._device(x, "inout")
         flat = buf.reshape(-1)
         mop = _mpi_op(op)
-        for i, j in self._chunks(flat.size, flat.itemsize):
-            self.mpi_comm.Allreduce(MPI.IN_PLACE, flat[i:j], op=mop)
+        with self.ledger.waiting(entry):
+            for i, j in self._chunks(flat.size, flat.itemsize):
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, flat[i:j], op=mop)
         finish()
         return x
 
@@ -165,13 +209,13 @@ class MpiCommunicator(Communicator):
         MPI = _mpi()
         _contiguous(x, "iallreduce_")
         check_reducible(x, "iallreduce_")
-        self._verify("iallreduce_", x, op=op)
+        entry = self._begin("iallreduce_", x, op=op)
         buf, finish = self._device(x, "inout")
         flat = buf.reshape(-1)
         mop = _mpi_op(op)
         reqs = [self.mpi_comm.Iallreduce(MPI.IN_PLACE, flat[i:j], op=mop)
                 for i, j in self._chunks(flat.size, flat.itemsize)]
-        return MpiRequest(reqs, x, finish)
+        return MpiRequest(reqs, x, finish, self.ledger, entry)
 
     def reduce_(self, x: Any, root: int = 0, op: Any = "sum") -> Any:
         """Reduce ``x`` over all ranks into root's ``x``, in place; returns ``x``.
@@ -182,15 +226,16 @@ class MpiCommunicator(Communicator):
         MPI = _mpi()
         _contiguous(x, "reduce_")
         check_reducible(x, "reduce_")
-        self._verify("reduce_", x, root=root, op=op)
+        entry = self._begin("reduce_", x, root=root, op=op)
         buf, finish = self._device(x, "inout")
         flat = buf.reshape(-1)
         mop = _mpi_op(op)
-        for i, j in self._chunks(flat.size, flat.itemsize):
-            if self.rank == root:
-                self.mpi_comm.Reduce(MPI.IN_PLACE, flat[i:j], op=mop, root=root)
-            else:
-                self.mpi_comm.Reduce(flat[i:j], None, op=mop, root=root)
+        with self.ledger.waiting(entry):
+            for i, j in self._chunks(flat.size, flat.itemsize):
+                if self.rank == root:
+                    self.mpi_comm.Reduce(MPI.IN_PLACE, flat[i:j], op=mop, root=root)
+                else:
+                    self.mpi_comm.Reduce(flat[i:j], None, op=mop, root=root)
         finish()
         return x
 
@@ -200,13 +245,14 @@ class MpiCommunicator(Communicator):
         Collective: same shape and dtype everywhere, same ``root``.
         """
         _contiguous(x, "bcast_")
-        self._verify("bcast_", x, root=root)
+        entry = self._begin("bcast_", x, root=root)
         # Root's buffer is only read and the others' only written: a staged copy goes
         # one way on each rank.
         buf, finish = self._device(x, "in" if self.rank == root else "out")
         flat = buf.reshape(-1)
-        for i, j in self._chunks(flat.size, flat.itemsize):
-            self.mpi_comm.Bcast(flat[i:j], root=root)
+        with self.ledger.waiting(entry):
+            for i, j in self._chunks(flat.size, flat.itemsize):
+                self.mpi_comm.Bcast(flat[i:j], root=root)
         finish()
         return x
 
@@ -217,23 +263,24 @@ class MpiCommunicator(Communicator):
         """
         xp = get_array_module(x)
         x = _same_shape_contiguous(xp, x)
-        self._verify("allgather", x)
+        entry = self._begin("allgather", x)
         out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
         src, release = self._device(x, "in")
         dst, finish = self._device(out, "out")
         flat_src = src.reshape(-1)
         flat_dst = dst.reshape(self.size, -1)
         chunks = self._chunks(flat_src.size, flat_src.itemsize * self.size)
-        if len(chunks) == 1:
-            self.mpi_comm.Allgather(flat_src, flat_dst)
-        else:
-            bxp = get_array_module(src)  # numpy when the device array was staged
-            for i, j in chunks:
-                part = bxp.empty((self.size, j - i), dtype=x.dtype)
-                piece = bxp.ascontiguousarray(flat_src[i:j])
-                synchronize(piece)  # device buffers: the copies above must be done for MPI
-                self.mpi_comm.Allgather(piece, part)
-                flat_dst[:, i:j] = part
+        with self.ledger.waiting(entry):
+            if len(chunks) == 1:
+                self.mpi_comm.Allgather(flat_src, flat_dst)
+            else:
+                bxp = get_array_module(src)  # numpy when the device array was staged
+                for i, j in chunks:
+                    part = bxp.empty((self.size, j - i), dtype=x.dtype)
+                    piece = bxp.ascontiguousarray(flat_src[i:j])
+                    synchronize(piece)  # device buffers: the copies must be done for MPI
+                    self.mpi_comm.Allgather(piece, part)
+                    flat_dst[:, i:j] = part
         finish()
         release()
         return out
@@ -246,6 +293,7 @@ class MpiCommunicator(Communicator):
         """
         xp = get_array_module(x)
         x = xp.ascontiguousarray(x)
+        self._begin("allgatherv")  # numbered; the allgather below checks the shapes
         # One small allgather carries both the agreement check and the row counts.
         meta = self.allgather_obj((tuple(x.shape[1:]), str(x.dtype), int(x.shape[0])))
         shapes = [m[:2] for m in meta]
@@ -287,7 +335,7 @@ class MpiCommunicator(Communicator):
         """
         xp = get_array_module(x)
         x = xp.ascontiguousarray(x)
-        self._verify("reduce_scatter", x, op=op)
+        entry = self._begin("reduce_scatter", x, op=op)
         rows = split_counts(x.shape[0], self.size)
         start = sum(rows[: self.rank])
         if x.nbytes > self.max_message_bytes:  # rare: reduce in chunks, then keep our rows
@@ -297,8 +345,9 @@ class MpiCommunicator(Communicator):
         out = xp.empty((rows[self.rank],) + x.shape[1:], dtype=x.dtype)
         src, release = self._device(x, "in")
         dst, finish = self._device(out, "out")
-        self.mpi_comm.Reduce_scatter(src.reshape(-1), dst.reshape(-1),
-                                     [n * row_items for n in rows], op=_mpi_op(op))
+        with self.ledger.waiting(entry):
+            self.mpi_comm.Reduce_scatter(src.reshape(-1), dst.reshape(-1),
+                                         [n * row_items for n in rows], op=_mpi_op(op))
         finish()
         release()
         return out
@@ -314,22 +363,23 @@ class MpiCommunicator(Communicator):
             raise ValueError(f"alltoall needs x.shape[0] == size == {self.size}, "
                              f"got shape {x.shape}")
         x = xp.ascontiguousarray(x)
-        self._verify("alltoall", x)
+        entry = self._begin("alltoall", x)
         out = xp.empty_like(x)
         src, release = self._device(x, "in")
         dst, finish = self._device(out, "out")
         s2, d2 = src.reshape(self.size, -1), dst.reshape(self.size, -1)
         chunks = self._chunks(s2.shape[1], s2.itemsize * self.size)
-        if len(chunks) == 1:
-            self.mpi_comm.Alltoall(s2, d2)
-        else:
-            bxp = get_array_module(src)  # numpy when the device array was staged
-            for i, j in chunks:
-                part = bxp.empty((self.size, j - i), dtype=x.dtype)
-                piece = bxp.ascontiguousarray(s2[:, i:j])
-                synchronize(piece)  # device buffers: the copies above must be done for MPI
-                self.mpi_comm.Alltoall(piece, part)
-                d2[:, i:j] = part
+        with self.ledger.waiting(entry):
+            if len(chunks) == 1:
+                self.mpi_comm.Alltoall(s2, d2)
+            else:
+                bxp = get_array_module(src)  # numpy when the device array was staged
+                for i, j in chunks:
+                    part = bxp.empty((self.size, j - i), dtype=x.dtype)
+                    piece = bxp.ascontiguousarray(s2[:, i:j])
+                    synchronize(piece)  # device buffers: the copies must be done for MPI
+                    self.mpi_comm.Alltoall(piece, part)
+                    d2[:, i:j] = part
         finish()
         release()
         return out
@@ -346,30 +396,36 @@ class MpiCommunicator(Communicator):
         src, release = self._device(x, "in")
         dst, finish = self._device(out, "out")
         fs, fd = src.reshape(-1), dst.reshape(-1)
-        for tag, (i, j) in enumerate(self._chunks(fs.size, fs.itemsize)):
-            self.mpi_comm.Sendrecv(fs[i:j], dest=dest, sendtag=tag,
-                                   recvbuf=fd[i:j], source=source, recvtag=tag)
+        # Point-to-point, so not compared across ranks in check mode; numbered for the
+        # watchdog's report.
+        with self.ledger.waiting(self.ledger.begin("sendrecv")):
+            for tag, (i, j) in enumerate(self._chunks(fs.size, fs.itemsize)):
+                self.mpi_comm.Sendrecv(fs[i:j], dest=dest, sendtag=tag,
+                                       recvbuf=fd[i:j], source=source, recvtag=tag)
         finish()
         release()
         return out
 
     def barrier(self) -> None:
         """Wait until every rank has called barrier. Collective."""
-        self.mpi_comm.Barrier()
+        with self.ledger.waiting(self._begin("barrier")):
+            self.mpi_comm.Barrier()
 
     def allgather_obj(self, obj: Any) -> list:
         """Return the list of every rank's ``obj`` (pickled; for small metadata only).
 
         Collective; the objects may differ between ranks.
         """
-        return self.mpi_comm.allgather(obj)
+        with self.ledger.waiting(self._begin("allgather_obj")):
+            return self.mpi_comm.allgather(obj)
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         """Return root's ``obj`` on every rank (pickled; for small metadata only).
 
         Collective; non-root ranks may pass anything (None).
         """
-        return self.mpi_comm.bcast(obj, root=root)
+        with self.ledger.waiting(self._begin("bcast_obj", root=root)):
+            return self.mpi_comm.bcast(obj, root=root)
 
     def split(self, color: int, key: int | None = None) -> "MpiCommunicator":
         """Ranks passing the same ``color`` form a new communicator.
@@ -377,7 +433,8 @@ class MpiCommunicator(Communicator):
         Collective over this group. Ranks in the new group are ordered by ``key``
         (default: the rank here). Returns a new :class:`MpiCommunicator`.
         """
-        part = self.mpi_comm.Split(color, self.rank if key is None else key)
+        with self.ledger.waiting(self._begin("split")):
+            part = self.mpi_comm.Split(color, self.rank if key is None else key)
         try:
             return MpiCommunicator(part, cuda_aware=self._stager.cuda_aware)
         finally:
@@ -393,6 +450,23 @@ class MpiCommunicator(Communicator):
 
 def _nothing() -> None:
     pass
+
+
+def _mismatch(key: str, everyone: list) -> str:
+    """The check-mode error: what each group of ranks called at the first divergent call."""
+    groups: dict = {}
+    for rank, call in enumerate(everyone):
+        groups.setdefault(call, []).append(rank)
+    lines = []
+    for (seq, name, site, shape, params), ranks in groups.items():
+        args = [] if shape is None else [f"shape {shape[0]}, {shape[1]}"]
+        args += [f"{k}={v}" for k, v in params]
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        lines.append(f"  {who}: #{seq} {name}({', '.join(args)}) at {site}")
+    return (f"collective mismatch on communicator {key!r} (MPIDL_CHECK_COLLECTIVES=1): the "
+            "ranks' calls differ at the first divergent collective; every rank must make "
+            "the same collective calls in the same order, from the same place:\n"
+            + "\n".join(lines))
 
 
 __all__ = ["MpiCommunicator", "MpiRequest", "MAX_MESSAGE_BYTES"]

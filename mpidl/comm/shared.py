@@ -44,6 +44,7 @@ class NodeSharedArrays:
             raise ValueError(f"NodeSharedArrays needs every rank on one node: {comm.size} "
                              f"ranks, {comm.local_size} on this one")
         self.node = comm.node_comm  # ordered by comm rank, so node rank == comm rank
+        self.ledger = comm.ledger   # the fences are comm's collectives, for the watchdog
         self.rank, self.size = self.node.Get_rank(), self.node.Get_size()
         offsets, total = [], 0
         for a in arrays:
@@ -69,7 +70,8 @@ class NodeSharedArrays:
     def _fence(self) -> None:
         """Every rank's writes so far are visible to every rank of the node."""
         self.win.Sync()
-        self.node.Barrier()
+        with self.ledger.call("window fence"):
+            self.node.Barrier()
         self.win.Sync()
 
     def allreduce_(self) -> None:

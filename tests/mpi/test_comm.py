@@ -298,3 +298,31 @@ def test_node_shared_arrays_sum_every_rank_in_place(comm):
                 assert_allclose_all_ranks(comm, mine, expected.astype(dtype))
     finally:
         shared.free()
+
+
+def test_the_ledger_numbers_collectives_alike_on_every_rank(comm):
+    ledger = getattr(comm, "ledger", None)
+    if ledger is None:
+        pytest.skip("a size-1 communicator keeps no ledger")
+    before = ledger.seq
+    comm.barrier()
+    comm.allreduce_(numpy.ones(2))
+    comm.allgather_obj(comm.rank)
+    seqs = comm.allgather_obj((ledger.seq - before, ledger.seq, ledger.key))
+    assert_all_ranks(comm, seqs[0][0] == 3 and all(s == seqs[0] for s in seqs),
+                     f"ledger counts differ: {seqs}")
+
+
+def test_sub_communicators_get_a_name_their_ranks_agree_on(comm):
+    if getattr(comm, "ledger", None) is None:
+        pytest.skip("a size-1 communicator keeps no ledger")
+    # Uneven groups make different numbers of communicators on different ranks first.
+    extra = comm.split(comm.rank % 2)
+    sub = comm.split(0)
+    keys = comm.allgather_obj(sub.ledger.key)
+    members = comm.allgather_obj(tuple(sub.ledger.world_ranks))
+    assert_all_ranks(comm, len(set(keys)) == 1 and keys[0] != comm.ledger.key,
+                     f"sub-communicator names differ: {keys}")
+    assert_all_ranks(comm, all(m == tuple(range(comm.size)) for m in members), str(members))
+    sub.free()
+    extra.free()
