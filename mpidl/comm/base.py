@@ -111,6 +111,17 @@ class Communicator:
         """
         return any(self.allgather_obj(bool(flag)))
 
+    def agree_each(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag True on every rank if it is True on any rank. Collective.
+
+        One small buffer allreduce for all of them: the training step agrees on "a
+        signal arrived" and "this step is not finite" in one call.
+        """
+        import numpy
+
+        values = numpy.array([1 if f else 0 for f in flags], dtype=numpy.int32)
+        return tuple(bool(v) for v in self.allreduce_(values, op="max"))
+
     # -- the collectives every implementation provides ----------------------------------
     def allreduce_(self, x: Any, op: str = "sum") -> Any:
         raise NotImplementedError

@@ -1,11 +1,13 @@
 """Optimizers that update parameters in place, learning-rate schedules, gradient clipping."""
 from mpidl.optim.adam import Adam, AdamW
 from mpidl.optim.clip import clip_grad_norm_, grad_norm
+from mpidl.optim.finite import all_finite, grads_finite, params_finite
 from mpidl.optim.optimizer import Optimizer
 from mpidl.optim.schedule import linear_scaling_rule, warmup_cosine, warmup_linear
 from mpidl.optim.sgd import SGD
 
 __all__ = [
     "Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm_", "grad_norm",
+    "all_finite", "grads_finite", "params_finite",
     "warmup_cosine", "warmup_linear", "linear_scaling_rule",
 ]

@@ -80,8 +80,7 @@ def main(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(_help(argv))
         return 0
-    from mpidl.comm import world
-    from mpidl.train.checkpoint import resolve_resume
+    from mpidl.comm import watchdog, world
     from mpidl.train.config import ConfigError, to_toml
     from mpidl.train.task import prepare_data
     from mpidl.train.trainer import Trainer
@@ -90,12 +89,11 @@ def main(argv: Sequence[str]) -> int:
     config, code = _resolve(argv, comm)
     if config is None:
         return code
+    if config.timeout is not None:
+        watchdog.set_timeout(config.timeout or float("inf"))  # 0: no timeout
     run_dir = _run_dir(config, comm)
     text = to_toml(config)
     if comm.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.toml"), "w") as f:
-            f.write(text)
         print(f"mpidl train on {comm.size} rank{'s' if comm.size > 1 else ''}, "
               f"run directory {run_dir}\n--- config ---\n{text.rstrip()}\n--------------",
               flush=True)
@@ -103,25 +101,51 @@ def main(argv: Sequence[str]) -> int:
 
     data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size))
     trainer = Trainer(config, comm, run_dir, data_dir)
-    resume_from, error = None, None
-    if comm.rank == 0:
-        try:
-            resume_from = resolve_resume(config.resume, run_dir)
-        except FileNotFoundError as e:
-            error = str(e)
-    if _config_error(comm, error):  # --resume=PATH that is not there: a config error
+    plan = _plan(config, run_dir, comm)
+    if plan is None:
         return EXIT_CONFIG
-    resume_from = comm.bcast_obj(resume_from)
-    if resume_from:
+    if plan.checkpoint is not None:
+        error = None
         try:
-            trainer.restore(resume_from)
-        except ConfigError as e:  # the checkpoint's sample order is not this config's
+            trainer.restore(plan.checkpoint)
+        except ConfigError as e:  # another model, another sample order: the same everywhere
             error = str(e)
         if _config_error(comm, error):
             return EXIT_CONFIG
-    else:
-        trainer.start_fresh()
+    # Only now, with the resume accepted, does the run directory change.
+    trainer.begin(text, corrupt=plan.corrupt, previous=plan.previous)
     return trainer.fit()
+
+
+def _plan(config, run_dir: str, comm):
+    """Where the run starts (:func:`~mpidl.train.checkpoint.plan_resume`), on every rank;
+    None after reporting a configuration error. Collective.
+
+    Rank 0 chooses (reading candidates whole, checksums checked); the others read the
+    chosen file themselves.
+    """
+    from mpidl.train.checkpoint import (CheckpointError, ResumePlan, load_checkpoint,
+                                        plan_resume)
+
+    plan, error = None, None
+    if comm.rank == 0:
+        try:
+            plan = plan_resume(config.resume, run_dir)
+        except (FileNotFoundError, CheckpointError) as e:
+            error = str(e)
+    if _config_error(comm, error):
+        return None
+    path, corrupt, previous = comm.bcast_obj(None if plan is None else (
+        plan.checkpoint.path if plan.checkpoint else None, plan.corrupt, plan.previous))
+    state = plan.checkpoint if plan is not None else None
+    if comm.rank != 0 and path is not None:
+        try:
+            state = load_checkpoint(path)
+        except (FileNotFoundError, CheckpointError) as e:
+            error = f"rank {comm.rank}: {e}"
+    if _config_error(comm, error):
+        return None
+    return ResumePlan(state, corrupt, previous)
 
 
 def eval_main(argv: Sequence[str]) -> int:

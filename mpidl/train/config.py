@@ -128,6 +128,11 @@ class Config:
     warmup_fraction: float = 0.05            # of all steps
     min_lr_ratio: float = 0.0                # the schedule's floor, as a fraction of lr
     clip_grad_norm: Optional[float] = None   # global L2 norm; none: no clipping
+    # A step whose loss or gradient is not finite (on any rank) is skipped on every rank
+    # with a warning; "stop" also ends the run (exit 1, the last good checkpoint kept)
+    # after nonfinite_steps such steps in a row, "skip" never does.
+    nonfinite: str = choices("stop", "skip", default="stop")
+    nonfinite_steps: int = 10
     seed: int = 0                            # model init and dropout; data order uses it too
     # -- distribution
     backend: str = choices("numpy", "cupy", default="numpy")
@@ -146,6 +151,9 @@ class Config:
     log_every: int = 50                      # steps between metrics records
     trace: bool = False                      # write RUN_DIR/trace.json (Chrome trace)
     progress: str = choices("auto", "always", "never", default="auto")
+    # Seconds a collective may wait before the watchdog ends the job with a report of
+    # every rank (mpidl.comm.watchdog); none: MPIDL_TIMEOUT, else 600; 0: off.
+    timeout: Optional[float] = None
 
     def scaled_lr(self) -> float:
         """``lr`` scaled from ``base_batch`` to ``global_batch`` by ``lr_scaling``."""
@@ -167,7 +175,7 @@ class Config:
 def _validate(config: Config) -> None:
     """Range checks that a type cannot express."""
     positive = ["epochs", "global_batch", "base_batch", "keep_checkpoints", "eval_every",
-                "log_every"]
+                "log_every", "nonfinite_steps"]
     for key in positive:
         if getattr(config, key) < 1:
             raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(config, key)}")
@@ -195,6 +203,9 @@ def _validate(config: Config) -> None:
     if not 0.0 <= config.warmup_fraction < 1.0:
         raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), "
                           f"got {config.warmup_fraction}")
+    if config.timeout is not None and not (config.timeout >= 0 and math.isfinite(config.timeout)):
+        raise ConfigError(f"config key 'timeout' must be a number of seconds >= 0 (0: no "
+                          f"watchdog) or none, got {config.timeout}")
     if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm' must be > 0 or none, "
                           f"got {config.clip_grad_norm}")
@@ -234,6 +245,13 @@ def _read_toml(path: str) -> dict:
         raise ConfigError(f"config file {path!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} "
+                          f"at offset {e.start}): a TOML config is a text file; pass the run's "
+                          "config.toml or a preset name") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory; pass a .toml file or a "
+                          "preset name") from None
 
 
 def _source_path(preset_or_path: str) -> str:

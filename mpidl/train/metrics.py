@@ -28,6 +28,8 @@ import time
 import warnings
 from typing import Any, Callable, Iterator
 
+from mpidl.atomic import write_text
+
 import numpy
 
 CATEGORIES = ("compute", "comm", "input")
@@ -120,15 +122,13 @@ def trim_metrics(path: str | os.PathLike, step: int) -> int:
     opening the :class:`MetricsWriter`. The file is replaced atomically.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
         return 0
     records = read_metrics(path)
     kept = [r for r in records if not (isinstance(r.get("step"), int) and r["step"] > step)]
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in kept:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    if len(kept) == len(records) and _ends_with_newline(path):
+        return 0  # nothing to drop: the file stays as it is (no rewrite, no space needed)
+    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(records) - len(kept)
 
 

@@ -79,10 +79,7 @@ class PreemptionFlag:
         Collective: every rank of ``comm`` (an :class:`mpidl.comm.Communicator`) calls it at
         the same step boundary. It costs one 4-byte allreduce.
         """
-        import numpy
-
-        flag = numpy.array([1 if self.is_set else 0], dtype=numpy.int32)
-        return bool(comm.allreduce(flag, op="max")[0])
+        return comm.agree_each(self.is_set)[0]
 
     def close(self) -> None:
         """Restore the handlers that were installed before (idempotent)."""

@@ -92,5 +92,8 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
             _build_reviews(config, target)
         except Exception as e:  # reported on every rank below
             error = f"{type(e).__name__}: {e}"
-    comm.check(error is None, f"could not build the reviews corpus in {target}: {error}")
+    from mpidl.comm.ledger import patience
+
+    with patience("rank 0 generates the reviews corpus"):
+        comm.check(error is None, f"could not build the reviews corpus in {target}: {error}")
     return target

@@ -27,6 +27,8 @@ import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
+from mpidl.atomic import write_text
+
 TRACKS = ("compute", "comm", "input")
 
 
@@ -139,8 +141,4 @@ def write_trace(path: str | os.PathLike, traces: Sequence[dict[str, Any]]) -> st
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     doc = {"traceEvents": trace_events(traces), "displayTimeUnit": "ms"}
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, separators=(",", ":"))
-    os.replace(tmp, path)
-    return path
+    return write_text(path, json.dumps(doc, separators=(",", ":")))

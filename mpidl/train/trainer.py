@@ -15,16 +15,29 @@ may also resume on a different number of ranks (then equal up to float summation
 On SIGTERM or SIGUSR1 (Slurm's warning before a time limit or preemption) all ranks
 agree at the next step boundary, rank 0 writes a checkpoint, and :meth:`Trainer.fit`
 returns :data:`~mpidl.train.signals.EXIT_PREEMPTED` (75) so a batch script can requeue.
+
+A step whose loss or gradient is not finite on any rank is skipped on every rank (the
+ranks agree on it together with the signal flag, in one small allreduce after
+backward); under the ``stop`` policy ``nonfinite_steps`` of them in a row end the run
+with status 1, and parameters that are no longer finite end it at once. A checkpoint is
+never written from non-finite parameters.
+
+The run directory changes only once a resume has succeeded (:meth:`Trainer.restore`
+touches no file; :meth:`Trainer.begin` then writes ``config.toml``, trims
+``metrics.jsonl`` and sets checkpoints aside), so a refused or failed resume leaves it
+exactly as it was.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
 import numpy
 
 from mpidl import functions as F
+from mpidl.atomic import write_text
 from mpidl.autograd import no_grad
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.config import Config, ConfigError, check_model, to_toml
@@ -34,6 +47,11 @@ from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag
 from mpidl.train.timeline import Timeline
 
 EVAL_BATCH = 512  # samples per evaluation step over all ranks (no gradients kept)
+EXIT_DIVERGED = 1
+
+
+class Diverged(RuntimeError):
+    """The run cannot go on: too many non-finite steps in a row, or non-finite parameters."""
 
 
 def _check_splits(train: Any, test: Any) -> None:
@@ -48,6 +66,11 @@ def _check_splits(train: Any, test: Any) -> None:
     if len(train) == 0:
         raise ValueError(f"dataset {train.path} has no samples: nothing to train on; "
                          f"write a non-empty train split")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip("'\" ")
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def build_model(config: Config, dataset: Any) -> Any:
@@ -137,8 +160,10 @@ class Trainer:
         # Loss sum, correct, samples since the last train record (xp scalars): their
         # host sync waits for the record.
         self.window: list = [0, 0, 0]
-        self.metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"),
-                                     enabled=comm.rank == 0)
+        # Opened by begin(): until a resume has succeeded, the run directory is untouched.
+        self.metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"), enabled=False)
+        self.nonfinite_in_a_row = 0
+        self.skipped_steps = 0
         self.timeline = Timeline(comm.rank, enabled=config.trace)
         sync = None
         if config.backend == "cupy":
@@ -177,9 +202,21 @@ class Trainer:
                 m.rng.bit_generator.state = saved[name]
 
     def save(self) -> str | None:
-        """Rank 0 writes a checkpoint of the current step; every rank waits. Collective."""
+        """Rank 0 writes a checkpoint of the current step; every rank waits. Collective.
+
+        Not from non-finite parameters: then nothing is written or rotated (the last
+        good checkpoint stays) and None is returned, with a warning.
+        """
+        from mpidl.comm.ledger import patience
+        from mpidl.optim import params_finite
+
         path = None
         error = None
+        if self.comm.agree_each(not bool(params_finite(self.model.parameters())))[0]:
+            self.log.info(f"warning: no checkpoint at step {self.step}: the parameters are not "
+                          f"finite; the last good one is kept ({self._last_checkpoint()})")
+            return None
+        self._check_replicas()
         rng = self._rng_states()
         # The steps since the last train record, so a resumed run's first record averages
         # as many steps as the uninterrupted run's (all ranks' sums: any rank count).
@@ -192,55 +229,125 @@ class Trainer:
                     sampler=self.loader.state_dict(), config=to_toml(self.config),
                     epoch=self.loader.state_dict()["epoch"],
                     extra={"ranks": self.comm.size, "total_steps": self.total_steps,
-                           "train_window": window})
+                           "train_window": window, "skipped_steps": self.skipped_steps})
                 ckpt.keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
             except OSError as e:
                 error = f"cannot write a checkpoint into {self.checkpoint_dir}: {e}"
-        self.comm.check(error is None, str(error))
+        with patience("rank 0 writes a checkpoint"):
+            self.comm.check(error is None, str(error))
         return path
 
-    def restore(self, path: str) -> None:
-        """Load a checkpoint on every rank (each reads the file). Collective."""
-        state = ckpt.load_checkpoint(path)
-        self.model.load_state_dict(state.model)
-        self.optimizer.load_state_dict(state.optimizer)
+    def _check_replicas(self) -> None:
+        """Warn if the ranks' parameters are not bit-identical. Collective.
+
+        Data parallelism keeps one model on every rank; a checkpoint holds rank 0's. A
+        rank whose copy has drifted (a bug, or an MPI whose reductions differ between
+        ranks) would be lost silently: a CRC-32 of every rank's parameters says so, at
+        one small allgather per checkpoint.
+        """
+        import zlib
+
+        from mpidl.backend import as_numpy
+
+        digest = 0
+        for p in self.model.parameters():
+            digest = zlib.crc32(numpy.ascontiguousarray(as_numpy(p.data)), digest)
+        digests = self.comm.allgather_obj(digest)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            self.log.info(f"warning: step {self.step}: the parameters of rank"
+                          f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
+                          "differ from rank 0's (they should be identical under data "
+                          "parallelism); the checkpoint holds rank 0's")
+
+    def _last_checkpoint(self) -> str:
+        listed = ckpt.listed_checkpoints(self.checkpoint_dir)
+        return listed[-1] if listed else "none written yet"
+
+    def restore(self, state: ckpt.Checkpoint) -> None:
+        """Load a checkpoint into the model, optimizer, generators and sampler. Collective.
+
+        Touches no file. Raises ConfigError (the same on every rank: each reads the same
+        file) when the checkpoint does not fit this configuration: another model, or
+        another sample order.
+        """
+        path = state.path
+        try:
+            self.model.load_state_dict(state.model)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(
+                f"cannot resume from {path}: it holds another model than the configured "
+                f"{self.config.model.name!r} ({_first_line(e)}); resume with the options "
+                f"it was saved with (its config is in {os.path.join(self.run_dir, 'config.toml')}"
+                ") or use another --run-dir for a new model") from None
+        try:
+            self.optimizer.load_state_dict(state.optimizer)
+        except (KeyError, ValueError, IndexError) as e:
+            raise ConfigError(
+                f"cannot resume from {path}: its optimizer state does not fit the configured "
+                f"optimizer {self.config.optimizer!r} ({_first_line(e)}); resume with the "
+                "optimizer it was saved with, or use another --run-dir") from None
         self._load_rng_states(state.rng)
-        saved_window = state.extra.get("train_window")
-        if saved_window is not None:  # all ranks' sums: on rank 0, once
-            self.window = list(saved_window) if self.comm.rank == 0 else [0, 0, 0]
         try:
             self.loader.load_state_dict(state.sampler)
         except ValueError as e:  # the same on every rank: each reads the same file
             raise ConfigError(f"cannot resume from {path}: {e} (in the config: --global-batch, "
                               "--seed, --data.shuffle, --data.block-size, the dataset)") from e
+        saved_window = state.extra.get("train_window")
+        if saved_window is not None:  # all ranks' sums: on rank 0, once
+            self.window = list(saved_window) if self.comm.rank == 0 else [0, 0, 0]
+        self.skipped_steps = int(state.extra.get("skipped_steps", 0))
         self.step = int(state.step)
-        aside, error = None, None
+        self.resumed_from = state
+
+    def begin(self, config_text: str, corrupt: list[tuple[str, str]] = (),
+              previous: bool = False) -> None:
+        """Make the run directory this run's: the first change to it. Collective.
+
+        Rank 0, in an order where a failure (a full disk) leaves what it had not done
+        yet as it was: trims ``metrics.jsonl`` to the resumed step (0 for a fresh
+        start: records of a job that died before its first checkpoint), writes
+        ``config.toml``, moves checkpoints that failed to load into ``corrupt/``, and
+        moves newer checkpoints of another branch aside. With ``previous`` (a fresh
+        start by ``--resume=never``) the old checkpoints, metrics and config first move
+        to ``RUN_DIR/previous-<time>/``. Then every rank opens the metrics.
+        """
+        notes, error = [], None
         if self.comm.rank == 0:
             try:
-                aside = ckpt.set_aside_after(self.checkpoint_dir, self.step)
+                notes = self._claim_run_dir(config_text, corrupt, previous)
             except OSError as e:
-                error = f"cannot move checkpoints newer than {path} aside: {e}"
+                error = (f"cannot prepare the run directory {self.run_dir}: {e}; free space "
+                         "or fix its permissions and run again")
         self.comm.check(error is None, str(error))
+        for note in notes:
+            self.log.info(note)
+        self.metrics = MetricsWriter(self.metrics.path, enabled=self.comm.rank == 0)
+        state = getattr(self, "resumed_from", None)
+        if state is not None:
+            self.log.info(f"resumed from {state.path} at step {self.step} "
+                          f"(epoch {state.sampler['epoch']}, step {state.sampler['step']} of it; "
+                          f"saved by {state.extra.get('ranks', '?')} ranks, now {self.comm.size})")
+
+    def _claim_run_dir(self, config_text: str, corrupt: list[tuple[str, str]],
+                       previous: bool) -> list[str]:
+        notes = []
+        os.makedirs(self.run_dir, exist_ok=True)
+        if previous:
+            aside = ckpt.set_aside_run(self.run_dir)
+            if aside:
+                notes.append(f"--resume=never: the previous checkpoints and metrics of this "
+                             f"run directory moved to {aside}")
+        trim_metrics(self.metrics.path, self.step)
+        write_text(os.path.join(self.run_dir, "config.toml"), config_text)
+        for (path, reason), moved in zip(corrupt, ckpt.set_aside_corrupt(
+                [p for p, _ in corrupt])):
+            notes.append(f"warning: {reason}; moved to {moved}")
+        aside = ckpt.set_aside_after(self.checkpoint_dir, self.step)
         if aside:
-            self.log.info(f"checkpoints after step {self.step} (another branch of this run) "
-                          f"moved to {aside}")
-        self._trim_metrics()
-        self.log.info(f"resumed from {path} at step {self.step} "
-                      f"(epoch {state.sampler['epoch']}, step {state.sampler['step']} of it; "
-                      f"saved by {state.extra.get('ranks', '?')} ranks, now {self.comm.size})")
-
-    def start_fresh(self) -> None:
-        """Begin at step 0 in a run directory that may hold records of a job that died
-        before its first checkpoint: they are redone, so they go. Collective."""
-        self._trim_metrics()
-
-    def _trim_metrics(self) -> None:
-        if self.comm.rank == 0:
-            # Records of steps after self.step are redone: drop them. The writer holds
-            # the file open, so it is reopened on the trimmed file.
-            self.metrics.close()
-            trim_metrics(self.metrics.path, self.step)
-            self.metrics = MetricsWriter(self.metrics.path)
+            notes.append(f"checkpoints after step {self.step} (another branch of this run) "
+                         f"moved to {aside}")
+        return notes
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self) -> tuple[float, float]:
@@ -262,22 +369,74 @@ class Trainer:
         return totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
 
     # -- training -------------------------------------------------------------------------
-    def _train_step(self, x: Any, y: Any, n: int) -> tuple[Any, Any]:
-        """One optimizer step; returns this rank's loss sum and correct count (xp scalars,
-        so a GPU step does not wait for the host)."""
-        logits = self.dp(x)
-        loss = F.softmax_cross_entropy(logits, y, reduction="sum")
-        self.dp.backward(loss, global_count=n)
+    def _train_step(self, x: Any, y: Any, n: int, flag: PreemptionFlag
+                    ) -> tuple[Any, Any, int, bool]:
+        """One optimizer step, or a skipped one. Returns this rank's loss sum, correct
+        count (xp scalars) and samples counted (0 for a skipped step), and whether a
+        signal arrived on any rank. Collective.
+
+        After backward the ranks agree, in one allreduce, on the signal flag and on
+        whether the step is finite everywhere (this rank's loss and the averaged
+        gradients, which every rank holds alike); a non-finite step skips the update.
+        """
+        from mpidl.optim import grads_finite
+
+        # Non-finite values are reported once per step by the guard below, not by NumPy's
+        # warnings on every operation they pass through.
+        with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            logits = self.dp(x)
+            loss = F.softmax_cross_entropy(logits, y, reduction="sum")
+            self.dp.backward(loss, global_count=n)
         self.timer.add("comm", self.dp.comm_wait_seconds, start=self.dp.comm_wait_start)
+        params = self.model.parameters()
+        finite = bool(self.xp.isfinite(loss.data)) and bool(grads_finite(params))
+        preempted, nonfinite = self.comm.agree_each(flag.is_set, not finite)
+        if nonfinite:
+            self.optimizer.zero_grad()
+            self._nonfinite_step(finite)
+            return 0, 0, 0, preempted
+        self.nonfinite_in_a_row = 0
         if self.config.clip_grad_norm:
             from mpidl.optim import clip_grad_norm_
 
-            clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+            clip_grad_norm_(params, self.config.clip_grad_norm)
         self.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
         self.optimizer.step()
         self.optimizer.zero_grad()
         correct = self.xp.count_nonzero(logits.data.argmax(1) == y) if len(y) else 0
-        return loss.data, correct
+        return loss.data, correct, len(y), preempted
+
+    def _nonfinite_step(self, finite_here: bool) -> None:
+        """Handle a step skipped for a non-finite loss or gradient. Collective.
+
+        Raises Diverged when the parameters themselves are no longer finite (skipping
+        cannot help), or under the "stop" policy at ``nonfinite_steps`` in a row.
+        """
+        from mpidl.optim import params_finite
+
+        self.skipped_steps += 1
+        self.nonfinite_in_a_row += 1
+        ranks = [r for r, ok in enumerate(self.comm.allgather_obj(finite_here)) if not ok]
+        where = (f"the loss on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                 "is not finite" if ranks else
+                 "the averaged gradients are not finite")
+        step = self.step + 1
+        if self.comm.agree_each(not bool(params_finite(self.model.parameters())))[0]:
+            raise Diverged(f"step {step}: the parameters are no longer finite (the last update "
+                           f"overflowed); the last good checkpoint is {self._last_checkpoint()}. "
+                           "Lower --lr, or set --clip-grad-norm")
+        limit = self.config.nonfinite_steps
+        if self.config.nonfinite == "stop" and self.nonfinite_in_a_row >= limit:
+            raise Diverged(
+                f"{self.nonfinite_in_a_row} non-finite steps in a row (the last, step {step}: "
+                f"{where}): the run is diverging or the data holds NaN/inf. The last good "
+                f"checkpoint is kept: {self._last_checkpoint()}. Lower --lr, set "
+                "--clip-grad-norm, check the data, or allow more with --nonfinite-steps / "
+                "--nonfinite=skip")
+        until = (f"; stopping at {limit}: --nonfinite-steps"
+                 if self.config.nonfinite == "stop" else "")
+        self.log.info(f"warning: step {step}: {where}; the step is skipped on every rank "
+                      f"({self.nonfinite_in_a_row} in a row{until})")
 
     def fit(self) -> int:
         """Train to the end (or to a preemption). Returns the process exit code. Collective."""
@@ -291,48 +450,56 @@ class Trainer:
         start_step = self.step
         preempted, eval_due = False, False
         stop = min(self.total_steps, cfg.stop_at_step or self.total_steps)
-        with PreemptionFlag() as flag:
-            while self.step < stop and not preempted:
-                epoch = self.loader.state_dict()["epoch"]
-                self.loader.set_epoch(epoch)
-                batches = iter(self.loader)
-                while True:
-                    start = time.perf_counter()
-                    batch = next(batches, None)  # waits only if the prefetch fell behind
-                    if batch is None:
-                        break
-                    x, y, n = batch
-                    with self.timer.step(start=start):
-                        self.timer.add("input", time.perf_counter() - start, start=start)
-                        loss, correct = self._train_step(x, y, n)
-                    self.step += 1
-                    w = self.window
-                    self.window = [w[0] + loss, w[1] + correct, w[2] + len(y)]
-                    rate.update(n, self.timer.last.total)
-                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        rec = self._record_train(self.window, rate, epoch)
-                        self.window = [0, 0, 0]
-                        bar.update(1, loss=rec["loss"], acc=rec["accuracy"])
-                    else:
-                        bar.update(1)
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+        try:
+            with PreemptionFlag() as flag:
+                while self.step < stop and not preempted:
+                    epoch = self.loader.state_dict()["epoch"]
+                    self.loader.set_epoch(epoch)
+                    batches = iter(self.loader)
+                    while True:
+                        start = time.perf_counter()
+                        batch = next(batches, None)  # waits only if the prefetch fell behind
+                        if batch is None:
+                            break
+                        x, y, n = batch
+                        with self.timer.step(start=start):
+                            self.timer.add("input", time.perf_counter() - start, start=start)
+                            loss, correct, counted, preempted = self._train_step(x, y, n, flag)
+                        self.step += 1
+                        w = self.window
+                        self.window = [w[0] + loss, w[1] + correct, w[2] + counted]
+                        rate.update(n, self.timer.last.total)
+                        if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                            rec = self._record_train(self.window, rate, epoch)
+                            self.window = [0, 0, 0]
+                            bar.update(1, loss=rec["loss"], acc=rec["accuracy"])
+                        else:
+                            bar.update(1)
+                        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                            self.save()
+                        if preempted:
+                            break
+                        if self.step >= stop:
+                            break
+                    batches.close()  # stop the prefetch thread of an epoch left early
+                    epoch_done = self.loader.state_dict()["step"] == 0
+                    last = self.step >= self.total_steps
+                    eval_due = last or (epoch_done and (epoch + 1) % cfg.eval_every == 0)
+                    if preempted:
+                        break  # the checkpoint first, then any evaluation due (below)
+                    if eval_due:
+                        self._evaluate_epoch(epoch, bar.write)
+                    if last or (epoch_done and cfg.checkpoint_epochs) or self.step == stop:
                         self.save()
-                    if flag.agree(comm):
-                        preempted = True
-                        break
-                    if self.step >= stop:
-                        break
-                batches.close()  # stop the prefetch thread of an epoch left early
-                epoch_done = self.loader.state_dict()["step"] == 0
-                last = self.step >= self.total_steps
-                eval_due = last or (epoch_done and (epoch + 1) % cfg.eval_every == 0)
-                if preempted:
-                    break  # the checkpoint first, then any evaluation due (below)
-                if eval_due:
-                    self._evaluate_epoch(epoch, bar.write)
-                if last or (epoch_done and cfg.checkpoint_epochs) or self.step == stop:
-                    self.save()
-            signal_name = flag.signal_name
+                signal_name = flag.signal_name
+        except Diverged as e:
+            batches.close()
+            bar.close()
+            self.metrics.write(kind="stop", step=self.step, reason=str(e))
+            self.metrics.close()
+            if comm.rank == 0:
+                print(f"mpidl train: error: {e}", file=sys.stderr, flush=True)
+            return EXIT_DIVERGED
         bar.close()
         seconds = time.perf_counter() - t_start
         if preempted:
@@ -375,6 +542,8 @@ class Trainer:
         record = dict(kind="train", epoch=epoch, step=self.step,
                       loss=totals[0] / max(totals[2], 1), accuracy=totals[1] / max(totals[2], 1),
                       lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
+        if self.skipped_steps:
+            record["skipped_steps"] = self.skipped_steps  # non-finite steps so far in all
         self.metrics.write(record)
         return record
 
@@ -393,6 +562,7 @@ class Trainer:
             "step time": f"{mean.total * 1e3:.1f} ms (compute {mean.compute * 1e3:.1f}, "
                          f"comm wait {mean.comm * 1e3:.1f}, input wait {mean.input * 1e3:.1f})",
             "final test accuracy": evals[-1]["test_accuracy"] if evals else "-",
+            **({"non-finite steps skipped": self.skipped_steps} if self.skipped_steps else {}),
             "run directory": self.run_dir,
         }
         print("\n" + format_summary(records, totals), flush=True)

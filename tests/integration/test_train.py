@@ -21,33 +21,7 @@ from mpidl.testing.launch import launch_env, mpiexec, mpiexec_command
 
 pytestmark = [pytest.mark.timeout(300)]
 
-# 6000 reviews, 64 tokens: 94 steps of 64 per epoch, about a second of training.
-SMALL = ["--data.num-train=6000", "--data.num-test=2000", "--data.vocab-size=2000",
-         "--data.seq-len=64", "--lr=1e-2", "--log-every=4", "--progress=never"]
-EPOCH = 94
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpus"))
-
-
-def train(n, run_dir, cache, *args, timeout=240):
-    cmd = [sys.executable, "-m", "mpidl", "train", *SMALL, f"--data.cache-dir={cache}",
-           f"--run-dir={run_dir}", *args]
-    return mpiexec(n, cmd, timeout=timeout)
-
-
-def final_parameters(run_dir):
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    last = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".h5"))[-1]
-    with h5py.File(os.path.join(ckpt_dir, last), "r") as f:
-        return int(f.attrs["step"]), {k: f["model"][k][()] for k in f["model"]}
-
-
-def evals(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["kind"] == "eval"]
+from trainjob import EPOCH, SMALL, evals, final_parameters, train
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -241,10 +215,10 @@ _SIGNAL_AT_STEP = """
 import os, signal, sys
 from mpidl.train import trainer
 at, train_step = int(os.environ["SIGNAL_AT_STEP"]), trainer.Trainer._train_step
-def step(self, x, y, n):  # rank 0 gets SIGUSR1 while it runs step `at`, as from Slurm
+def step(self, *args):  # rank 0 gets SIGUSR1 while it runs step `at`, as from Slurm
     if self.step == at and self.comm.rank == 0:
         os.kill(os.getpid(), signal.SIGUSR1)
-    return train_step(self, x, y, n)
+    return train_step(self, *args)
 trainer.Trainer._train_step = step
 from mpidl.cli import main
 sys.exit(main(["train", *sys.argv[1:]]))

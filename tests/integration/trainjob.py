@@ -1,0 +1,33 @@
+"""Helpers of the tests that launch `mpidl train`: a small corpus, a launch, the results."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import h5py
+
+from mpidl.testing.launch import mpiexec
+
+# 6000 reviews, 64 tokens: 94 steps of 64 per epoch, about a second of training.
+SMALL = ["--data.num-train=6000", "--data.num-test=2000", "--data.vocab-size=2000",
+         "--data.seq-len=64", "--lr=1e-2", "--log-every=4", "--progress=never"]
+EPOCH = 94
+
+
+def train(n, run_dir, cache, *args, timeout=240):
+    cmd = [sys.executable, "-m", "mpidl", "train", *SMALL, f"--data.cache-dir={cache}",
+           f"--run-dir={run_dir}", *args]
+    return mpiexec(n, cmd, timeout=timeout)
+
+
+def final_parameters(run_dir):
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    last = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".h5"))[-1]
+    with h5py.File(os.path.join(ckpt_dir, last), "r") as f:
+        return int(f.attrs["step"]), {k: f["model"][k][()] for k in f["model"]}
+
+
+def evals(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "eval"]
