@@ -30,14 +30,18 @@ def assert_all_ranks(comm: Any, ok: bool, message: str = "") -> None:
 
 
 def describe_mismatch(actual: Any, desired: Any, rtol: float, atol: float) -> str:
-    """One line saying where and by how much two arrays differ ('' if they match)."""
+    """One line saying where and by how much two arrays differ ('' if they match).
+
+    A NaN matches a NaN (as in ``numpy.testing.assert_allclose``), so a test can say
+    where a NaN must arrive; anywhere else a NaN is a difference.
+    """
     a, d = as_numpy(actual), as_numpy(desired)
     if a.shape != d.shape:
         return f"shape {a.shape} != expected {d.shape}"
     if a.dtype.kind in "biu" and d.dtype.kind in "biu":
         bad = a != d
     else:
-        bad = ~numpy.isclose(a, d, rtol=rtol, atol=atol)
+        bad = ~numpy.isclose(a, d, rtol=rtol, atol=atol, equal_nan=True)
     if not bad.any():
         return ""
     idx = tuple(int(i) for i in numpy.argwhere(bad)[0])

@@ -15,7 +15,7 @@ from mpidl.comm import DistributedError, split_counts
 import mpidl.functions as F
 from mpidl.functions import softmax_cross_entropy
 from mpidl.models import bow, mlp, transformer
-from mpidl.nn import Linear, Module
+from mpidl.nn import Linear, Module, Parameter
 from mpidl.optim import SGD, AdamW
 from mpidl.parallel import DataParallel
 from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
@@ -323,6 +323,35 @@ def test_compressed_gradients_stay_close_to_full_precision(comm, compression):
     train_reference(ref, SGD(ref.parameters(), lr=0.1), batches("mlp", 2, 2 * comm.size))
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_allclose_all_ranks(comm, p.data, q.data, dtype=compression, what=name)
+
+
+class _Scaled(Module):
+    """loss = sum(w * c): the gradient of ``w`` is ``c``, bit pattern and all."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = Parameter(numpy.ones(n, dtype="float32"))
+
+    def forward(self, c):
+        return F.sum(self.w * c)
+
+
+@pytest.mark.parametrize("compression", [None, "float16", "bfloat16"])
+def test_a_nan_gradient_on_one_rank_is_a_nan_on_every_rank(comm, compression):
+    # Quiet NaNs whose payload bfloat16 rounding carried into the exponent or past 2**32
+    # (-0.0 and 0.0 on the wire): the other ranks' sum came back finite and the NaN was
+    # lost to the non-finite gradient policy.
+    nans = numpy.array([0x7FFFFFFF, 0xFFFF8000, 0xFFFFFFFF], dtype=numpy.uint32)
+    c = numpy.full(len(nans) + 2, comm.rank + 1.0, dtype=numpy.float32)
+    if comm.rank == comm.size - 1:
+        c[:len(nans)] = nans.view(numpy.float32)
+    dp = DataParallel(_Scaled(c.size), comm, compression=compression)
+    dp.backward(dp(c), global_count=comm.size)
+    expected = numpy.full(c.size, sum(r + 1.0 for r in range(comm.size)) / comm.size,
+                          dtype=numpy.float32)
+    expected[:len(nans)] = numpy.nan
+    assert_allclose_all_ranks(comm, dp.module.w.grad, expected, dtype=compression or "float32")
+    dp.remove_hooks()
 
 
 @pytest.mark.parametrize("per_node", [True, 2])
