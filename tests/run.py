@@ -11,7 +11,9 @@ Each MPI size runs as ``mpiexec -n N python tests/run.py --worker ...``: every r
 pytest with the ``--with-mpi`` flag of pytest-mpi and writes a JUnit XML report; rank 0
 prints its output, the other ranks' output goes to a log that is shown if they fail. The
 run fails if any rank of any size fails, and every launch has a wall-clock limit, so a
-hang is a failure rather than a stuck CI. The last line sums up all runs:
+hang is a failure rather than a stuck CI. The suite must leave the environment as it
+found it: the run also fails if, at its end, ``import mpidl`` or the ``mpidl`` console
+script next to this Python does not work. The last line sums up all runs:
 ``suite: N passed, N failed, N skipped``.
 """
 from __future__ import annotations
@@ -45,6 +47,35 @@ def _counts(xml_path: str) -> dict[str, int]:
         counts["skipped"] += skipped
         counts["passed"] += tests - failed - skipped
     return counts
+
+
+def installation_problems(python: str = sys.executable) -> list[str]:
+    """What fails of mpidl's installation in ``python``'s environment ([] if nothing).
+
+    Checked from outside the source tree and without ``PYTHONPATH``, so that the
+    checkout's ``mpidl/`` does not stand in for an installed copy: ``import mpidl`` and
+    its distribution's metadata, and ``mpidl --help`` through the console script next
+    to ``python`` (where pip puts it in a virtual environment).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = os.path.join(os.path.dirname(python), "mpidl")
+    checks = [
+        (f"`import mpidl` in {python}",
+         [python, "-c", "import importlib.metadata, mpidl; importlib.metadata.version('mpidl')"]),
+        (f"the console script {script}", [script, "--help"]),
+    ]
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="mpidl-install-check-") as away:
+        for what, cmd in checks:
+            try:
+                proc = subprocess.run(cmd, cwd=away, env=env, capture_output=True, text=True,
+                                      timeout=120)
+                error = proc.stderr.strip().splitlines()[-1:] if proc.returncode else None
+            except OSError as e:
+                error = [str(e)]
+            if error is not None:
+                problems.append(f"{what} fails: {' '.join(error) or 'no message'}")
+    return problems
 
 
 def worker(report_dir: str, pytest_args: list[str]) -> int:
@@ -118,6 +149,7 @@ def main(argv: list[str]) -> int:
 
     total = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
+    installed_before = not installation_problems()
     with tempfile.TemporaryDirectory(prefix="mpidl-tests-") as report_dir:
         # `--sizes 2` asks for the MPI tests at 2 ranks, not for the whole suite too.
         single = not args.no_single and args.sizes is None
@@ -137,6 +169,18 @@ def main(argv: list[str]) -> int:
                 total[k] += counts[k]
             if code != 0:
                 failures.append(f"{name} (exit {code})")
+    problems = installation_problems()
+    if problems:
+        # A test that installs or uninstalls packages in this environment (pip install
+        # --prefix removed the installed mpidl, issue #13) breaks the next run and the user.
+        cause = ("the test run removed it: some test changed this environment's packages"
+                 if installed_before else
+                 f"it was not installed: `{sys.executable} -m pip install -e '.[mpi,test]'`")
+        print("\n!!! mpidl is not usable in this environment after the tests; " + cause)
+        for p in problems:
+            print(f"!!!   {p}")
+        failures.append("installation check")
+        total["failed"] += 1
     print()
     if failures:
         print("FAILED: " + "; ".join(failures))

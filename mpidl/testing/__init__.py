@@ -6,6 +6,7 @@ from mpidl.testing.collective import (
     assert_all_ranks,
     assert_allclose_all_ranks,
     describe_mismatch,
+    raises_all_ranks,
 )
 from mpidl.testing.gradcheck import gradcheck, numerical_grad
 from mpidl.testing.tolerance import allclose, tolerance
@@ -14,6 +15,7 @@ __all__ = [
     "assert_all_ranks",
     "assert_allclose_all_ranks",
     "describe_mismatch",
+    "raises_all_ranks",
     "allclose",
     "gradcheck",
     "numerical_grad",

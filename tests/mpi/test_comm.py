@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 from mpidl.comm import DistributedError, split_counts
-from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
+from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks, raises_all_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -48,9 +48,8 @@ def test_allreduce_returns_new_array_and_keeps_input(comm, xp):
 
 
 def test_allreduce_rejects_unknown_op_on_every_rank(comm):
-    with pytest.raises(ValueError, match="unknown reduction op 'avg'"):
+    with raises_all_ranks(comm, ValueError, match="unknown reduction op 'avg'"):
         comm.allreduce_(numpy.zeros(2), op="avg")
-    assert_all_ranks(comm, True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,7 +161,7 @@ def test_object_collectives_carry_small_metadata(comm):
 
 def test_check_raises_on_every_rank_naming_the_failing_rank(comm):
     bad = comm.size - 1
-    with pytest.raises(DistributedError) as info:
+    with raises_all_ranks(comm, DistributedError) as info:
         comm.check(comm.rank != bad, f"rank {comm.rank} saw a bad value 42")
     err = info.value
     ok = err.failed_ranks == [bad] and f"rank {bad}: rank {bad} saw a bad value 42" in str(err)
@@ -198,11 +197,10 @@ def test_mismatched_collective_is_reported_in_check_mode(comm):
     comm.check_collectives = True
     try:
         shape = (3,) if comm.rank == 0 else (4,)
-        with pytest.raises(DistributedError, match="collective mismatch"):
+        with raises_all_ranks(comm, DistributedError, match="collective mismatch"):
             comm.allreduce_(numpy.zeros(shape))
     finally:
         comm.check_collectives = False
-    assert_all_ranks(comm, True)
 
 
 def test_check_mode_accepts_the_same_custom_op_on_every_rank(comm):
@@ -227,9 +225,8 @@ def test_check_mode_accepts_the_same_custom_op_on_every_rank(comm):
 def test_unreducible_dtypes_are_the_same_clear_error_on_any_size(comm, dtype, message):
     x = numpy.zeros(3, dtype=dtype)
     for reduce in (comm.allreduce_, comm.iallreduce_, comm.reduce_):
-        with pytest.raises(TypeError, match=message):
+        with raises_all_ranks(comm, TypeError, match=message):
             reduce(x)
-    assert_all_ranks(comm, True)
 
 
 def test_zero_d_arrays_keep_their_shape(comm):
@@ -289,7 +286,8 @@ def test_node_shared_arrays_sum_every_rank_in_place(comm):
     arrays = [ranked(numpy, (n,), dtype, comm.rank) for n, dtype in shapes]
     shared = NodeSharedArrays(comm, arrays)
     try:
-        assert all(numpy.array_equal(a, b) for a, b in zip(shared.local, arrays))
+        assert_all_ranks(comm, all(numpy.array_equal(a, b) for a, b in zip(shared.local, arrays)),
+                         "the shared copies do not start as the arrays given")
         for rounds in (1, 2):
             shared.allreduce_()
             for (n, dtype), mine in zip(shapes, shared.local):

@@ -15,10 +15,10 @@ from mpidl.comm import DistributedError, split_counts
 import mpidl.functions as F
 from mpidl.functions import softmax_cross_entropy
 from mpidl.models import bow, mlp, transformer
-from mpidl.nn import Linear, Module
+from mpidl.nn import Linear, Module, Parameter
 from mpidl.optim import SGD, AdamW
 from mpidl.parallel import DataParallel
-from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
+from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks, raises_all_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -151,7 +151,8 @@ def test_shared_memory_buckets_train_like_mpi_allreduce(comm):
     for shared in (None, False):
         model = small_mlp()
         dp = DataParallel(model, comm, shared_memory=shared)
-        assert (dp.node_sum is not None) == (shared is None and comm.size > 1)
+        assert_all_ranks(comm, (dp.node_sum is not None) == (shared is None and comm.size > 1),
+                         f"shared_memory={shared}: node_sum {dp.node_sum}")
         train_parallel(comm, dp, SGD(model.parameters(), lr=0.1, momentum=0.9),
                        batches("mlp", 3, 4 * comm.size))
         x, y = next(batches("mlp", 1, 4 * comm.size, seed=9))
@@ -159,8 +160,9 @@ def test_shared_memory_buckets_train_like_mpi_allreduce(comm):
         dp.backward(softmax_cross_entropy(dp(xs), ys, reduction="sum"), global_count=len(x))
         grads = [p.grad.copy() for p in model.parameters()]
         dp.remove_hooks()
-        assert dp.node_sum is None
-        assert all(numpy.array_equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        kept = all(numpy.array_equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        assert_all_ranks(comm, dp.node_sum is None and kept,
+                         f"after remove_hooks: node_sum {dp.node_sum}, gradients kept {kept}")
         runs[shared] = model
     assert_same_parameters(comm, runs[None], runs[False])
 
@@ -181,7 +183,7 @@ def test_grads_kept_across_remove_hooks_stay_readable_until_close(comm):
     dp.remove_hooks()  # again: nothing
     ok = all(numpy.array_equal(k, e) for k, e in zip(kept, expected))
     ok &= all(numpy.array_equal(p.grad, e) for p, e in zip(model.parameters(), expected))
-    with pytest.raises(RuntimeError, match="after remove_hooks"):
+    with raises_all_ranks(comm, RuntimeError, match="after remove_hooks"):
         dp.backward(F.sum(dp(x)), global_count=2 * comm.size)
     shared = getattr(dp, "_retired_window", None) is not None
     assert_all_ranks(comm, ok and shared == (comm.size > 1 and comm.local_size == comm.size),
@@ -208,7 +210,7 @@ def test_wrapping_a_model_again_replaces_the_old_wrapper(comm):
 
 
 def test_shared_memory_that_cannot_be_used_is_an_error_on_every_rank(comm):
-    with pytest.raises(ValueError, match="shared_memory=True"):
+    with raises_all_ranks(comm, ValueError, match="shared_memory=True"):
         DataParallel(small_mlp(), comm, shared_memory=True, compression="bfloat16")
 
 
@@ -221,7 +223,7 @@ def test_a_full_dev_shm_falls_back_to_allreduce(comm, monkeypatch):
     monkeypatch.setattr(data_module, "_shm_free_bytes", lambda: 1024)
     dp = DataParallel(small_mlp(), comm)
     assert_all_ranks(comm, dp.node_sum is None)
-    with pytest.raises(ValueError, match="/dev/shm has 0 MiB free"):
+    with raises_all_ranks(comm, ValueError, match="/dev/shm has 0 MiB free"):
         DataParallel(small_mlp(), comm, shared_memory=True)
 
 
@@ -273,7 +275,7 @@ def test_a_rank_with_a_different_model_gets_a_clear_error_everywhere(comm):
     if comm.size == 1:
         pytest.skip("needs two ranks to differ")
     sizes = (12, 16, 16, 3) if comm.rank != comm.size - 1 else (12, 16, 17, 3)
-    with pytest.raises(DistributedError) as info:
+    with raises_all_ranks(comm, DistributedError) as info:
         DataParallel(mlp(sizes=sizes, seed=7), comm)
     text = str(info.value)
     ok = f"rank {comm.size - 1} has" in text and "rank 0 has" in text and "shape" in text
@@ -284,7 +286,8 @@ def test_ranks_with_different_options_get_a_clear_error_everywhere(comm):
     if comm.size == 1:
         pytest.skip("needs two ranks to differ")
     compression = "bfloat16" if comm.rank == 1 else None
-    with pytest.raises(DistributedError, match="compression: rank 0 None, rank 1 'bfloat16'"):
+    with raises_all_ranks(comm, DistributedError,
+                          match="compression: rank 0 None, rank 1 'bfloat16'"):
         DataParallel(small_mlp(), comm, compression=compression)
 
 
@@ -297,12 +300,12 @@ def test_options_that_only_look_alike_or_fail_on_one_rank_are_errors_everywhere(
     if comm.size == 1:
         pytest.skip("needs two ranks to differ")
     value = theirs if comm.rank == comm.size - 1 else mine
-    with pytest.raises(DistributedError, match=f"{option}: rank 0 {mine!r}"):
+    with raises_all_ranks(comm, DistributedError, match=f"{option}: rank 0 {mine!r}"):
         DataParallel(small_mlp(), comm, **{option: value})
 
 
 def test_an_option_wrong_on_every_rank_is_a_value_error_everywhere(comm):
-    with pytest.raises(ValueError, match="bucket_mb=0 must be > 0"):
+    with raises_all_ranks(comm, ValueError, match="bucket_mb=0 must be > 0"):
         DataParallel(small_mlp(), comm, bucket_mb=0)
     dp = DataParallel(small_mlp(), comm, bucket_mb=4 if comm.rank % 2 else 4.0)  # agree
     assert_all_ranks(comm, dp.bucket_mb == 4)
@@ -323,6 +326,35 @@ def test_compressed_gradients_stay_close_to_full_precision(comm, compression):
     train_reference(ref, SGD(ref.parameters(), lr=0.1), batches("mlp", 2, 2 * comm.size))
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_allclose_all_ranks(comm, p.data, q.data, dtype=compression, what=name)
+
+
+class _Scaled(Module):
+    """loss = sum(w * c): the gradient of ``w`` is ``c``, bit pattern and all."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = Parameter(numpy.ones(n, dtype="float32"))
+
+    def forward(self, c):
+        return F.sum(self.w * c)
+
+
+@pytest.mark.parametrize("compression", [None, "float16", "bfloat16"])
+def test_a_nan_gradient_on_one_rank_is_a_nan_on_every_rank(comm, compression):
+    # Quiet NaNs whose payload bfloat16 rounding carried into the exponent or past 2**32
+    # (-0.0 and 0.0 on the wire): the other ranks' sum came back finite and the NaN was
+    # lost to the non-finite gradient policy.
+    nans = numpy.array([0x7FFFFFFF, 0xFFFF8000, 0xFFFFFFFF], dtype=numpy.uint32)
+    c = numpy.full(len(nans) + 2, comm.rank + 1.0, dtype=numpy.float32)
+    if comm.rank == comm.size - 1:
+        c[:len(nans)] = nans.view(numpy.float32)
+    dp = DataParallel(_Scaled(c.size), comm, compression=compression)
+    dp.backward(dp(c), global_count=comm.size)
+    expected = numpy.full(c.size, sum(r + 1.0 for r in range(comm.size)) / comm.size,
+                          dtype=numpy.float32)
+    expected[:len(nans)] = numpy.nan
+    assert_allclose_all_ranks(comm, dp.module.w.grad, expected, dtype=compression or "float32")
+    dp.remove_hooks()
 
 
 @pytest.mark.parametrize("per_node", [True, 2])

@@ -1,8 +1,14 @@
 """A wheel (a non-editable install) carries what the package needs outside its modules:
-the Slurm templates, the presets and the site profiles."""
+the Slurm templates, the presets and the site profiles.
+
+The test leaves the environment it runs in as it found it: the wheel is built from a
+copy of the source tree and installed into a prefix of its own, never over the
+environment's mpidl.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,18 +20,27 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _suite_runner():
+    """tests/run.py, whose installation check this test must leave passing."""
+    spec = importlib.util.spec_from_file_location("suite_runner", os.path.join(ROOT, "tests",
+                                                                               "run.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
+    # setuptools writes build/ and *.egg-info where it builds, and a stale build/ would
+    # end up in the wheel: build from a copy, so nothing is written into the checkout.
+    src = tmp_path_factory.mktemp("source") / "mpidl"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+        "runs", ".mpidl-cache"))
     out = tmp_path_factory.mktemp("wheel")
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-           "-w", str(out), ROOT]
-    build = os.path.join(ROOT, "build")  # setuptools builds in the source tree
-    had_build = os.path.exists(build)
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    finally:
-        if not had_build:
-            shutil.rmtree(build, ignore_errors=True)
+           "-w", str(out), str(src)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if run.returncode != 0 and "No module named" in run.stderr:
         pytest.skip(f"cannot build a wheel here: {run.stderr.strip()[-200:]}")
     assert run.returncode == 0, run.stderr
@@ -43,10 +58,17 @@ def test_the_wheel_carries_templates_presets_and_profiles(wheel, tmp_path):
     assert any(n.startswith("hpc/profiles/") and n.endswith(".toml") for n in names)
 
     # Installed into a prefix of its own, `hpc.sbatch` finds the templates there (and not
-    # through the source tree, which a real install does not have).
+    # through the source tree, which a real install does not have). Without
+    # --ignore-installed, pip first uninstalls the mpidl of the environment it runs in
+    # (the venv lost mpidl and its console script on every test run).
+    runner = _suite_runner()
+    before = runner.installation_problems(sys.executable)
     prefix = tmp_path / "prefix"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix",
-                    str(prefix), str(wheel)], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--ignore-installed", "--prefix", str(prefix), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    after = runner.installation_problems(sys.executable)
+    assert after == before, f"installing into {prefix} changed this environment: {after}"
     site = next(prefix.glob("lib/python*/site-packages"))
     probe = (
         "import sys; sys.prefix = sys.argv[1]; from hpc import sbatch;"
