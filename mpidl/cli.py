@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("hpc.bench:main", "collective micro-benchmarks: latency, busbw, alpha-beta fit"),
     "demo": ("mpidl.demo:main", "a short demonstration of the communicator on all ranks"),
     "run": ("mpidl.cli:run_main", "run a Python script with the abort-all-ranks exception hook"),
+    "launch": ("hpc.launch:main", "run mpiexec so that SIGTERM checkpoints and exits 75"),
 }
 
 

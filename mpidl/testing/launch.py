@@ -6,12 +6,13 @@ the whole process group is killed and :class:`LaunchTimeout` says what was runni
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+from hpc.launch import is_open_mpi, mpiexec_path
 
 
 class LaunchTimeout(AssertionError):
@@ -32,32 +33,13 @@ class Launched:
         return self.stdout + self.stderr
 
 
-def mpiexec_path() -> str:
-    """The ``mpiexec`` next to this Python (the Open MPI wheel's), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = here if os.path.exists(here) else shutil.which("mpiexec")
-    if not found:
-        raise FileNotFoundError(
-            "no mpiexec found next to the Python interpreter or on PATH; install the "
-            "Open MPI wheel with `pip install mpidl[mpi]` or load your site's MPI module")
-    return found
-
-
 def mpiexec_command(n: int, args: Sequence[str]) -> list[str]:
     """The command line that runs ``args`` on ``n`` ranks with this machine's launcher."""
     cmd = [mpiexec_path(), "-n", str(n)]
-    if _is_open_mpi(cmd[0]):
+    if is_open_mpi(cmd[0]):
         # CI machines may report fewer slots than ranks; oversubscribing is what we want.
         cmd += ["--oversubscribe"]
     return cmd + list(args)
-
-
-def _is_open_mpi(path: str) -> bool:
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
 
 
 def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -255,3 +255,40 @@ def test_a_full_disk_at_resume_is_named_and_leaves_the_run_directory_as_it_was(
     assert result.stderr.count(f"cannot prepare the run directory {run}") == 1, result.stderr
     assert "File too large" in result.stderr
     assert snapshot(run) == before  # no trimmed metrics, no new config, no .tmp left
+
+
+# -- stopping a job from its launcher -------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["SIGTERM to mpidl launch", "SIGUSR1 to mpiexec"])
+def test_a_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, cache, how):
+    import signal
+    import time
+
+    from mpidl.testing.launch import launch_env, mpiexec_command
+
+    slow = ["--epochs=2", "--model=transformer", "--model.dim=16", "--model.layers=1",
+            "--model.heads=2", "--model.ffn=32", "--log-every=1"]
+    run = str(tmp_path / "run")
+    cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *slow,
+                              f"--data.cache-dir={cache}", f"--run-dir={run}"])
+    sig = signal.SIGUSR1
+    if how.endswith("mpidl launch"):
+        cmd, sig = [sys.executable, "-m", "mpidl", "launch", *cmd[1:]], signal.SIGTERM
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env(), start_new_session=True)
+    try:
+        metrics = os.path.join(run, "metrics.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+                break
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, out + err
+    assert "preempted" in out and "exiting with 75" in out, out
+    step, _ = final_parameters(run)
+    assert 0 < step < 2 * EPOCH, step
