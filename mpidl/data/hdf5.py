@@ -40,6 +40,7 @@ import numpy
 from mpidl.data.format import DataError, Feature, Manifest, parse_manifest, read_manifest
 from mpidl.data.sampler import coalesce_runs
 from mpidl.data.shard import ShardFile, verify_checksum
+from mpidl.data.splits import check_splits_agree
 
 VERIFY_LEVELS = ("none", "size", "sha256")
 
@@ -406,17 +407,24 @@ def verify_dataset(path: str, level: str = "sha256", comm: Any = None) -> list[S
     """Check every split under ``path`` (the ``mpidl shard --verify`` check).
 
     ``"sha256"`` hashes every shard and checks every label, besides the sizes, datasets,
-    dtypes and shapes. Collective when ``comm`` is given: each rank hashes a share.
+    dtypes and shapes; and the splits must agree with ``train`` (features, vocabulary,
+    classes: :func:`~mpidl.data.splits.check_splits_agree`). Collective when ``comm`` is given: each rank hashes a share.
 
     Raises:
         DataError: listing every bad file of every bad split.
     """
     good, problems = [], []
-    for d in split_dirs(path):
+    # train first: the split the others must agree with
+    dirs = sorted(split_dirs(path), key=lambda d: os.path.basename(d) != "train")
+    for d in dirs:
         try:
             good.append(ShardedDataset(d, verify=level, comm=comm))
         except DataError as e:  # the other splits are still checked and named
             problems.append(str(e))
+    try:
+        check_splits_agree({ds.path: ds.manifest for ds in good})
+    except DataError as e:
+        problems.append(str(e))
     if problems:
         raise DataError("\n".join(problems))
     return good
