@@ -37,6 +37,7 @@ from mpidl.data.format import (
     Feature,
     Manifest,
     Shard,
+    check_num_classes,
     sha256_file,
     shard_name,
     write_manifest,
@@ -161,6 +162,8 @@ def _check_labels(
         raise DataError(
             f"{source}: labels {labels!r} must be a 1-d integer feature of {sorted(arrays)}"
         )
+    check_num_classes(num_classes, source, f"are the values of {labels!r} class ids? Shard "
+                      "it without labels (labels=None, `--labels none`) if not")
     bad = numpy.flatnonzero((y < 0) | (y >= num_classes))
     if bad.size:
         raise DataError(

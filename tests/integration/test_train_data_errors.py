@@ -75,3 +75,18 @@ def test_a_test_split_declaring_3_classes_against_2_is_refused(tmp_path):
     data = shard(tmp_path, "data")
     edit_manifest(os.path.join(data, "test"), lambda m: m["labels"].update(num_classes=3))
     refused_once(train(tmp_path, data), f"{data}/test: 3 classes, {data}/train has 2")
+
+
+def test_an_absurd_num_classes_in_a_manifest_is_refused_before_any_allocation(tmp_path):
+    data = shard(tmp_path, "data")
+    for split in ("train", "test"):
+        edit_manifest(os.path.join(data, split),
+                      lambda m: m["labels"].update(num_classes=10**9))
+    refused_once(train(tmp_path, data), f"{data}/train/manifest.json", "num_classes 1000000000")
+
+
+def test_a_nul_byte_in_a_shard_name_is_a_data_error_naming_the_manifest(tmp_path):
+    data = shard(tmp_path, "data")
+    edit_manifest(os.path.join(data, "train"),
+                  lambda m: m["shards"][0].update(file="shard-0\x000000.h5"))
+    refused_once(train(tmp_path, data), f"{data}/train/manifest.json", "NUL")

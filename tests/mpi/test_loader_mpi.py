@@ -7,6 +7,7 @@ rank. Run at 1, 2 and 3 ranks::
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -139,3 +140,33 @@ def test_manifest_error_is_raised_on_every_rank(comm, shared_dir):
     except DataError as e:
         message = str(e)
     assert_all_ranks(comm, "no manifest.json" in message, message)
+
+
+def edit_manifest(comm, split, change):
+    """Rank 0 applies ``change`` to the split's decoded manifest; all ranks wait."""
+    if comm.rank == 0:
+        path = os.path.join(split, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        change(manifest)
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    comm.barrier()
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda m: m["shards"][1].update(file="shard-0\x000001.h5"), "holds a NUL byte"),
+    (lambda m: m["labels"].update(num_classes=10**9), "num_classes 1000000000 is more than"),
+], ids=["nul-in-shard-name", "absurd-num-classes"])
+def test_a_corrupt_manifest_raises_the_same_data_error_on_every_rank(
+        comm, shared_dir, change, expected):
+    path = write_dataset(comm, shared_dir)
+    edit_manifest(comm, path, change)
+    try:
+        ShardedDataset(path, comm=comm)
+        message = "no error"
+    except DataError as e:
+        message = str(e)
+    same = len(set(comm.allgather_obj(message))) == 1
+    ok = message.startswith(os.path.join(path, "manifest.json")) and expected in message
+    assert_all_ranks(comm, ok and same, f"expected one DataError everywhere, got {message!r}")

@@ -8,7 +8,13 @@ import os
 import numpy
 import pytest
 
-from mpidl.data import DataError, DataLoader, DistributedSampler, ShardedDataset, write_shards
+from mpidl.data import (
+    DataError,
+    DataLoader,
+    DistributedSampler,
+    ShardedDataset,
+    write_shards,
+)
 from mpidl.data.command import main as shard_main
 from mpidl.data.format import sha256_file
 from mpidl.data.sources import read_csv, read_folder
@@ -264,3 +270,22 @@ def test_bad_folder_inputs(tmp_path):
 def test_cli_reports_bad_input_and_exits_non_zero(tmp_path, capsys):
     rc = shard_main(["--from-npz", str(tmp_path / "absent.npz"), str(tmp_path / "d")])
     assert rc == 1 and "absent.npz: no such file" in capsys.readouterr().err
+
+
+def test_a_nul_byte_in_a_shard_name_is_a_data_error_naming_the_manifest(split, capsys):
+    edit_manifest(split, lambda d: d["shards"][0].update(file="shard-0\x000000.h5"))
+    message = expect(split, "holds a NUL byte", verify="none")
+    assert message.startswith(str(split / "manifest.json"))
+    assert shard_main(["--verify", str(split)]) == 1  # bad data, not bad usage
+    assert "NUL byte" in capsys.readouterr().err
+
+
+def test_an_absurd_num_classes_in_a_manifest_is_refused_naming_it(split):
+    edit_manifest(split, lambda d: d["labels"].update(num_classes=10**9))
+    message = expect(split, "num_classes 1000000000 is more than the 16777216", verify="none")
+    assert message.startswith(str(split / "manifest.json")) and "`mpidl shard`" in message
+
+
+def test_the_writer_refuses_labels_that_cannot_be_class_ids(tmp_path):
+    with pytest.raises(DataError, match="num_classes 1000000001 is more than .* `--labels none`"):
+        write_shards(tmp_path / "d", {"x": numpy.zeros((2, 1)), "y": numpy.array([0, 10**9])})
