@@ -11,8 +11,10 @@ import os
 import shutil
 import sys
 
+import h5py
 import pytest
 
+from mpidl.data.format import sha256_file
 from mpidl.testing.launch import mpiexec
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -90,3 +92,17 @@ def test_a_nul_byte_in_a_shard_name_is_a_data_error_naming_the_manifest(tmp_path
     edit_manifest(os.path.join(data, "train"),
                   lambda m: m["shards"][0].update(file="shard-0\x000000.h5"))
     refused_once(train(tmp_path, data), f"{data}/train/manifest.json", "NUL")
+
+
+def test_a_token_id_out_of_range_names_the_shard_split_value_and_limit(tmp_path):
+    data = shard(tmp_path, "data")
+    path = os.path.join(data, "train", "shard-00000.h5")
+    with h5py.File(path, "r+") as f:
+        x = f["x"][...]
+        x[5, 2] = 60000
+        f["x"][...] = x
+    edit_manifest(os.path.join(data, "train"), lambda m: m["shards"][0].update(
+        bytes=os.path.getsize(path), sha256=sha256_file(path)))
+    # Token ids small enough to cache are checked at start-up, on every rank together.
+    refused_once(train(tmp_path, data), f"{path}: token id 60000 at row 5 is outside [0, ",
+                 "split 'train'", "rewrite the dataset with `mpidl shard`")

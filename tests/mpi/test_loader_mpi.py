@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 
+import h5py
 import numpy
 import pytest
 
@@ -22,7 +23,9 @@ from mpidl.data import (
     ExactAccuracy,
     ShardedDataset,
     write_shards,
+    write_text_shards,
 )
+from mpidl.data.format import sha256_file
 from mpidl.data import loader as loader_module
 from mpidl.testing import assert_all_ranks
 
@@ -169,4 +172,26 @@ def test_a_corrupt_manifest_raises_the_same_data_error_on_every_rank(
         message = str(e)
     same = len(set(comm.allgather_obj(message))) == 1
     ok = message.startswith(os.path.join(path, "manifest.json")) and expected in message
+    assert_all_ranks(comm, ok and same, f"expected one DataError everywhere, got {message!r}")
+
+
+def test_a_token_id_out_of_range_raises_the_same_error_on_every_rank(comm, shared_dir):
+    path = os.path.join(shared_dir, "t", "train")
+    shard = os.path.join(path, "shard-00002.h5")
+    if comm.rank == 0:
+        texts = [f"{w} film {i}" for i, w in enumerate(["good", "bad"] * 50)]
+        write_text_shards(os.path.join(shared_dir, "t"), texts, ["pos", "neg"] * 50, length=4,
+                          rows_per_shard=30, shuffle=False)
+        with h5py.File(shard, "r+") as f:
+            f["x"][7, 1] = 99999
+    comm.barrier()
+    edit_manifest(comm, path, lambda m: m["shards"][2].update(
+        bytes=os.path.getsize(shard), sha256=sha256_file(shard)))
+    try:
+        ShardedDataset(path, comm=comm, verify="sha256")
+        message = "no error"
+    except DataError as e:
+        message = str(e)
+    same = len(set(comm.allgather_obj(message))) == 1
+    ok = "shard-00002.h5: token id 99999 at row 7" in message and "split 'train'" in message
     assert_all_ranks(comm, ok and same, f"expected one DataError everywhere, got {message!r}")

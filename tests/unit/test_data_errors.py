@@ -14,6 +14,7 @@ from mpidl.data import (
     DistributedSampler,
     ShardedDataset,
     write_shards,
+    write_text_shards,
 )
 from mpidl.data.command import main as shard_main
 from mpidl.data.format import sha256_file
@@ -174,13 +175,13 @@ def test_labels_out_of_range_fail_on_read_and_verify(split):
     y = numpy.zeros(PER, numpy.int64)
     y[7] = 3  # num_classes is 3
     rewrite_shard(split, 1, {"x": numpy.zeros((PER, 3), numpy.float32), "y": y})
-    for cache_bytes in (0, 1 << 20):  # labels read per batch, or whole on first use
-        ds = ShardedDataset(str(split), cache_bytes=cache_bytes)
-        loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, shuffle="none"), prefetch=2)
-        with pytest.raises(
-            DataError, match=r"shard-00001.h5: label 3 at row 7 is outside \[0, 3\)"
-        ):
-            list(loader)
+    ds = ShardedDataset(str(split), cache_bytes=0)  # labels read per batch: found by the read
+    loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, shuffle="none"), prefetch=2)
+    with pytest.raises(
+        DataError, match=r"shard-00001.h5: label 3 at row 7 is outside \[0, 3\)"
+    ):
+        list(loader)
+    expect(split, "label 3 at row 7")  # small enough to cache: found at start-up
     expect(split, "label 3 at row 7", verify="sha256")
 
 
@@ -270,6 +271,46 @@ def test_bad_folder_inputs(tmp_path):
 def test_cli_reports_bad_input_and_exits_non_zero(tmp_path, capsys):
     rc = shard_main(["--from-npz", str(tmp_path / "absent.npz"), str(tmp_path / "d")])
     assert rc == 1 and "absent.npz: no such file" in capsys.readouterr().err
+
+
+@pytest.fixture
+def text_split(tmp_path):
+    texts = [f"{w} film number {i}" for i, w in enumerate(["good", "bad"] * 12)]
+    labels = ["pos", "neg"] * 12
+    write_text_shards(str(tmp_path / "t"), texts, labels, length=6, rows_per_shard=10,
+                      shuffle=False)
+    return tmp_path / "t" / "train"
+
+
+@pytest.mark.parametrize("token", [60000, -3])
+def test_a_token_id_out_of_range_names_the_shard_split_value_and_limit(text_split, token):
+    ds = ShardedDataset(str(text_split))
+    x, y = ds.read("x", range(10, 20)), ds.read("y", range(10, 20))
+    x[4, 2] = token
+    ds.close()
+    path = rewrite_shard(text_split, 1, {"x": x, "y": y})
+    words = len(ds.vocab)
+    ds = ShardedDataset(str(text_split), cache_bytes=0)  # ids read per batch: found by the read
+    loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, shuffle="none"))
+    with pytest.raises(DataError) as info:
+        list(loader)
+    found_by_the_read = str(info.value)
+    found_at_start_up = expect(text_split, "outside")  # small enough to cache
+    for message in (found_by_the_read, found_at_start_up):
+        assert message.startswith(f"{path}: token id {token} at row 4 is outside [0, {words})")
+        assert "split 'train'" in message and f"vocabulary has {words} words" in message
+        assert "rewrite the dataset with `mpidl shard`" in message
+    assert f"token id {token} at row 4" in expect(text_split, "outside", verify="sha256")
+
+
+def test_verify_finds_a_token_id_out_of_range(text_split, capsys):
+    ds = ShardedDataset(str(text_split))
+    x, y = ds.read("x", range(0, 10)), ds.read("y", range(0, 10))
+    x[9, 0] = len(ds.vocab)
+    ds.close()
+    rewrite_shard(text_split, 0, {"x": x, "y": y})
+    assert shard_main(["--verify", str(text_split.parent)]) == 1
+    assert f"shard-00000.h5: token id {len(ds.vocab)} at row 9" in capsys.readouterr().err
 
 
 def test_a_nul_byte_in_a_shard_name_is_a_data_error_naming_the_manifest(split, capsys):
