@@ -162,36 +162,6 @@ class Manifest:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class ValueRange:
-    """The values an integer feature's samples must take, ``[0, limit)``, and why."""
-
-    what: str  # "label", "token id"
-    limit: int
-    why: str  # "the manifest says num_classes=2"
-
-
-def value_ranges(manifest: Manifest) -> dict[str, ValueRange]:
-    """Feature name -> the range its values must lie in, checked on every read.
-
-    The label feature's values lie in ``[0, num_classes)``. A text dataset (one with a
-    ``vocab`` in its metadata: what ``write_text_shards`` writes) holds token ids in
-    ``x``, which lie in ``[0, len(vocab))``: a bad id would otherwise fail in the
-    embedding, naming no shard, or, on a GPU (whose ids the embedding does not check, to
-    save a sync), silently read another row.
-    """
-    out = {}
-    labels = manifest.labels
-    if labels is not None:
-        k = labels["num_classes"]
-        out[labels["feature"]] = ValueRange("label", k, f"the manifest says num_classes={k}")
-    vocab, x = manifest.metadata.get("vocab"), manifest.features.get("x")
-    if isinstance(vocab, list) and x is not None and x.dtype.kind in "iu" and "x" not in out:
-        out["x"] = ValueRange("token id", len(vocab),
-                              f"the manifest's vocabulary has {len(vocab)} words")
-    return out
-
-
 def check_num_classes(num_classes: int, where: str, fix: str) -> None:
     """Raise DataError naming ``where`` if ``num_classes`` exceeds :data:`MAX_CLASSES`."""
     _require(

@@ -25,7 +25,7 @@ Every problem is a :class:`~mpidl.data.format.DataError` naming the file: missin
 size different from the manifest (truncated), not an HDF5 file, a missing dataset, a dtype
 or shape different from the manifest, a checksum mismatch (``check("sha256")``), a label
 outside ``[0, num_classes)`` or a token id outside the vocabulary
-(:func:`~mpidl.data.format.value_ranges`; checked on every read, and by
+(:mod:`mpidl.data.ranges`; checked on every read, and by
 ``check("sha256")``). Errors found at start-up are collective (every rank raises the
 same one): the values of a feature small enough for ``cache_bytes`` are checked there;
 a bad value in a larger feature is found by the read, on the rank that reads it.
@@ -47,8 +47,8 @@ from mpidl.data.format import (
     Manifest,
     parse_manifest,
     read_manifest,
-    value_ranges,
 )
+from mpidl.data.ranges import bad_rows, out_of_range, value_ranges
 from mpidl.data.sampler import coalesce_runs
 from mpidl.data.shard import ShardFile, verify_checksum
 from mpidl.data.splits import check_splits_agree
@@ -265,12 +265,12 @@ class ShardedDataset:
         """Raise DataError if a value of ``name`` read from ``shard`` (its rows from
         ``first_row`` on) is outside the feature's range."""
         r = self.ranges[name]
-        if not _out_of_range(values, r.limit):
+        if not out_of_range(values, r.limit):
             return
-        bad = _bad_rows(values, r.limit)
+        bad = bad_rows(values, r.limit)
         row, path = first_row + int(bad[0]), self.shard_path(shard)
         sample = values[bad[0]].reshape(-1)
-        value = int(sample[_bad_rows(sample, r.limit)[0]])
+        value = int(sample[bad_rows(sample, r.limit)[0]])
         raise DataError(
             f"{path}: {r.what} {value} at row {row} is outside [0, {r.limit}) ({bad.size} "
             f"such rows of {name!r} in this read); split {self.manifest.split!r}: {r.why}. "
@@ -373,9 +373,9 @@ class ShardedDataset:
         self, name: str, values: numpy.ndarray, pieces: dict[int, list[tuple[int, int, int]]]
     ) -> None:
         limit = self.ranges[name].limit
-        if not _out_of_range(values, limit):  # one cheap test per batch; locate only if bad
+        if not out_of_range(values, limit):  # one cheap test per batch; locate only if bad
             return
-        i = int(_bad_rows(values, limit)[0])
+        i = int(bad_rows(values, limit)[0])
         for shard, rows in pieces.items():
             for row, n, at in rows:
                 if at <= i < at + n:
@@ -409,23 +409,6 @@ class ShardedDataset:
                 self.close()
         except Exception:
             pass
-
-
-def _out_of_range(values: numpy.ndarray, limit: int) -> bool:
-    """Whether any of ``values`` (integers, C-contiguous) is outside ``[0, limit)``."""
-    if not values.size:
-        return False
-    if values.dtype.kind == "i":  # as unsigned, negatives are huge: one pass finds both ends
-        return int(values.view(values.dtype.str.replace("i", "u")).max()) >= limit
-    if values.dtype.kind == "u":
-        return int(values.max()) >= limit
-    return bool(((values < 0) | (values >= limit)).any())
-
-
-def _bad_rows(values: numpy.ndarray, limit: int) -> numpy.ndarray:
-    """The indices of the rows (first axis) of ``values`` with a value outside ``[0, limit)``."""
-    return numpy.flatnonzero(((values < 0) | (values >= limit)).reshape(len(values), -1)
-                             .any(axis=1))
 
 
 def split_dirs(path: str) -> list[str]:
