@@ -6,7 +6,6 @@ The path a user takes: `mpidl shard` a CSV, (someone edits or mixes the files), 
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -14,7 +13,7 @@ import sys
 import h5py
 import pytest
 
-from mpidl.data.format import sha256_file
+from mpidl.testing.datasets import edit_manifest, resync_shard
 from mpidl.testing.launch import mpiexec
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -46,15 +45,6 @@ def shard(tmp_path, name, flip=False):
 def train(tmp_path, data):
     return mpiexec(2, [sys.executable, "-m", "mpidl", "train", f"--data={data}", "--epochs=1",
                        "--progress=never", f"--run-dir={tmp_path / 'run'}"], timeout=120)
-
-
-def edit_manifest(split, change):
-    path = os.path.join(split, "manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    change(manifest)
-    with open(path, "w") as f:
-        json.dump(manifest, f)
 
 
 def refused_once(result, *names):
@@ -96,13 +86,9 @@ def test_a_nul_byte_in_a_shard_name_is_a_data_error_naming_the_manifest(tmp_path
 
 def test_a_token_id_out_of_range_names_the_shard_split_value_and_limit(tmp_path):
     data = shard(tmp_path, "data")
-    path = os.path.join(data, "train", "shard-00000.h5")
-    with h5py.File(path, "r+") as f:
-        x = f["x"][...]
-        x[5, 2] = 60000
-        f["x"][...] = x
-    edit_manifest(os.path.join(data, "train"), lambda m: m["shards"][0].update(
-        bytes=os.path.getsize(path), sha256=sha256_file(path)))
+    with h5py.File(os.path.join(data, "train", "shard-00000.h5"), "r+") as f:
+        f["x"][5, 2] = 60000
+    path = resync_shard(os.path.join(data, "train"), 0)
     # Token ids small enough to cache are checked at start-up, on every rank together.
     refused_once(train(tmp_path, data), f"{path}: token id 60000 at row 5 is outside [0, ",
                  "split 'train'", "rewrite the dataset with `mpidl shard`")

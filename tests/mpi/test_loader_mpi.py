@@ -7,7 +7,6 @@ rank. Run at 1, 2 and 3 ranks::
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -25,9 +24,9 @@ from mpidl.data import (
     write_shards,
     write_text_shards,
 )
-from mpidl.data.format import sha256_file
 from mpidl.data import loader as loader_module
 from mpidl.testing import assert_all_ranks
+from mpidl.testing.datasets import edit_manifest, resync_shard
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -108,6 +107,17 @@ def test_exact_accuracy_equals_the_single_process_count(comm, shared_dir):
     )
 
 
+def open_error(comm, path, **kw):
+    """The DataError message that opening ``path`` gave this rank ("no error" if none),
+    and whether every rank got the same one. Collective."""
+    try:
+        ShardedDataset(path, comm=comm, **kw)
+        message = "no error"
+    except DataError as e:
+        message = str(e)
+    return message, len(set(comm.allgather_obj(message))) == 1
+
+
 @pytest.mark.parametrize("fault", ["missing", "flipped"])
 def test_a_bad_shard_raises_the_same_error_on_every_rank(comm, shared_dir, fault):
     path = write_dataset(comm, shared_dir)
@@ -120,15 +130,10 @@ def test_a_bad_shard_raises_the_same_error_on_every_rank(comm, shared_dir, fault
                 f.seek(-16, os.SEEK_END)
                 f.write(b"\xee" * 16)
     comm.barrier()
-    try:
-        ShardedDataset(path, comm=comm, verify="sha256")
-        message = "no error"
-    except DataError as e:
-        message = str(e)
+    message, same = open_error(comm, path, verify="sha256")
     ok = "shard-00002.h5" in message and (
         "missing" in message if fault == "missing" else "sha256" in message
     )
-    same = len(set(comm.allgather_obj(message))) == 1
     assert_all_ranks(
         comm,
         ok and same,
@@ -137,24 +142,8 @@ def test_a_bad_shard_raises_the_same_error_on_every_rank(comm, shared_dir, fault
 
 
 def test_manifest_error_is_raised_on_every_rank(comm, shared_dir):
-    try:
-        ShardedDataset(os.path.join(shared_dir, "nothing-here"), comm=comm)
-        message = "no error"
-    except DataError as e:
-        message = str(e)
-    assert_all_ranks(comm, "no manifest.json" in message, message)
-
-
-def edit_manifest(comm, split, change):
-    """Rank 0 applies ``change`` to the split's decoded manifest; all ranks wait."""
-    if comm.rank == 0:
-        path = os.path.join(split, "manifest.json")
-        with open(path) as f:
-            manifest = json.load(f)
-        change(manifest)
-        with open(path, "w") as f:
-            json.dump(manifest, f)
-    comm.barrier()
+    message, same = open_error(comm, os.path.join(shared_dir, "nothing-here"))
+    assert_all_ranks(comm, "no manifest.json" in message and same, message)
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -164,34 +153,24 @@ def edit_manifest(comm, split, change):
 def test_a_corrupt_manifest_raises_the_same_data_error_on_every_rank(
         comm, shared_dir, change, expected):
     path = write_dataset(comm, shared_dir)
-    edit_manifest(comm, path, change)
-    try:
-        ShardedDataset(path, comm=comm)
-        message = "no error"
-    except DataError as e:
-        message = str(e)
-    same = len(set(comm.allgather_obj(message))) == 1
+    if comm.rank == 0:
+        edit_manifest(path, change)
+    comm.barrier()
+    message, same = open_error(comm, path)
     ok = message.startswith(os.path.join(path, "manifest.json")) and expected in message
     assert_all_ranks(comm, ok and same, f"expected one DataError everywhere, got {message!r}")
 
 
 def test_a_token_id_out_of_range_raises_the_same_error_on_every_rank(comm, shared_dir):
     path = os.path.join(shared_dir, "t", "train")
-    shard = os.path.join(path, "shard-00002.h5")
     if comm.rank == 0:
         texts = [f"{w} film {i}" for i, w in enumerate(["good", "bad"] * 50)]
         write_text_shards(os.path.join(shared_dir, "t"), texts, ["pos", "neg"] * 50, length=4,
                           rows_per_shard=30, shuffle=False)
-        with h5py.File(shard, "r+") as f:
+        with h5py.File(os.path.join(path, "shard-00002.h5"), "r+") as f:
             f["x"][7, 1] = 99999
+        resync_shard(path, 2)
     comm.barrier()
-    edit_manifest(comm, path, lambda m: m["shards"][2].update(
-        bytes=os.path.getsize(shard), sha256=sha256_file(shard)))
-    try:
-        ShardedDataset(path, comm=comm, verify="sha256")
-        message = "no error"
-    except DataError as e:
-        message = str(e)
-    same = len(set(comm.allgather_obj(message))) == 1
+    message, same = open_error(comm, path, verify="sha256")
     ok = "shard-00002.h5: token id 99999 at row 7" in message and "split 'train'" in message
     assert_all_ranks(comm, ok and same, f"expected one DataError everywhere, got {message!r}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy
@@ -17,8 +16,8 @@ from mpidl.data import (
     write_text_shards,
 )
 from mpidl.data.command import main as shard_main
-from mpidl.data.format import sha256_file
 from mpidl.data.sources import read_csv, read_folder
+from mpidl.testing.datasets import edit_manifest, resync_shard
 
 N, PER = 25, 10  # three shards: 10, 10, 5 rows
 
@@ -29,13 +28,6 @@ def split(tmp_path):
     y = numpy.arange(N, dtype=numpy.int64) % 3
     write_shards(tmp_path / "d", {"x": x, "y": y}, rows_per_shard=PER, shuffle=False)
     return tmp_path / "d" / "train"
-
-
-def edit_manifest(split, change):
-    path = split / "manifest.json"
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
 
 
 def rewrite_shard(split, index, arrays, attrs=None):
@@ -50,12 +42,7 @@ def rewrite_shard(split, index, arrays, attrs=None):
         f.attrs.update({**old, **(attrs or {})})
         for k, v in arrays.items():
             f[k] = v
-
-    def update(data):
-        data["shards"][index].update(bytes=os.path.getsize(path), sha256=sha256_file(str(path)))
-
-    edit_manifest(split, update)
-    return str(path)
+    return resync_shard(split, index)
 
 
 def expect(split, match, **kw):

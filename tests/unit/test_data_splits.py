@@ -3,7 +3,6 @@ classes. A test split that disagrees is refused, naming the split and the field.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy
@@ -12,6 +11,7 @@ import pytest
 from mpidl.data import DataError, ShardedDataset, write_shards, write_text_shards
 from mpidl.data.command import main as shard_main
 from mpidl.data.splits import check_splits_agree
+from mpidl.testing.datasets import edit_manifest
 
 TEXTS = ["good film", "bad film", "good plot", "bad acting", "a good one", "a bad one"] * 3
 LABELS = ["pos", "neg", "pos", "neg", "pos", "neg"] * 3
@@ -58,10 +58,7 @@ def test_a_test_split_declaring_3_classes_against_2_is_refused(tmp_path):
     x = numpy.zeros((8, 2), numpy.float32)
     write_shards(tmp_path / "d", {"x": x, "y": numpy.arange(8) % 2},
                  test_arrays={"x": x[:3], "y": numpy.array([0, 1, 0])})
-    manifest = tmp_path / "d" / "test" / "manifest.json"
-    data = json.loads(manifest.read_text())
-    data["labels"]["num_classes"] = 3
-    manifest.write_text(json.dumps(data))
+    edit_manifest(tmp_path / "d" / "test", lambda m: m["labels"].update(num_classes=3))
     message = agreement_error(tmp_path / "d")
     assert f"{tmp_path / 'd' / 'test'}: 3 classes, {tmp_path / 'd' / 'train'} has 2" in message
 
