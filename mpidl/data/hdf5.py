@@ -41,13 +41,7 @@ from typing import Any, Sequence
 
 import numpy
 
-from mpidl.data.format import (
-    DataError,
-    Feature,
-    Manifest,
-    parse_manifest,
-    read_manifest,
-)
+from mpidl.data.format import DataError, Feature, Manifest, parse_manifest, read_manifest
 from mpidl.data.ranges import bad_rows, out_of_range, value_ranges
 from mpidl.data.sampler import coalesce_runs
 from mpidl.data.shard import ShardFile, verify_checksum
@@ -272,8 +266,9 @@ class ShardedDataset:
         sample = values[bad[0]].reshape(-1)
         value = int(sample[bad_rows(sample, r.limit)[0]])
         raise DataError(
-            f"{path}: {r.what} {value} at row {row} is outside [0, {r.limit}) ({bad.size} "
-            f"such rows of {name!r} in this read); split {self.manifest.split!r}: {r.why}. "
+            f"{path}: {r.what} {value} at row {row} is outside [0, {r.limit}) ({bad.size} bad "
+            f"row{'s' * (bad.size > 1)} of {name!r} in this read); split "
+            f"{self.manifest.split!r}: {r.why}. "
             "The shard does not match its manifest: rewrite the dataset with `mpidl shard` "
             "(`mpidl shard --verify DIR` lists every bad shard)",
             [(path, f"{r.what} out of range")],
@@ -433,7 +428,8 @@ def verify_dataset(path: str, level: str = "sha256", comm: Any = None) -> list[S
 
     ``"sha256"`` hashes every shard and checks every label, besides the sizes, datasets,
     dtypes and shapes; and the splits must agree with ``train`` (features, vocabulary,
-    classes: :func:`~mpidl.data.splits.check_splits_agree`). Collective when ``comm`` is given: each rank hashes a share.
+    classes: :func:`~mpidl.data.splits.check_splits_agree`). Collective when ``comm`` is
+    given: each rank hashes a share.
 
     Raises:
         DataError: listing every bad file of every bad split.

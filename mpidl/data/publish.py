@@ -121,6 +121,9 @@ def publish_splits(
         for name in manifests:
             files = dataset_files(os.path.join(new, name))
             _move(files[1:] + files[:1], os.path.join(new, name), os.path.join(parent, name))
+        for name in set(held) - set(manifests):  # an old split the new dataset lacks
+            if not os.listdir(os.path.join(parent, name)):
+                os.rmdir(os.path.join(parent, name))
     except OSError as e:  # a rename within one directory tree: should not happen
         raise DataError(
             f"{parent}: cannot move the new dataset into place ({e}); the old dataset's "
