@@ -35,7 +35,8 @@ Guarantees:
 - each rank reads only its samples, in contiguous runs, in a prefetch thread
   (:mod:`mpidl.data.loader`);
 - a missing, truncated, corrupt or inconsistent shard, a shard name escaping the
-  directory or an out-of-range label is a :class:`DataError` naming the file
+  directory, an out-of-range label or token id, or splits that disagree
+  (:mod:`mpidl.data.splits`) is a :class:`DataError` naming the file
   (:mod:`mpidl.data.hdf5`); evaluation counts are summed exactly over ranks
   (:mod:`mpidl.data.evaluate`).
 

@@ -10,8 +10,10 @@ Examples::
     mpidl shard --verify data/imdb                        # every checksum, shape and label
 
 Output: ``OUT_DIR/train/`` and, when the input has a test split or ``--test-fraction`` is
-above 0, ``OUT_DIR/test/`` (see :mod:`mpidl.data.format`). ``--verify`` exits 1 and names
-each bad file.
+above 0, ``OUT_DIR/test/`` (see :mod:`mpidl.data.format`), written beside what is there
+and put in place only when complete (``--force`` replaces a dataset; a failure keeps it).
+``--verify`` exits 1 and names each bad file, and each split that disagrees with
+``train`` (:mod:`mpidl.data.splits`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--verify",
         metavar="DIR",
-        help="check every shard of a dataset: size, sha256, " "datasets, dtypes, shapes and labels",
+        help="check every shard of a dataset: size, sha256, datasets, dtypes, shapes, labels "
+        "and token ids; and that its splits agree (features, vocabulary, classes)",
     )
     p.add_argument("out_dir", nargs="?", metavar="OUT_DIR", help="dataset directory to write")
     t = p.add_argument_group("text inputs (--from-csv, --from-folder)")
@@ -103,7 +106,11 @@ def _parser() -> argparse.ArgumentParser:
         default="none",
         help="none (contiguous, fastest reads; default) or chunked gzip/lzf",
     )
-    o.add_argument("--force", action="store_true", help="overwrite a dataset already in OUT_DIR")
+    o.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a dataset already in OUT_DIR (only once the new one is complete)",
+    )
     o.add_argument(
         "--level", choices=("size", "sha256"), default="sha256", help="--verify depth (sha256)"
     )

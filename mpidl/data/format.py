@@ -58,6 +58,16 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 
+# The most classes a dataset may declare. The largest single-label classification sets
+# have 10^4 to 10^6 classes (ImageNet-21k: 21,841; face-identity sets: about 10^6), and
+# 2^24 leaves room above them; a larger value is a corrupt or mistaken manifest (a
+# sample id taken for a label), refused before a model turns it into an allocation: with
+# num_classes = 10^9 the reviews model's output layer alone was a 1.86 TiB array. A fixed
+# cap, not "at most the number of samples": a small test split, or a train split with
+# rare classes, may well have fewer samples than classes.
+MAX_CLASSES = 1 << 24
+
+
 class DataError(ValueError):
     """A dataset or an input file is missing, corrupt or inconsistent.
 
@@ -152,6 +162,17 @@ class Manifest:
         return out
 
 
+def check_num_classes(num_classes: int, where: str, fix: str) -> None:
+    """Raise DataError naming ``where`` if ``num_classes`` exceeds :data:`MAX_CLASSES`."""
+    _require(
+        num_classes <= MAX_CLASSES,
+        where,
+        f"num_classes {num_classes} is more than the {MAX_CLASSES} (2**24) classes mpidl "
+        f"accepts, far beyond any real classification task (a model would allocate an "
+        f"output layer of {num_classes} rows); {fix}",
+    )
+
+
 def _require(cond: bool, path: str, problem: str) -> None:
     if not cond:
         raise DataError(f"{path}: {problem}", [(path, problem)])
@@ -164,6 +185,12 @@ def _safe_shard_file(directory: str, name: Any, where: str) -> str:
         isinstance(name, str) and name != "",
         where,
         f"shard file name {name!r} is not a non-empty string",
+    )
+    _require(
+        "\0" not in name,
+        where,
+        f"shard file name {name!r} holds a NUL byte, which no file name can: the manifest "
+        "is corrupt; re-copy the dataset or rewrite it with `mpidl shard`",
     )
     bad = (
         os.path.isabs(name)
@@ -266,6 +293,8 @@ def parse_manifest(data: Any, directory: str, where: str) -> Manifest:
             where,
             f"'labels' {labels!r} must name a feature and give num_classes >= 1",
         )
+        check_num_classes(labels["num_classes"], where, "the manifest is corrupt or was "
+                          "edited: rewrite the dataset with `mpidl shard`")
     return Manifest(
         features=features,
         shards=shards,

@@ -24,7 +24,11 @@ Reading a shard (copies out of a memory map at the byte offset of contiguous dat
 Every problem is a :class:`~mpidl.data.format.DataError` naming the file: missing shard,
 size different from the manifest (truncated), not an HDF5 file, a missing dataset, a dtype
 or shape different from the manifest, a checksum mismatch (``check("sha256")``), a label
-outside ``[0, num_classes)`` (checked on every read, and by ``check("sha256")``).
+outside ``[0, num_classes)`` or a token id outside the vocabulary
+(:mod:`mpidl.data.ranges`; checked on every read, and by
+``check("sha256")``). Errors found at start-up are collective (every rank raises the
+same one): the values of a feature small enough for ``cache_bytes`` are checked there;
+a bad value in a larger feature is found by the read, on the rank that reads it.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ from typing import Any, Sequence
 import numpy
 
 from mpidl.data.format import DataError, Feature, Manifest, parse_manifest, read_manifest
+from mpidl.data.ranges import bad_rows, out_of_range, value_ranges
 from mpidl.data.sampler import coalesce_runs
 from mpidl.data.shard import ShardFile, verify_checksum
+from mpidl.data.splits import check_splits_agree
 
 VERIFY_LEVELS = ("none", "size", "sha256")
 
@@ -71,8 +77,9 @@ class ShardedDataset:
         split: if given, the split sub-directory of ``path`` to open (``"train"``).
         verify: start-up checks: ``"size"`` (default: every shard exists, has the
             manifest's size, opens, and holds the features with the manifest's dtype and
-            shape: O(1) per shard), ``"sha256"`` (also hash every file and check every
-            label: reads everything) or ``"none"``.
+            shape: O(1) per shard; and the labels or token ids, if they fit in
+            ``cache_bytes``, lie in range), ``"sha256"`` (also hash every file and check
+            every label and token id: reads everything) or ``"none"``.
         locking: HDF5 file locking passed to ``h5py.File`` (``False``, ``True`` or
             ``"best-effort"``; ``None`` leaves it to ``HDF5_USE_FILE_LOCKING``).
         comm: a communicator: if given, the constructor is collective: rank 0 reads the
@@ -106,6 +113,7 @@ class ShardedDataset:
         self._memory: dict[str, numpy.ndarray] = {}
         self.manifest = _load_manifest(self.path, comm)
         self.features: dict[str, Feature] = self.manifest.features
+        self.ranges = value_ranges(self.manifest)  # labels, token ids: checked on every read
         self.offsets = numpy.concatenate(
             [[0], numpy.cumsum([s.rows for s in self.manifest.shards])]
         ).astype(numpy.int64)
@@ -180,7 +188,7 @@ class ShardedDataset:
         once, removes those calls and lets its labels be range-checked once.
         """
         arr = self._memory.get(feat.name)
-        if arr is not None or feat.row_bytes * len(self) > self.cache_bytes or not len(self):
+        if arr is not None or not self._cacheable(feat):
             return arr
         arr = numpy.empty((len(self), *feat.shape), dtype=feat.dtype)
         pieces = {
@@ -191,11 +199,13 @@ class ShardedDataset:
         flat = arr.reshape(-1).view(numpy.uint8)
         for shard, rows in pieces.items():
             self._handle(shard).read(feat.name, rows, arr, flat, feat.row_bytes)
-        labels = self.manifest.labels
-        if labels is not None and labels["feature"] == feat.name:
-            self._check_batch_labels(arr, pieces)
+        if feat.name in self.ranges:
+            self._check_batch_range(feat.name, arr, pieces)
         self._memory[feat.name] = arr
         return arr
+
+    def _cacheable(self, feat: Feature) -> bool:
+        return 0 < feat.row_bytes * len(self) <= self.cache_bytes
 
     def _check_shard(self, index: int, level: str) -> None:
         path, shard = self.shard_path(index), self.manifest.shards[index]
@@ -203,10 +213,15 @@ class ShardedDataset:
             verify_checksum(path, shard)
         h = self._open_shard(index)
         try:
-            labels = self.manifest.labels
-            if level == "sha256" and labels is not None and shard.rows:
-                y = h.dsets[labels["feature"]][...]
-                self._check_labels(y, index, 0)
+            # Values of a feature small enough to cache are checked here, where the
+            # check is collective: the first batch would read all of them anyway.
+            ranged = [n for n in self.ranges
+                      if level == "sha256" or self._cacheable(self.features[n])]
+            for name in ranged:
+                # in blocks of about 16 MiB: a shard's token ids can be its whole size
+                step = max(1, (16 << 20) // max(1, self.features[name].row_bytes))
+                for row in range(0, shard.rows, step):
+                    self._check_range(name, h.dsets[name][row : row + step], index, row)
         finally:
             h.close()
 
@@ -240,17 +255,24 @@ class ShardedDataset:
             )
             raise DataError(head + "\n  ".join(messages), problems)
 
-    def _check_labels(self, y: numpy.ndarray, shard: int, first_row: int) -> None:
-        k = self.num_classes
-        bad = numpy.flatnonzero((y < 0) | (y >= k))
-        if bad.size:
-            row = first_row + int(bad[0])
-            path = self.shard_path(shard)
-            raise DataError(
-                f"{path}: label {int(y[bad[0]])} at row {row} is outside [0, {k}) "
-                f"({bad.size} such labels in this read); the manifest says num_classes={k}",
-                [(path, "label out of range")],
-            )
+    def _check_range(self, name: str, values: numpy.ndarray, shard: int, first_row: int) -> None:
+        """Raise DataError if a value of ``name`` read from ``shard`` (its rows from
+        ``first_row`` on) is outside the feature's range."""
+        r = self.ranges[name]
+        if not out_of_range(values, r.limit):
+            return
+        bad = bad_rows(values, r.limit)
+        row, path = first_row + int(bad[0]), self.shard_path(shard)
+        sample = values[bad[0]].reshape(-1)
+        value = int(sample[bad_rows(sample, r.limit)[0]])
+        raise DataError(
+            f"{path}: {r.what} {value} at row {row} is outside [0, {r.limit}) ({bad.size} bad "
+            f"row{'s' * (bad.size > 1)} of {name!r} in this read); split "
+            f"{self.manifest.split!r}: {r.why}. "
+            "The shard does not match its manifest: rewrite the dataset with `mpidl shard` "
+            "(`mpidl shard --verify DIR` lists every bad shard)",
+            [(path, f"{r.what} out of range")],
+        )
 
     # -- reading ------------------------------------------------------------------------
     def read_runs(
@@ -337,23 +359,22 @@ class ShardedDataset:
                     handle = self._handle(shard)
                     for f, a, flat in disk:
                         handle.read(f.name, rows, a, flat, f.row_bytes)
-                labels = self.manifest.labels
                 for f, a, _ in disk:
-                    if labels is not None and labels["feature"] == f.name:
-                        self._check_batch_labels(a, pieces)
+                    if f.name in self.ranges:
+                        self._check_batch_range(f.name, a, pieces)
         return arrays
 
-    def _check_batch_labels(
-        self, y: numpy.ndarray, pieces: dict[int, list[tuple[int, int, int]]]
+    def _check_batch_range(
+        self, name: str, values: numpy.ndarray, pieces: dict[int, list[tuple[int, int, int]]]
     ) -> None:
-        k = self.manifest.labels["num_classes"]  # type: ignore[index]
-        if y.min() >= 0 and y.max() < k:  # one cheap test per batch; locate only if bad
+        limit = self.ranges[name].limit
+        if not out_of_range(values, limit):  # one cheap test per batch; locate only if bad
             return
-        i = int(numpy.flatnonzero((y < 0) | (y >= k))[0])
+        i = int(bad_rows(values, limit)[0])
         for shard, rows in pieces.items():
             for row, n, at in rows:
                 if at <= i < at + n:
-                    self._check_labels(y[i : i + 1], shard, row + i - at)
+                    self._check_range(name, values[i : i + 1], shard, row + i - at)
 
     def read(self, feature: str, ids: Sequence[int] | numpy.ndarray) -> numpy.ndarray:
         """Read the samples ``ids`` (any order, repeats allowed) of one feature."""
@@ -406,17 +427,25 @@ def verify_dataset(path: str, level: str = "sha256", comm: Any = None) -> list[S
     """Check every split under ``path`` (the ``mpidl shard --verify`` check).
 
     ``"sha256"`` hashes every shard and checks every label, besides the sizes, datasets,
-    dtypes and shapes. Collective when ``comm`` is given: each rank hashes a share.
+    dtypes and shapes; and the splits must agree with ``train`` (features, vocabulary,
+    classes: :func:`~mpidl.data.splits.check_splits_agree`). Collective when ``comm`` is
+    given: each rank hashes a share.
 
     Raises:
         DataError: listing every bad file of every bad split.
     """
     good, problems = [], []
-    for d in split_dirs(path):
+    # train first: the split the others must agree with
+    dirs = sorted(split_dirs(path), key=lambda d: os.path.basename(d) != "train")
+    for d in dirs:
         try:
             good.append(ShardedDataset(d, verify=level, comm=comm))
         except DataError as e:  # the other splits are still checked and named
             problems.append(str(e))
+    try:
+        check_splits_agree({ds.path: ds.manifest for ds in good})
+    except DataError as e:
+        problems.append(str(e))
     if problems:
         raise DataError("\n".join(problems))
     return good

@@ -42,9 +42,11 @@ planned for a window of steps at once (:meth:`DistributedSampler.runs_between`).
 reads in the loop.
 
 Errors: opening and checking the shards is collective when ``ShardedDataset`` gets a
-``comm`` (every rank raises the same ``DataError`` or none). A read that fails later, in
-one rank's thread, raises on that rank only: run under ``mpidl run``/``mpidl train``,
-whose exception hook aborts every rank instead of leaving the others in a collective.
+``comm`` (every rank raises the same ``DataError`` or none), and so is the range check
+of labels and token ids small enough to cache (typically the labels). A read that fails
+later (a bad token id in a large feature, a shard changed under the job), in one rank's
+thread, raises on that rank only: run under ``mpidl run``/``mpidl train``, whose
+exception hook aborts every rank instead of leaving the others in a collective.
 
 Checkpoints: ``state_dict()`` is ``{"epoch", "step", "seed", "block_size"}``, the next
 step to produce; ``load_state_dict`` (or ``resume(epoch, step)``) continues there, with

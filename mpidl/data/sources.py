@@ -225,6 +225,15 @@ def load_h5(path: str, features: list[str] | None = None) -> dict[str, dict[str,
 
     Uses the ``train`` and ``test`` groups when both exist, else the root. ``features``
     names the datasets to take (default: every dataset in the group).
+
+    Only bytes stored in ``path`` itself are read: HDF5 can make a dataset read another
+    file (external storage, an external link, a virtual dataset mapping another file),
+    so a crafted input would copy any local file the user can read into the shards. Such
+    datasets are refused, by name (see :func:`_local`).
+
+    Raises:
+        DataError: no such file, not HDF5, a missing dataset, different row counts, or a
+            dataset whose bytes are in another file.
     """
     import h5py
 
@@ -236,17 +245,18 @@ def load_h5(path: str, features: list[str] | None = None) -> dict[str, dict[str,
         raise DataError(f"{path}: cannot be opened as HDF5 ({e})") from e
     with f:
         groups = (
-            {"train": f["train"], "test": f["test"]}
+            {"train": _local(f, "/train", path), "test": _local(f, "/test", path)}
             if all(isinstance(f.get(s), h5py.Group) for s in ("train", "test"))
             else {"train": f}
         )
         out = {}
         for split, g in groups.items():
-            names = features or sorted(k for k in g if isinstance(g[k], h5py.Dataset))
-            missing = [n for n in names if not isinstance(g.get(n), h5py.Dataset)]
+            names = features or sorted(k for k in g if g.get(k, getclass=True) is h5py.Dataset)
+            missing = [n for n in names if g.get(n, getclass=True) is not h5py.Dataset]
             if missing or not names:
                 raise DataError(f"{path}: group {g.name!r} lacks dataset(s) {missing or 'any'}")
-            out[split] = {n: g[n][...] for n in names}
+            dsets = {n: _local(f, f"{g.name.rstrip('/')}/{n}", path) for n in names}
+            out[split] = {n: d[...] for n, d in dsets.items()}
             rows = {n: (a.shape[0] if a.ndim else None) for n, a in out[split].items()}
             if len(set(rows.values())) != 1 or None in rows.values():
                 raise DataError(
@@ -254,3 +264,45 @@ def load_h5(path: str, features: list[str] | None = None) -> dict[str, dict[str,
                     "choose datasets with one row per sample (--features)"
                 )
     return out
+
+
+_COPY_IN = ("--from-h5 reads only data stored in the input file itself: write the arrays "
+            "into a file of their own (read them with h5py, write a new file) and shard that")
+
+
+def _local(f: Any, name: str, path: str, seen: set[str] | None = None) -> Any:
+    """``f[name]`` (a group or a dataset), if its bytes are stored in ``f`` itself.
+
+    Refused: an external link; a path that resolves through one (a soft link to it, a
+    group behind it: the object then belongs to another file); a dataset with external
+    storage (raw bytes in other files); a virtual dataset with a source in another file
+    (a source file name of ``"."`` is this file: its source datasets are checked in turn;
+    any other name is refused, this file's own name included, since HDF5 looks a source
+    name up at read time, relative to the working directory and ``HDF5_VDS_PREFIX``).
+    """
+    import h5py
+
+    link = f.get(name, getlink=True)
+    if isinstance(link, h5py.ExternalLink):
+        raise DataError(f"{path}: {name!r} is an external link to {link.filename}:{link.path}; "
+                        f"{_COPY_IN}")
+    obj = f[name]
+    if obj.file.id != f.id:
+        raise DataError(f"{path}: {name!r} resolves, through an external link, to another file "
+                        f"({obj.file.filename}); {_COPY_IN}")
+    if not isinstance(obj, h5py.Dataset):
+        return obj
+    if obj.external:
+        files = sorted({str(e[0]) for e in obj.external})
+        raise DataError(f"{path}: dataset {name!r} keeps its bytes in other file(s) {files} "
+                        f"(HDF5 external storage); {_COPY_IN}")
+    if obj.is_virtual:
+        seen = (seen or set()) | {obj.name}
+        for source in obj.virtual_sources():
+            if source.file_name != ".":
+                raise DataError(f"{path}: virtual dataset {name!r} maps data from "
+                                f"{source.file_name}:{source.dset_name}; {_COPY_IN}")
+            inner = "/" + source.dset_name.lstrip("/")
+            if inner not in seen:
+                _local(f, inner, path, seen)
+    return obj

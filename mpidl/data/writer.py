@@ -8,8 +8,10 @@
 (see :mod:`mpidl.data.format` for the files). Rows are shuffled once, with ``seed``,
 before they are split and written: the sampler's default block shuffle then draws random
 groups of rows even when the input is sorted (by class, as a folder of ``pos``/``neg``
-files is). Shards are written first, the manifest last and atomically, so a crash never
-leaves a directory that looks complete.
+files is). Every split is checked before any file is written, then written beside the
+old one (shards first, the manifest last) and put in its place only when all are
+complete (:mod:`mpidl.data.publish`): a crash or a full disk never leaves a directory
+that looks complete, nor destroys the dataset that was there.
 
 The input must fit in memory (the arrays are shuffled in memory). Shards are stored
 contiguous and unfiltered unless ``compression`` is given (``"gzip"`` or ``"lzf"``: then
@@ -24,23 +26,24 @@ import json
 import os
 import re
 import uuid
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy
 
 from mpidl.data import text as text_mod
 from mpidl.data.format import (
     FORMAT_VERSION,
-    MANIFEST_NAME,
     SHARD_FORMAT,
     DataError,
     Feature,
     Manifest,
     Shard,
+    check_num_classes,
     sha256_file,
     shard_name,
     write_manifest,
 )
+from mpidl.data.publish import publish_splits, write_error
 
 SHARD_BYTES = 256 << 20  # default shard size: the study's 256 MiB - 2 GiB range, low end
 CHUNK_BYTES = 256 << 10  # chunk size when compressed: small enough for block reads
@@ -56,30 +59,11 @@ def _writer_info() -> dict[str, str]:
     return {"mpidl": __version__, "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version}
 
 
-def _prepare_dir(directory: str, overwrite: bool) -> None:
-    os.makedirs(directory, exist_ok=True)
-    ours = [
-        f
-        for f in os.listdir(directory)
-        if f == MANIFEST_NAME or re.fullmatch(r"shard-\d{5}\.h5", f)
-    ]
-    if ours and not overwrite:
-        raise DataError(
-            f"{directory}: already holds a dataset ({sorted(ours)[0]}, ...); "
-            "choose another directory or overwrite it (overwrite=True, `--force`)"
-        )
-    if MANIFEST_NAME in ours:  # first, so a half-rewritten directory is never a dataset
-        os.remove(os.path.join(directory, MANIFEST_NAME))
-    for f in ours:
-        if f != MANIFEST_NAME:
-            os.remove(os.path.join(directory, f))
-
-
 def _check_options(rows_per_shard: int | None, compression: str | None = None,
                    compression_opts: Any = None) -> dict[str, Any]:
     """Raise ValueError for bad writing options; return the shards' storage settings.
 
-    Called before anything in the output directory is removed (``overwrite``).
+    Called before anything is written.
     """
     if rows_per_shard is not None and rows_per_shard < 1:
         raise ValueError(f"rows_per_shard {rows_per_shard} must be >= 1")
@@ -108,24 +92,27 @@ def _write_file(
 ) -> None:
     import h5py
 
-    with h5py.File(path, "w", locking=False) as f:
-        for k, v in attrs.items():
-            f.attrs[k] = v
-        for name, a in arrays.items():
-            if storage["layout"] == "contiguous":
-                f.create_dataset(name, data=a)  # contiguous: no chunks, no filters
-                continue
-            row = max(1, a[:1].nbytes)
-            chunk = (max(1, min(len(a), CHUNK_BYTES // row)), *a.shape[1:])
-            f.create_dataset(
-                name,
-                data=a,
-                chunks=chunk,
-                compression=storage["compression"],
-                compression_opts=storage["compression_opts"],
-                shuffle=True,
-                fletcher32=True,
-            )
+    try:
+        with h5py.File(path, "w", locking=False) as f:
+            for k, v in attrs.items():
+                f.attrs[k] = v
+            for name, a in arrays.items():
+                if storage["layout"] == "contiguous":
+                    f.create_dataset(name, data=a)  # contiguous: no chunks, no filters
+                    continue
+                row = max(1, a[:1].nbytes)
+                chunk = (max(1, min(len(a), CHUNK_BYTES // row)), *a.shape[1:])
+                f.create_dataset(
+                    name,
+                    data=a,
+                    chunks=chunk,
+                    compression=storage["compression"],
+                    compression_opts=storage["compression_opts"],
+                    shuffle=True,
+                    fletcher32=True,
+                )
+    except (OSError, RuntimeError) as e:  # HDF5 raises either when a write fails
+        raise write_error(e, path) from e
 
 
 def _check_arrays(arrays: Mapping[str, numpy.ndarray], source: str) -> int:
@@ -161,6 +148,8 @@ def _check_labels(
         raise DataError(
             f"{source}: labels {labels!r} must be a 1-d integer feature of {sorted(arrays)}"
         )
+    check_num_classes(num_classes, source, f"are the values of {labels!r} class ids? Shard "
+                      "it without labels (labels=None, `--labels none`) if not")
     bad = numpy.flatnonzero((y < 0) | (y >= num_classes))
     if bad.size:
         raise DataError(
@@ -173,6 +162,35 @@ def write_split(
     directory: str,
     arrays: Mapping[str, numpy.ndarray],
     *,
+    overwrite: bool = False,
+    **options: Any,
+) -> Manifest:
+    """Write one split directory (``manifest.json`` + shards) from in-memory arrays.
+
+    The split is written beside ``directory`` and put in its place only when complete
+    (:mod:`mpidl.data.publish`): a failure leaves what was there unchanged.
+
+    Args:
+        directory: the split directory to create.
+        arrays: feature name -> array; all with the same number of rows (first axis).
+        overwrite: replace a dataset already in ``directory``.
+        **options: ``split``, ``rows_per_shard``, ``compression``, ``labels``,
+            ``num_classes``, ``metadata``, ``source`` ...: see :func:`_split_writer`.
+
+    Raises:
+        DataError: inconsistent arrays, labels out of range, ``directory`` already
+            holds a dataset and ``overwrite`` is False, or a write failed (a full disk).
+    """
+    directory = os.path.normpath(directory)
+    name = os.path.basename(directory)
+    write = _split_writer(arrays, **options)
+    return publish_splits(os.path.dirname(directory) or ".", {name: write},
+                          overwrite=overwrite, replaces=(name,))[name]
+
+
+def _split_writer(
+    arrays: Mapping[str, numpy.ndarray],
+    *,
     split: str = "train",
     rows_per_shard: int | None = None,
     compression: str | None = None,
@@ -181,13 +199,12 @@ def write_split(
     num_classes: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     dataset_id: str | None = None,
-    overwrite: bool = False,
     source: str = "arrays",
-) -> Manifest:
-    """Write one split directory (``manifest.json`` + shards) from in-memory arrays.
+) -> Callable[[str], Manifest]:
+    """Check one split's arrays and options now; return the function that writes it
+    into the (new) directory it is given.
 
     Args:
-        directory: the split directory to create.
         arrays: feature name -> array; all with the same number of rows (first axis).
         rows_per_shard: rows per shard file (default: about 256 MiB per shard).
         compression: None (contiguous, fastest to read), ``"gzip"`` or ``"lzf"``.
@@ -196,10 +213,6 @@ def write_split(
         num_classes: the number of classes (default: largest label + 1).
         metadata: free JSON-serialisable metadata (vocabulary, classes, tokenizer, ...).
         source: the input's name, for error messages.
-
-    Raises:
-        DataError: inconsistent arrays, labels out of range, or ``directory`` already
-            holds a dataset and ``overwrite`` is False.
     """
     arrays = {k: numpy.ascontiguousarray(v) for k, v in arrays.items()}
     n = _check_arrays(arrays, source)
@@ -211,41 +224,46 @@ def write_split(
     storage = _check_options(rows_per_shard, compression, compression_opts)
     row_bytes = sum(v[:1].nbytes for v in arrays.values())
     per = rows_per_shard or max(1, SHARD_BYTES // max(1, row_bytes))
-    _prepare_dir(directory, overwrite)
     dataset_id = dataset_id or uuid.uuid4().hex
-    writer = _writer_info()
-    starts = list(range(0, n, per))
-    shards = []
-    for i, a in enumerate(starts):
-        b = min(a + per, n)
-        path = os.path.join(directory, shard_name(i))
-        attrs = {
-            "format": SHARD_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "dataset_id": dataset_id,
-            "split": split,
-            "shard_index": i,
-            "num_shards": len(starts),
-            "rows": b - a,
-            "first_sample": a,
-            "writer": json.dumps(writer),
-        }
-        _write_file(path, {k: v[a:b] for k, v in arrays.items()}, storage, attrs)
-        shards.append(Shard(shard_name(i), b - a, os.path.getsize(path), sha256_file(path)))
-    features = {k: Feature(k, v.dtype, tuple(v.shape[1:])) for k, v in arrays.items()}
-    manifest = Manifest(
-        features=features,
-        shards=shards,
-        dataset_id=dataset_id,
-        split=split,
-        storage=storage,
-        labels=None if labels is None else {"feature": labels, "num_classes": int(num_classes)},
-        metadata=dict(metadata or {}),
-        writer=writer,
-        created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    )
-    write_manifest(directory, manifest)
-    return manifest
+
+    def write(directory: str) -> Manifest:
+        os.makedirs(directory)
+        writer = _writer_info()
+        starts = list(range(0, n, per))
+        shards = []
+        for i, a in enumerate(starts):
+            b = min(a + per, n)
+            path = os.path.join(directory, shard_name(i))
+            attrs = {
+                "format": SHARD_FORMAT,
+                "format_version": FORMAT_VERSION,
+                "dataset_id": dataset_id,
+                "split": split,
+                "shard_index": i,
+                "num_shards": len(starts),
+                "rows": b - a,
+                "first_sample": a,
+                "writer": json.dumps(writer),
+            }
+            _write_file(path, {k: v[a:b] for k, v in arrays.items()}, storage, attrs)
+            shards.append(Shard(shard_name(i), b - a, os.path.getsize(path), sha256_file(path)))
+        features = {k: Feature(k, v.dtype, tuple(v.shape[1:])) for k, v in arrays.items()}
+        manifest = Manifest(
+            features=features,
+            shards=shards,
+            dataset_id=dataset_id,
+            split=split,
+            storage=storage,
+            labels=None if labels is None else {"feature": labels,
+                                                "num_classes": int(num_classes)},
+            metadata=dict(metadata or {}),
+            writer=writer,
+            created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        )
+        write_manifest(directory, manifest)
+        return manifest
+
+    return write
 
 
 def write_shards(
@@ -317,28 +335,17 @@ def write_shards(
         _check_labels(arrays, labels, num_classes, source)
         if test_arrays is not None:
             _check_labels(test_arrays, labels, num_classes, f"{source} (test split)")
-    # Check the options and every split directory before writing (or, with overwrite,
-    # removing) any: an old test split left beside a new train split would pair the
-    # wrong vocabulary with the wrong shards, and a bad option found after the old
-    # dataset was removed would leave nothing.
-    _check_options(options.get("rows_per_shard"), options.get("compression"),
-                   options.get("compression_opts"))
-    for name in ("train", "test"):
-        if os.path.isdir(os.path.join(out_dir, name)):
-            _prepare_dir(os.path.join(out_dir, name), options.get("overwrite", False))
+    # Every split is checked before any is written, and the old dataset is replaced only
+    # once all are complete: both its splits, since an old test split left beside a new
+    # train split would pair the wrong vocabulary with the wrong shards.
+    overwrite = options.pop("overwrite", False)
     dataset_id = uuid.uuid4().hex
-    return {
-        name: write_split(
-            os.path.join(out_dir, name),
-            split,
-            split=name,
-            labels=labels,
-            num_classes=num_classes,
-            dataset_id=f"{dataset_id}-{name}",
-            **options,
-        )
+    writers = {
+        name: _split_writer(split, split=name, labels=labels, num_classes=num_classes,
+                            dataset_id=f"{dataset_id}-{name}", **options)
         for name, split in splits.items()
     }
+    return publish_splits(str(out_dir), writers, overwrite=overwrite, replaces=("train", "test"))
 
 
 def write_text_shards(

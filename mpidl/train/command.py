@@ -9,10 +9,10 @@ Run::
     mpidl train reviews-transformer --help         # ... as that preset sets them
     mpiexec -n 2 mpidl eval runs/tf                # evaluate the run's latest checkpoint
 
-Exit codes (the same on every rank): 0 done; 2 a configuration error (unknown key,
-wrong type, missing file: one message, from rank 0); 75 (EX_TEMPFAIL) preempted by
-SIGTERM/SIGUSR1 after writing a checkpoint — run the same command again to resume;
-1 any other error.
+Exit codes (the same on every rank): 0 done; 2 a configuration or data error (unknown
+key, wrong type, missing file, a dataset that is corrupt or whose splits disagree: one
+message, from rank 0); 75 (EX_TEMPFAIL) preempted by SIGTERM/SIGUSR1 after writing a
+checkpoint — run the same command again to resume; 1 any other error.
 """
 from __future__ import annotations
 
@@ -66,6 +66,24 @@ def _config_error(comm, error: str | None) -> bool:
     return first is not None
 
 
+def _trainer(config, comm, run_dir: str, data_dir: str):
+    """The Trainer, or None if the dataset is unusable: rank 0 reports it once. Collective.
+
+    A DataError (a missing or corrupt shard, splits that disagree) is raised by every
+    rank alike (the dataset's checks are collective, and every rank reads the same
+    manifests), so it is reported like a configuration error, not as a crash per rank.
+    """
+    from mpidl.data import DataError
+    from mpidl.train.trainer import Trainer
+
+    trainer, error = None, None
+    try:
+        trainer = Trainer(config, comm, run_dir, data_dir)
+    except DataError as e:
+        error = str(e)
+    return None if _config_error(comm, error) else trainer
+
+
 def _run_dir(config, comm) -> str:
     from mpidl.train.config import default_run_dir
 
@@ -83,7 +101,6 @@ def main(argv: Sequence[str]) -> int:
     from mpidl.comm import watchdog, world
     from mpidl.train.config import ConfigError, to_toml
     from mpidl.train.task import prepare_data
-    from mpidl.train.trainer import Trainer
 
     comm = world()
     config, code = _resolve(argv, comm)
@@ -100,7 +117,9 @@ def main(argv: Sequence[str]) -> int:
     from mpidl.train.log import Logger
 
     data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size))
-    trainer = Trainer(config, comm, run_dir, data_dir)
+    trainer = _trainer(config, comm, run_dir, data_dir)
+    if trainer is None:
+        return EXIT_CONFIG
     plan = _plan(config, run_dir, comm)
     if plan is None:
         return EXIT_CONFIG
@@ -165,7 +184,6 @@ def eval_main(argv: Sequence[str]) -> int:
     from mpidl.train.config import load_config
     from mpidl.train.log import Logger
     from mpidl.train.task import prepare_data
-    from mpidl.train.trainer import Trainer
 
     comm = world()
     config_path = os.path.join(args.run_dir, "config.toml")
@@ -178,7 +196,9 @@ def eval_main(argv: Sequence[str]) -> int:
     comm.check(problem is None, str(problem))
     config = load_config(config_path, [f"--data={args.data}"] if args.data else [])
     data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size))
-    trainer = Trainer(config, comm, args.run_dir, data_dir)
+    trainer = _trainer(config, comm, args.run_dir, data_dir)
+    if trainer is None:
+        return EXIT_CONFIG
     state = load_checkpoint(path)
     trainer.model.load_state_dict(state.model)
     loss, accuracy = trainer.evaluate()

@@ -66,6 +66,8 @@ def _check_splits(train: Any, test: Any) -> None:
     if len(train) == 0:
         raise ValueError(f"dataset {train.path} has no samples: nothing to train on; "
                          f"write a non-empty train split")
+    from mpidl.data.splits import check_splits_agree  # features, vocabulary, classes
+    check_splits_agree({train.path: train.manifest, test.path: test.manifest})
 
 
 def _first_line(error: BaseException) -> str:

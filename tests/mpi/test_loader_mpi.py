@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 
+import h5py
 import numpy
 import pytest
 
@@ -21,9 +22,11 @@ from mpidl.data import (
     ExactAccuracy,
     ShardedDataset,
     write_shards,
+    write_text_shards,
 )
 from mpidl.data import loader as loader_module
 from mpidl.testing import assert_all_ranks
+from mpidl.testing.datasets import edit_manifest, resync_shard
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -104,6 +107,17 @@ def test_exact_accuracy_equals_the_single_process_count(comm, shared_dir):
     )
 
 
+def open_error(comm, path, **kw):
+    """The DataError message that opening ``path`` gave this rank ("no error" if none),
+    and whether every rank got the same one. Collective."""
+    try:
+        ShardedDataset(path, comm=comm, **kw)
+        message = "no error"
+    except DataError as e:
+        message = str(e)
+    return message, len(set(comm.allgather_obj(message))) == 1
+
+
 @pytest.mark.parametrize("fault", ["missing", "flipped"])
 def test_a_bad_shard_raises_the_same_error_on_every_rank(comm, shared_dir, fault):
     path = write_dataset(comm, shared_dir)
@@ -116,15 +130,10 @@ def test_a_bad_shard_raises_the_same_error_on_every_rank(comm, shared_dir, fault
                 f.seek(-16, os.SEEK_END)
                 f.write(b"\xee" * 16)
     comm.barrier()
-    try:
-        ShardedDataset(path, comm=comm, verify="sha256")
-        message = "no error"
-    except DataError as e:
-        message = str(e)
+    message, same = open_error(comm, path, verify="sha256")
     ok = "shard-00002.h5" in message and (
         "missing" in message if fault == "missing" else "sha256" in message
     )
-    same = len(set(comm.allgather_obj(message))) == 1
     assert_all_ranks(
         comm,
         ok and same,
@@ -133,9 +142,35 @@ def test_a_bad_shard_raises_the_same_error_on_every_rank(comm, shared_dir, fault
 
 
 def test_manifest_error_is_raised_on_every_rank(comm, shared_dir):
-    try:
-        ShardedDataset(os.path.join(shared_dir, "nothing-here"), comm=comm)
-        message = "no error"
-    except DataError as e:
-        message = str(e)
-    assert_all_ranks(comm, "no manifest.json" in message, message)
+    message, same = open_error(comm, os.path.join(shared_dir, "nothing-here"))
+    assert_all_ranks(comm, "no manifest.json" in message and same, message)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda m: m["shards"][1].update(file="shard-0\x000001.h5"), "holds a NUL byte"),
+    (lambda m: m["labels"].update(num_classes=10**9), "num_classes 1000000000 is more than"),
+], ids=["nul-in-shard-name", "absurd-num-classes"])
+def test_a_corrupt_manifest_raises_the_same_data_error_on_every_rank(
+        comm, shared_dir, change, expected):
+    path = write_dataset(comm, shared_dir)
+    if comm.rank == 0:
+        edit_manifest(path, change)
+    comm.barrier()
+    message, same = open_error(comm, path)
+    ok = message.startswith(os.path.join(path, "manifest.json")) and expected in message
+    assert_all_ranks(comm, ok and same, f"expected one DataError everywhere, got {message!r}")
+
+
+def test_a_token_id_out_of_range_raises_the_same_error_on_every_rank(comm, shared_dir):
+    path = os.path.join(shared_dir, "t", "train")
+    if comm.rank == 0:
+        texts = [f"{w} film {i}" for i, w in enumerate(["good", "bad"] * 50)]
+        write_text_shards(os.path.join(shared_dir, "t"), texts, ["pos", "neg"] * 50, length=4,
+                          rows_per_shard=30, shuffle=False)
+        with h5py.File(os.path.join(path, "shard-00002.h5"), "r+") as f:
+            f["x"][7, 1] = 99999
+        resync_shard(path, 2)
+    comm.barrier()
+    message, same = open_error(comm, path, verify="sha256")
+    ok = "shard-00002.h5: token id 99999 at row 7" in message and "split 'train'" in message
+    assert_all_ranks(comm, ok and same, f"expected one DataError everywhere, got {message!r}")

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy
 import pytest
 
-from mpidl.data import DataError, DataLoader, DistributedSampler, ShardedDataset, write_shards
+from mpidl.data import (
+    DataError,
+    DataLoader,
+    DistributedSampler,
+    ShardedDataset,
+    write_shards,
+    write_text_shards,
+)
 from mpidl.data.command import main as shard_main
-from mpidl.data.format import sha256_file
 from mpidl.data.sources import read_csv, read_folder
+from mpidl.testing.datasets import edit_manifest, resync_shard
 
 N, PER = 25, 10  # three shards: 10, 10, 5 rows
 
@@ -22,13 +28,6 @@ def split(tmp_path):
     y = numpy.arange(N, dtype=numpy.int64) % 3
     write_shards(tmp_path / "d", {"x": x, "y": y}, rows_per_shard=PER, shuffle=False)
     return tmp_path / "d" / "train"
-
-
-def edit_manifest(split, change):
-    path = split / "manifest.json"
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
 
 
 def rewrite_shard(split, index, arrays, attrs=None):
@@ -43,12 +42,7 @@ def rewrite_shard(split, index, arrays, attrs=None):
         f.attrs.update({**old, **(attrs or {})})
         for k, v in arrays.items():
             f[k] = v
-
-    def update(data):
-        data["shards"][index].update(bytes=os.path.getsize(path), sha256=sha256_file(str(path)))
-
-    edit_manifest(split, update)
-    return str(path)
+    return resync_shard(split, index)
 
 
 def expect(split, match, **kw):
@@ -168,13 +162,13 @@ def test_labels_out_of_range_fail_on_read_and_verify(split):
     y = numpy.zeros(PER, numpy.int64)
     y[7] = 3  # num_classes is 3
     rewrite_shard(split, 1, {"x": numpy.zeros((PER, 3), numpy.float32), "y": y})
-    for cache_bytes in (0, 1 << 20):  # labels read per batch, or whole on first use
-        ds = ShardedDataset(str(split), cache_bytes=cache_bytes)
-        loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, shuffle="none"), prefetch=2)
-        with pytest.raises(
-            DataError, match=r"shard-00001.h5: label 3 at row 7 is outside \[0, 3\)"
-        ):
-            list(loader)
+    ds = ShardedDataset(str(split), cache_bytes=0)  # labels read per batch: found by the read
+    loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, shuffle="none"), prefetch=2)
+    with pytest.raises(
+        DataError, match=r"shard-00001.h5: label 3 at row 7 is outside \[0, 3\)"
+    ):
+        list(loader)
+    expect(split, "label 3 at row 7")  # small enough to cache: found at start-up
     expect(split, "label 3 at row 7", verify="sha256")
 
 
@@ -264,3 +258,62 @@ def test_bad_folder_inputs(tmp_path):
 def test_cli_reports_bad_input_and_exits_non_zero(tmp_path, capsys):
     rc = shard_main(["--from-npz", str(tmp_path / "absent.npz"), str(tmp_path / "d")])
     assert rc == 1 and "absent.npz: no such file" in capsys.readouterr().err
+
+
+@pytest.fixture
+def text_split(tmp_path):
+    texts = [f"{w} film number {i}" for i, w in enumerate(["good", "bad"] * 12)]
+    labels = ["pos", "neg"] * 12
+    write_text_shards(str(tmp_path / "t"), texts, labels, length=6, rows_per_shard=10,
+                      shuffle=False)
+    return tmp_path / "t" / "train"
+
+
+@pytest.mark.parametrize("token", [60000, -3])
+def test_a_token_id_out_of_range_names_the_shard_split_value_and_limit(text_split, token):
+    ds = ShardedDataset(str(text_split))
+    x, y = ds.read("x", range(10, 20)), ds.read("y", range(10, 20))
+    x[4, 2] = token
+    ds.close()
+    path = rewrite_shard(text_split, 1, {"x": x, "y": y})
+    words = len(ds.vocab)
+    ds = ShardedDataset(str(text_split), cache_bytes=0)  # ids read per batch: found by the read
+    loader = DataLoader(ds, DistributedSampler(len(ds), 8, 0, 1, shuffle="none"))
+    with pytest.raises(DataError) as info:
+        list(loader)
+    found_by_the_read = str(info.value)
+    found_at_start_up = expect(text_split, "outside")  # small enough to cache
+    for message in (found_by_the_read, found_at_start_up):
+        assert message.startswith(f"{path}: token id {token} at row 4 is outside [0, {words})")
+        assert "split 'train'" in message and f"vocabulary has {words} words" in message
+        assert "rewrite the dataset with `mpidl shard`" in message
+    assert f"token id {token} at row 4" in expect(text_split, "outside", verify="sha256")
+
+
+def test_verify_finds_a_token_id_out_of_range(text_split, capsys):
+    ds = ShardedDataset(str(text_split))
+    x, y = ds.read("x", range(0, 10)), ds.read("y", range(0, 10))
+    x[9, 0] = len(ds.vocab)
+    ds.close()
+    rewrite_shard(text_split, 0, {"x": x, "y": y})
+    assert shard_main(["--verify", str(text_split.parent)]) == 1
+    assert f"shard-00000.h5: token id {len(ds.vocab)} at row 9" in capsys.readouterr().err
+
+
+def test_a_nul_byte_in_a_shard_name_is_a_data_error_naming_the_manifest(split, capsys):
+    edit_manifest(split, lambda d: d["shards"][0].update(file="shard-0\x000000.h5"))
+    message = expect(split, "holds a NUL byte", verify="none")
+    assert message.startswith(str(split / "manifest.json"))
+    assert shard_main(["--verify", str(split)]) == 1  # bad data, not bad usage
+    assert "NUL byte" in capsys.readouterr().err
+
+
+def test_an_absurd_num_classes_in_a_manifest_is_refused_naming_it(split):
+    edit_manifest(split, lambda d: d["labels"].update(num_classes=10**9))
+    message = expect(split, "num_classes 1000000000 is more than the 16777216", verify="none")
+    assert message.startswith(str(split / "manifest.json")) and "`mpidl shard`" in message
+
+
+def test_the_writer_refuses_labels_that_cannot_be_class_ids(tmp_path):
+    with pytest.raises(DataError, match="num_classes 1000000001 is more than .* `--labels none`"):
+        write_shards(tmp_path / "d", {"x": numpy.zeros((2, 1)), "y": numpy.array([0, 10**9])})

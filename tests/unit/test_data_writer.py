@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-from mpidl.data import ShardedDataset, read_manifest, write_shards, write_text_shards
+from mpidl.data import DataError, ShardedDataset, read_manifest, write_shards, write_text_shards
 from mpidl.data.command import main as shard_main
 from mpidl.data.text import encode, tokenize
 
@@ -294,3 +294,75 @@ def test_mpidl_shard_entry_point_is_this_main(tmp_path):
     numpy.savez(tmp_path / "in.npz", x=numpy.ones((6, 2)), y=numpy.arange(6) % 2)
     assert shard(["--from-npz", str(tmp_path / "in.npz"), str(tmp_path / "d")]) == 0
     assert shard(["--verify", str(tmp_path / "d")]) == 0
+
+
+_SHARD_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+# Writes past the limit fail with EFBIG ("File too large"), as a full disk fails with
+# ENOSPC: the same OSError path through HDF5. SIGXFSZ would kill the process instead.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from mpidl.data.command import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_forced_rewrite_that_runs_out_of_space_keeps_the_old_dataset(tmp_path):
+    import subprocess
+    import sys
+
+    data = tmp_path / "d"
+    write_shards(data, {"x": numpy.zeros((4, 1))}, test_fraction=0.5)
+    before = {s: (data / s / "manifest.json").read_text() for s in ("train", "test")}
+    numpy.savez(tmp_path / "in.npz", x=numpy.random.default_rng(0).random((20000, 8)))
+    result = subprocess.run(
+        [sys.executable, "-c", _SHARD_UNDER_A_FILE_SIZE_LIMIT, str(256 << 10), "--from-npz",
+         str(tmp_path / "in.npz"), "--force", str(data)],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{data / 'train' / 'shard-00000.h5'}: cannot write the new dataset (File too " \
+           "large)" in result.stderr, result.stderr
+    assert "unchanged" in result.stderr and "`ulimit -f`" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert sorted(os.listdir(data)) == ["test", "train"]  # the partial new one removed
+    for split in ("train", "test"):
+        assert (data / split / "manifest.json").read_text() == before[split]
+    assert shard_main(["--verify", str(data)]) == 0
+
+
+def test_a_forced_rewrite_keeps_files_that_are_not_the_datasets(tmp_path):
+    data = tmp_path / "d"
+    write_shards(data, {"x": numpy.zeros((4, 1))}, test_fraction=0.5)
+    (data / "README").write_text("notes")
+    (data / "train" / "notes.txt").write_text("mine")
+    numpy.savez(tmp_path / "in.npz", x=numpy.ones((6, 1)))
+    assert shard_main(["--from-npz", str(tmp_path / "in.npz"), "--force", "--test-fraction",
+                       "0", str(data)]) == 0
+    assert (data / "README").read_text() == "notes"
+    assert (data / "train" / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(data)) == ["README", "train"]  # the old test split went too
+    assert len(ShardedDataset(str(data / "train"))) == 6
+
+
+def test_a_full_disk_names_the_file_the_cause_and_the_fix(tmp_path, monkeypatch):
+    import errno
+
+    from mpidl.data import writer
+
+    write_file = writer._write_file
+
+    def fill_the_disk(path, arrays, storage, attrs):  # the second shard finds the disk full
+        if path.endswith("shard-00001.h5"):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)
+            raise writer.write_error(OSError(errno.ENOSPC, "Can't write data"), path)
+        write_file(path, arrays, storage, attrs)
+
+    monkeypatch.setattr(writer, "_write_file", fill_the_disk)
+    data = tmp_path / "d"
+    with pytest.raises(DataError) as info:
+        write_shards(data, {"x": numpy.zeros((30, 2))}, rows_per_shard=10)
+    assert str(info.value).startswith(
+        f"{data / 'train' / 'shard-00001.h5'}: cannot write the new dataset (No space left on "
+        "device); no dataset was there and the partial new one was removed: free space")
+    assert os.listdir(data) == []
