@@ -288,7 +288,8 @@ class DataParallel:
         finally:
             self._syncing = previous
 
-    def backward(self, loss: Tensor, global_count: int | None = None) -> None:
+    def backward(self, loss: Tensor, global_count: int | None = None,
+                 scale: float = 1.0) -> None:
         """Backward of ``loss`` with overlapped gradient allreduce.
 
         Collective (unless inside :meth:`no_sync`). ``loss`` is this rank's *sum* of
@@ -296,13 +297,16 @@ class DataParallel:
         (all ranks together), so the gradients become the mean over the global batch.
         Without ``global_count``, ``loss`` is taken as already normalised and the
         gradients are summed over ranks and divided by ``size`` (the mean of per-rank
-        means, right only when every rank has the same number of samples).
+        means, right only when every rank has the same number of samples). ``scale``
+        multiplies the gradients (loss scaling for float16: the seed of backward is
+        ``scale / global_count``, so it costs nothing; see
+        :class:`mpidl.optim.DynamicLossScale`).
         """
         if self._detached:
             raise RuntimeError("DataParallel.backward after remove_hooks() or close(): this "
                                "wrapper no longer owns the gradients; wrap the model again")
         xp = loss.xp
-        seed = 1.0 / global_count if global_count else 1.0
+        seed = (scale / global_count) if global_count else scale
         for b in self.buckets:
             b.attach()
             b.pending = len(b.params)

@@ -180,10 +180,12 @@ def eval_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
 
     from mpidl.comm import world
-    from mpidl.train.checkpoint import latest_checkpoint, load_checkpoint, CHECKPOINT_DIR
-    from mpidl.train.config import load_config
+    from mpidl.train.checkpoint import (CHECKPOINT_DIR, CheckpointError, latest_checkpoint,
+                                        load_checkpoint)
+    from mpidl.train.config import ConfigError, load_config
     from mpidl.train.log import Logger
     from mpidl.train.task import prepare_data
+    from mpidl.train.trainer import load_model_state
 
     comm = world()
     config_path = os.path.join(args.run_dir, "config.toml")
@@ -199,8 +201,14 @@ def eval_main(argv: Sequence[str]) -> int:
     trainer = _trainer(config, comm, args.run_dir, data_dir)
     if trainer is None:
         return EXIT_CONFIG
-    state = load_checkpoint(path)
-    trainer.model.load_state_dict(state.model)
+    error = None
+    try:
+        state = load_checkpoint(path)
+        load_model_state(trainer.model, state, config, "evaluate")
+    except (FileNotFoundError, CheckpointError, ConfigError) as e:  # alike on every rank
+        error = str(e)
+    if _config_error(comm, error):
+        return EXIT_CONFIG
     loss, accuracy = trainer.evaluate()
     if comm.rank == 0:
         print(f"checkpoint: {path} (step {state.step})\n"

@@ -3,8 +3,10 @@
 Slurm signals a job before it ends it: at a time limit or a preemption it sends SIGTERM
 (then SIGKILL after ``KillWait``, 30 s by default), and ``#SBATCH --signal=USR1@120``
 asks for SIGUSR1 two minutes before the limit. ``srun`` delivers the signal to every
-task. (Under Open MPI's ``mpirun`` a SIGTERM to mpirun tears the job down itself; send
-SIGUSR1, which mpirun forwards to the ranks, or signal the ranks directly.)
+task. (Under Open MPI's ``mpirun`` a SIGTERM to mpirun tears the job down itself, exit
+status 1 whatever the ranks do; send SIGUSR1, which mpirun forwards to the ranks, signal
+the ranks directly, or start the job with ``mpidl launch`` (:mod:`hpc.launch`), which
+turns a SIGTERM into that SIGUSR1.)
 
 The handler only sets a flag: no I/O or MPI inside a signal handler. At each step
 boundary the trainer agrees on the flag across ranks (:meth:`PreemptionFlag.agree`, an

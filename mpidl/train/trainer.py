@@ -91,6 +91,18 @@ def build_model(config: Config, dataset: Any) -> Any:
     return factory(seed=config.seed, **kwargs)
 
 
+def load_model_state(model: Any, state: ckpt.Checkpoint, config: Config, doing: str) -> None:
+    """Load a checkpoint's parameters into ``model``; ConfigError naming the checkpoint
+    when it holds another model (other parameter names or shapes)."""
+    try:
+        model.load_state_dict(state.model)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(
+            f"cannot {doing} {state.path}: it holds another model than the configured "
+            f"{config.model.name!r} ({_first_line(e)}); use the model options it was saved "
+            "with (the run's config.toml) or another --run-dir for a new model") from None
+
+
 def build_optimizer(config: Config, params: list) -> Any:
     from mpidl import optim
 
@@ -166,6 +178,11 @@ class Trainer:
         self.metrics = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"), enabled=False)
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
+        # float16 parameters (--model.dtype=float16) train with a dynamic loss scale.
+        from mpidl.optim import DynamicLossScale
+
+        half = any(p.data.dtype == numpy.float16 for p in self.model.parameters())
+        self.loss_scale = DynamicLossScale() if half else None
         self.timeline = Timeline(comm.rank, enabled=config.trace)
         sync = None
         if config.backend == "cupy":
@@ -231,7 +248,9 @@ class Trainer:
                     sampler=self.loader.state_dict(), config=to_toml(self.config),
                     epoch=self.loader.state_dict()["epoch"],
                     extra={"ranks": self.comm.size, "total_steps": self.total_steps,
-                           "train_window": window, "skipped_steps": self.skipped_steps})
+                           "train_window": window, "skipped_steps": self.skipped_steps,
+                           "loss_scale": (self.loss_scale.state_dict()
+                                          if self.loss_scale else None)})
                 ckpt.keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
             except OSError as e:
                 error = f"cannot write a checkpoint into {self.checkpoint_dir}: {e}"
@@ -274,14 +293,7 @@ class Trainer:
         another sample order.
         """
         path = state.path
-        try:
-            self.model.load_state_dict(state.model)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(
-                f"cannot resume from {path}: it holds another model than the configured "
-                f"{self.config.model.name!r} ({_first_line(e)}); resume with the options "
-                f"it was saved with (its config is in {os.path.join(self.run_dir, 'config.toml')}"
-                ") or use another --run-dir for a new model") from None
+        load_model_state(self.model, state, self.config, "resume from")
         try:
             self.optimizer.load_state_dict(state.optimizer)
         except (KeyError, ValueError, IndexError) as e:
@@ -299,6 +311,8 @@ class Trainer:
         if saved_window is not None:  # all ranks' sums: on rank 0, once
             self.window = list(saved_window) if self.comm.rank == 0 else [0, 0, 0]
         self.skipped_steps = int(state.extra.get("skipped_steps", 0))
+        if self.loss_scale is not None and state.extra.get("loss_scale"):
+            self.loss_scale.load_state_dict(state.extra["loss_scale"])
         self.step = int(state.step)
         self.resumed_from = state
 
@@ -385,19 +399,37 @@ class Trainer:
 
         # Non-finite values are reported once per step by the guard below, not by NumPy's
         # warnings on every operation they pass through.
+        scale = self.loss_scale.scale if self.loss_scale else 1.0
         with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
             logits = self.dp(x)
             loss = F.softmax_cross_entropy(logits, y, reduction="sum")
-            self.dp.backward(loss, global_count=n)
+            self.dp.backward(loss, global_count=n, scale=scale)
         self.timer.add("comm", self.dp.comm_wait_seconds, start=self.dp.comm_wait_start)
         params = self.model.parameters()
-        finite = bool(self.xp.isfinite(loss.data)) and bool(grads_finite(params))
-        preempted, nonfinite = self.comm.agree_each(flag.is_set, not finite)
+        loss_finite = bool(self.xp.isfinite(loss.data))
+        finite = loss_finite and bool(grads_finite(params))
+        preempted, nonfinite, bad_loss = self.comm.agree_each(flag.is_set, not finite,
+                                                             not loss_finite)
+        if self.loss_scale is not None:
+            if nonfinite and not bad_loss and not self.loss_scale.at_minimum:
+                # Scaled float16 gradients overflowed: routine, not divergence.
+                self.loss_scale.update(False)
+                self.optimizer.zero_grad()
+                self.skipped_steps += 1
+                self.log.info(f"step {self.step + 1}: float16 gradients overflowed at loss "
+                              f"scale {scale:g}; step skipped, scale now "
+                              f"{self.loss_scale.scale:g}")
+                return 0, 0, 0, preempted
+            self.loss_scale.update(not nonfinite)
         if nonfinite:
             self.optimizer.zero_grad()
             self._nonfinite_step(finite)
             return 0, 0, 0, preempted
         self.nonfinite_in_a_row = 0
+        if self.loss_scale is not None:
+            from mpidl.optim import unscale_
+
+            unscale_(params, self.loss_scale)
         if self.config.clip_grad_norm:
             from mpidl.optim import clip_grad_norm_
 
@@ -546,6 +578,8 @@ class Trainer:
                       lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps  # non-finite steps so far in all
+        if self.loss_scale is not None:
+            record["loss_scale"] = self.loss_scale.scale
         self.metrics.write(record)
         return record
 

@@ -81,12 +81,13 @@ def test_a_fresh_run_that_diverges_at_once_writes_no_checkpoint(tmp_path, cache)
     assert not os.path.isdir(os.path.join(run, "checkpoints")) or checkpoints(run) == []
 
 
-def _nan_dataset(tmp_path, nan_rows):
+def _nan_dataset(tmp_path, nan_rows, amplitude=1.0):
     """784-feature rows of 10 separable classes; the rows in ``nan_rows`` hold a NaN."""
     rng = numpy.random.default_rng(0)
     centers = rng.standard_normal((10, 784)).astype(numpy.float32)
     y = rng.integers(0, 10, 640)
     x = (centers[y] + 0.5 * rng.standard_normal((640, 784))).astype(numpy.float32)
+    x *= amplitude
     x[nan_rows, 3] = numpy.nan
     path = tmp_path / "arrays.npz"
     numpy.savez(path, x_train=x[:512], y_train=y[:512], x_test=x[512:], y_test=y[512:])
@@ -131,6 +132,21 @@ def test_with_the_stop_policy_nan_steps_in_a_row_end_the_run_keeping_the_last_ch
     assert result.returncode == 1, result.output
     assert "2 non-finite steps in a row" in result.stderr
     assert snapshot(os.path.join(run, "checkpoints")) == kept
+
+
+def test_float16_gradients_that_overflow_back_off_the_loss_scale(tmp_path):
+    data = _nan_dataset(tmp_path, nan_rows=[], amplitude=30.0)
+    run = str(tmp_path / "run")
+    result = _mlp(tmp_path, data, run, "--epochs=2", "--model.dtype=float16",
+                  "--model.sizes=[784, 16, 10]", "--optimizer=sgd", "--lr=0.01")
+    assert result.returncode == 0, result.output
+    assert ("float16 gradients overflowed at loss scale 65536; step skipped, scale now 32768"
+            in result.stdout), result.stdout
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    scales = [r["loss_scale"] for r in records if r["kind"] == "train"]
+    assert scales[0] < 65536 and all(numpy.isfinite(scales))
+    _, params = final_parameters(run)
+    assert all(v.dtype == numpy.float16 and numpy.isfinite(v).all() for v in params.values())
 
 
 # -- checkpoint integrity -------------------------------------------------------------------
@@ -292,3 +308,13 @@ def test_a_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, cache, how)
     assert "preempted" in out and "exiting with 75" in out, out
     step, _ = final_parameters(run)
     assert 0 < step < 2 * EPOCH, step
+
+
+def test_evaluating_a_checkpoint_of_another_model_names_it(trained, tmp_path, cache):
+    other = str(tmp_path / "other")
+    assert train(1, other, cache, "--epochs=1", "--model.dim=16").returncode == 0
+    ckpt = os.path.join(trained, "checkpoints", checkpoints(trained)[-1])
+    result = mpiexec(2, [sys.executable, "-m", "mpidl", "eval", other, f"--checkpoint={ckpt}"],
+                     timeout=120)
+    assert result.returncode == 2, result.output
+    assert result.stderr.count(f"cannot evaluate {ckpt}: it holds another model") == 1

@@ -470,3 +470,19 @@ def test_optimizer_state_is_broadcast_for_resume(comm):
     everyone = comm.allgather_obj((arrays, digest, state.get("step")))
     assert_all_ranks(comm, all(e == everyone[0] for e in everyone) and arrays,
                      f"optimizer state differs: {everyone[comm.rank]} vs {everyone[0]}")
+
+
+def test_a_loss_scale_multiplies_the_averaged_gradients_exactly(comm):
+    # Powers of two: scaling is exact in binary floating point.
+    (x, y), = batches("mlp", 1, 10)
+    grads = []
+    for scale in (1.0, 1024.0):
+        model = small_mlp()
+        dp = DataParallel(model, comm)
+        xs, ys = my_share(comm, x, y)
+        dp.backward(softmax_cross_entropy(dp(xs), ys, reduction="sum"), global_count=len(x),
+                    scale=scale)
+        grads.append([p.grad.copy() for p in model.parameters()])
+        dp.close()
+    same = all(numpy.array_equal(a * 1024.0, b) for a, b in zip(*grads))
+    assert_all_ranks(comm, same, "scale=1024 did not multiply the gradients by 1024 exactly")

@@ -249,3 +249,28 @@ def test_cupy_updates_equal_numpy_updates(name):
             opt.step()
         results.append(p.data)
     assert allclose(results[1], results[0])
+
+
+def test_the_dynamic_loss_scale_backs_off_on_overflow_and_grows_after_good_steps():
+    from mpidl.optim import DynamicLossScale
+
+    s = DynamicLossScale(init=1024.0, growth_interval=3, min_scale=256.0)
+    assert s.update(False) and s.scale == 512.0
+    assert s.update(False) and s.scale == 256.0 and s.at_minimum
+    assert not s.update(False) and s.scale == 256.0      # never below the minimum
+    assert [s.update(True) for _ in range(3)] == [False, False, True] and s.scale == 512.0
+    copy = DynamicLossScale()
+    copy.load_state_dict(s.state_dict())
+    assert (copy.scale, copy.good_steps) == (512.0, 0)
+    with pytest.raises(ValueError, match="need init >= min_scale"):
+        DynamicLossScale(init=0.5)
+
+
+def test_unscale_divides_every_gradient_in_place():
+    from mpidl.optim import DynamicLossScale, unscale_
+
+    p = Parameter(numpy.ones(3, dtype=numpy.float16))
+    p.grad = numpy.full(3, 1024.0, dtype=numpy.float16)
+    view = p.grad
+    unscale_([p, Parameter(numpy.ones(2))], DynamicLossScale(init=512.0))
+    assert p.grad is view and numpy.array_equal(p.grad, numpy.full(3, 2.0, numpy.float16))
