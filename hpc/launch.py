@@ -88,8 +88,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"mpidl launch: error: cannot run the launcher: {e}", file=sys.stderr)
         return 2
     relay = _Relay(child)
-    previous = {s: signal.signal(s, relay) for s in (signal.SIGTERM, signal.SIGUSR1,
-                                                      signal.SIGUSR2)}
+    relayed = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {s: signal.signal(s, relay) for s in relayed}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         while True:

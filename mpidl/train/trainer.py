@@ -408,8 +408,8 @@ class Trainer:
         params = self.model.parameters()
         loss_finite = bool(self.xp.isfinite(loss.data))
         finite = loss_finite and bool(grads_finite(params))
-        preempted, nonfinite, bad_loss = self.comm.agree_each(flag.is_set, not finite,
-                                                             not loss_finite)
+        preempted, nonfinite, bad_loss = self.comm.agree_each(
+            flag.is_set, not finite, not loss_finite)
         if self.loss_scale is not None:
             if nonfinite and not bad_loss and not self.loss_scale.at_minimum:
                 # Scaled float16 gradients overflowed: routine, not divergence.

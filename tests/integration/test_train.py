@@ -10,18 +10,16 @@ import re
 import os
 import signal
 import sys
-import time
 
-import h5py
 import numpy
 import pytest
+from trainjob import (EPOCH, SLOW, SMALL, evals, final_parameters, train,
+                      wait_for_first_record)
 
 from mpidl.testing import tolerance
 from mpidl.testing.launch import launch_env, mpiexec, mpiexec_command
 
 pytestmark = [pytest.mark.timeout(300)]
-
-from trainjob import EPOCH, SMALL, evals, final_parameters, train
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -177,21 +175,14 @@ def _rank_pid(marker, rank):
 def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly_then_resumes_exactly(tmp_path, cache):
     import subprocess
 
-    slow = ["--epochs=2", "--model=transformer", "--model.dim=16", "--model.layers=1",
-            "--model.heads=2", "--model.ffn=32", "--log-every=1"]
     whole, run = str(tmp_path / "whole"), str(tmp_path / "preempted")
-    assert train(2, whole, cache, *slow).returncode == 0
-    cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *slow,
+    assert train(2, whole, cache, *SLOW).returncode == 0
+    cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *SLOW,
                               f"--data.cache-dir={cache}", f"--run-dir={run}"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=launch_env(), start_new_session=True)
     try:
-        metrics = os.path.join(run, "metrics.jsonl")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
-                break
-            time.sleep(0.02)
+        wait_for_first_record(proc, run)
         pid = _rank_pid(run, 1)
         assert pid is not None, "rank 1 not found"
         os.kill(pid, signal.SIGTERM)
@@ -203,7 +194,7 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly_then_resumes_exactly(
     assert "preempted" in out and "exiting with 75" in out
     step, _ = final_parameters(run)
     assert 0 < step < 2 * EPOCH, step
-    resumed = train(2, run, cache, *slow)
+    resumed = train(2, run, cache, *SLOW)
     assert resumed.returncode == 0, resumed.output
     _, a = final_parameters(whole)
     _, b = final_parameters(run)

@@ -18,7 +18,8 @@ import numpy
 import pytest
 
 from mpidl.testing.launch import mpiexec
-from trainjob import EPOCH, SMALL, evals, final_parameters, train
+from trainjob import (EPOCH, SLOW, SMALL, evals, final_parameters, train,
+                      wait_for_first_record)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -278,14 +279,11 @@ def test_a_full_disk_at_resume_is_named_and_leaves_the_run_directory_as_it_was(
 @pytest.mark.parametrize("how", ["SIGTERM to mpidl launch", "SIGUSR1 to mpiexec"])
 def test_a_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, cache, how):
     import signal
-    import time
 
     from mpidl.testing.launch import launch_env, mpiexec_command
 
-    slow = ["--epochs=2", "--model=transformer", "--model.dim=16", "--model.layers=1",
-            "--model.heads=2", "--model.ffn=32", "--log-every=1"]
     run = str(tmp_path / "run")
-    cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *slow,
+    cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *SLOW,
                               f"--data.cache-dir={cache}", f"--run-dir={run}"])
     sig = signal.SIGUSR1
     if how.endswith("mpidl launch"):
@@ -293,12 +291,7 @@ def test_a_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, cache, how)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=launch_env(), start_new_session=True)
     try:
-        metrics = os.path.join(run, "metrics.jsonl")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
-                break
-            time.sleep(0.02)
+        wait_for_first_record(proc, run)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import h5py
 
@@ -31,3 +32,18 @@ def final_parameters(run_dir):
 def evals(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["kind"] == "eval"]
+
+
+# A run slow enough (a small transformer, a record per step) to be signalled mid-way.
+SLOW = ["--epochs=2", "--model=transformer", "--model.dim=16", "--model.layers=1",
+        "--model.heads=2", "--model.ffn=32", "--log-every=1"]
+
+
+def wait_for_first_record(proc, run_dir, timeout=120):
+    """Until the run has written its first metrics record (or its launch has ended)."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+            return
+        time.sleep(0.02)
