@@ -277,3 +277,19 @@ def test_train_help_shows_the_values_the_same_command_would_run(capsys):
     assert train_main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "Keys as `reviews` sets them" in out and "\nepochs = 2\n" in out
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan"])
+def test_the_watchdog_timeout_key_is_seconds_or_none(value):
+    with pytest.raises(ConfigError, match="'timeout' must be a number of seconds >= 0"):
+        load_config(None, [f"--timeout={value}"])
+    assert load_config(None, ["--timeout=0"]).timeout == 0
+    assert load_config(None, ["--timeout=none"]).timeout is None
+
+
+def test_the_nonfinite_policy_keys_are_checked():
+    assert load_config(None, ["--nonfinite=skip", "--nonfinite-steps=3"]).nonfinite == "skip"
+    with pytest.raises(ConfigError, match="nonfinite"):
+        load_config(None, ["--nonfinite=ignore"])
+    with pytest.raises(ConfigError, match="'nonfinite_steps' must be >= 1"):
+        load_config(None, ["--nonfinite-steps=0"])
