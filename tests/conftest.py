@@ -38,9 +38,12 @@ def xp(request):
 
 @pytest.fixture(scope="session")
 def sentiment_sentences() -> Path:
-    """The real labelled review sentences (``shared/data/sentiment-sentences`` beside the
-    repository, or under ``$MPIDL_SHARED_DATA``); the test is skipped where absent."""
-    candidates = [Path(__file__).resolve().parents[2] / "shared" / "data" / "sentiment-sentences"]
+    """The real labelled review sentences: the copy in ``tests/data`` (CC BY 4.0, credited
+    in its README), else ``shared/data/sentiment-sentences`` beside the repository, or
+    under ``$MPIDL_SHARED_DATA``; the test is skipped where absent."""
+    here = Path(__file__).resolve()
+    candidates = [here.parent / "data" / "sentiment-sentences",
+                  here.parents[2] / "shared" / "data" / "sentiment-sentences"]
     env = os.environ.get("MPIDL_SHARED_DATA")
     if env:
         candidates[:0] = [Path(env) / "sentiment-sentences", Path(env)]

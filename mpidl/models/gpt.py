@@ -36,18 +36,22 @@ class GPT(Module):
         ffn: feed-forward hidden width (default ``4 * dim``).
         dropout: residual-branch dropout.
         tie_weights: share the token embedding with the output projection.
+        pad_id: the padding token id: :meth:`loss` gives padded targets no loss (and no
+            gradient), so padding is never something to predict. None: every target
+            counts.
         seed, rng, dtype: see :mod:`mpidl.nn.init`; float32 by default.
     """
 
     def __init__(self, vocab: int = 8000, seq_len: int = 128, dim: int = 128, layers: int = 2,
                  heads: int = 4, ffn: int | None = None, dropout: float = 0.0,
-                 tie_weights: bool = True, *,
+                 tie_weights: bool = True, pad_id: int | None = None, *,
                  seed: int | None = None, rng: numpy.random.Generator | None = None,
                  dtype: Any = None) -> None:
         super().__init__()
         rng = init.make_rng(seed, rng)
         dtype = default_dtype(dtype)
         self.vocab, self.seq_len, self.tie_weights = vocab, seq_len, tie_weights
+        self.pad_id = pad_id
         self.tok = Embedding(vocab, dim, std=0.02, rng=rng, dtype=dtype)
         self.pos = Parameter(init.normal((seq_len, dim), 0.02, rng, dtype))
         self.blocks = ModuleList(
@@ -70,3 +74,22 @@ class GPT(Module):
             x = block(x)
         weight = self.tok.weight if self.tie_weights else self.head.weight
         return linear(self.norm(x), weight)  # (B, T, vocab)
+
+    def loss(self, ids: Any, reduction: str = "sum") -> Tensor:
+        """Next-token cross-entropy of ``ids`` ``(B, T)``: position t predicts token t+1.
+
+        Targets equal to ``pad_id`` count nothing (``reduction="mean"`` averages over
+        the real targets only); with ``"sum"`` (data parallelism's convention, divided
+        by the global count of real targets) use :meth:`count_targets` for that count.
+        """
+        ids = as_input(ids)
+        logits = self(ids[:, :-1])  # (B, T-1, vocab)
+        return F.softmax_cross_entropy(logits, ids[:, 1:], ignore_index=self.pad_id,
+                                       reduction=reduction)
+
+    def count_targets(self, ids: Any) -> int:
+        """How many next-token targets of ``ids`` count (those that are not padding)."""
+        targets = as_input(ids)[:, 1:]
+        if self.pad_id is None:
+            return int(targets.size)
+        return int((targets != self.pad_id).sum())

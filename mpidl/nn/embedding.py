@@ -49,8 +49,17 @@ class EmbeddingBag(Embedding):
     """The mean of the embeddings of a bag of ids: ids ``(..., L)`` -> ``(..., dim)``.
 
     As ``torch.nn.EmbeddingBag(mode="mean")`` on fixed-length bags: the last axis of
-    ``ids`` is the bag. Arguments as :class:`Embedding`.
+    ``ids`` is the bag. Arguments as :class:`Embedding`, and ``padding_idx``: an id left
+    out of every mean (padding of fixed-length rows; a bag of only padding gives zeros).
     """
 
+    def __init__(self, num_embeddings: int, dim: int, *, padding_idx: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(num_embeddings, dim, **kwargs)
+        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+            raise ValueError(f"EmbeddingBag: padding_idx={padding_idx} is not an id of a "
+                             f"table of {num_embeddings} rows")
+        self.padding_idx = padding_idx
+
     def forward(self, ids: Any) -> Tensor:
-        return F.embedding_bag(as_input(ids), self.weight)
+        return F.embedding_bag(as_input(ids), self.weight, padding_idx=self.padding_idx)

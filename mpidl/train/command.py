@@ -74,12 +74,13 @@ def _trainer(config, comm, run_dir: str, data_dir: str):
     manifests), so it is reported like a configuration error, not as a crash per rank.
     """
     from mpidl.data import DataError
+    from mpidl.train.config import ConfigError
     from mpidl.train.trainer import Trainer
 
     trainer, error = None, None
     try:
         trainer = Trainer(config, comm, run_dir, data_dir)
-    except DataError as e:
+    except (DataError, ConfigError) as e:  # a model option the data contradicts, too
         error = str(e)
     return None if _config_error(comm, error) else trainer
 

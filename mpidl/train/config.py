@@ -60,7 +60,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "ConfigError", "load_config", "to_toml",
            "apply_overrides", "config_from_dict", "list_presets", "split_args",
-           "parse_overrides", "check_model_kwargs", "default_run_dir"]
+           "parse_overrides", "check_model_kwargs", "model_parameters", "default_run_dir"]
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
 DEFAULT_PRESET = "reviews"
@@ -331,14 +331,8 @@ def _keyword_parameters(f: Callable[..., Any]) -> tuple[dict, bool, dict]:
     return params, takes_any, hints
 
 
-def check_model_kwargs(config: Config, factory: Callable[..., Any]) -> None:
-    """Check ``config.model.kwargs`` against the signature of the model's constructor.
-
-    The schema cannot know each model's options; the trainer calls this once it has
-    looked the model up, so that ``--model.dimm=64`` is a ConfigError naming the key and
-    the close matches, and ``--model.dim=big`` one naming the expected type (from the
-    parameter's annotation or default value), before anything is built.
-    """
+def _model_signature(factory: Callable[..., Any]) -> tuple[dict, bool, dict]:
+    """A model factory's keyword parameters, whether it takes any others, their hints."""
     params, takes_any, hints = _keyword_parameters(factory)
     built = hints.pop("return", None)
     if takes_any and isinstance(built, type):
@@ -348,6 +342,23 @@ def check_model_kwargs(config: Config, factory: Callable[..., Any]) -> None:
         more.pop("self", None)
         params = {**more, **params}
         hints = {**more_hints, **hints}
+    return params, takes_any, hints
+
+
+def model_parameters(factory: Callable[..., Any]) -> set[str]:
+    """The keyword arguments a model factory accepts (its own and its class's)."""
+    return set(_model_signature(factory)[0])
+
+
+def check_model_kwargs(config: Config, factory: Callable[..., Any]) -> None:
+    """Check ``config.model.kwargs`` against the signature of the model's constructor.
+
+    The schema cannot know each model's options; the trainer calls this once it has
+    looked the model up, so that ``--model.dimm=64`` is a ConfigError naming the key and
+    the close matches, and ``--model.dim=big`` one naming the expected type (from the
+    parameter's annotation or default value), before anything is built.
+    """
+    params, takes_any, hints = _model_signature(factory)
     for key, value in config.model.kwargs.items():
         full = f"model.{key}"
         if key not in params:

@@ -40,8 +40,9 @@ from mpidl import functions as F
 from mpidl.atomic import write_text
 from mpidl.autograd import no_grad
 from mpidl.train import checkpoint as ckpt
-from mpidl.train.config import Config, ConfigError, check_model, to_toml
+from mpidl.train.config import Config, ConfigError, to_toml
 from mpidl.train.log import Logger, ProgressBar, format_summary
+from mpidl.train.model import build_model
 from mpidl.train.metrics import MetricsWriter, StepTimer, Throughput, read_metrics, trim_metrics
 from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag
 from mpidl.train.timeline import Timeline
@@ -73,22 +74,6 @@ def _check_splits(train: Any, test: Any) -> None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip("'\" ")
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def build_model(config: Config, dataset: Any) -> Any:
-    """The configured model, with vocab/seq_len/classes taken from the data when unset."""
-    factory = check_model(config)
-    kwargs = dict(config.model.kwargs)
-    known = {"classes": dataset.num_classes,
-             "vocab": len(dataset.vocab) if dataset.vocab else None,
-             "seq_len": dataset.features["x"].shape[0] if dataset.features["x"].shape else None}
-    import inspect
-
-    accepted = inspect.signature(factory).parameters
-    for key, value in known.items():
-        if value is not None and key in accepted and key not in kwargs:
-            kwargs[key] = value
-    return factory(seed=config.seed, **kwargs)
 
 
 def load_model_state(model: Any, state: ckpt.Checkpoint, config: Config, doing: str) -> None:

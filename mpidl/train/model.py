@@ -1,0 +1,102 @@
+"""The model a run trains, shaped by its data: a dataset needs no model options.
+
+What the data determines is taken from it: the number of classes, and for token data
+(text datasets: integer ``x`` with a vocabulary) the vocabulary size, the sequence
+length and the padding id (so that padding is left out: the bag of words averages real
+tokens only, the transformer masks them); for feature data (float ``x``) the input
+width, the first and last of the mlp's ``sizes``. An option the user sets explicitly
+must agree with the data, or it is a :class:`~mpidl.train.config.ConfigError` naming
+both values (a 784-input mlp on 64-feature rows fails at its first matmul otherwise;
+a bag of words with a smaller vocabulary indexes past its table).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mpidl.train.config import Config, ConfigError, check_model, model_parameters
+
+TOKEN_MODELS = ("bow", "transformer", "gpt")   # read token ids
+FEATURE_MODELS = ("mlp",)                      # read feature vectors
+
+
+def data_shapes(dataset: Any) -> dict[str, Any]:
+    """What ``dataset`` (a split: ``features``, ``num_classes``, ``vocab``, ``pad_id``)
+    determines of a model, by model keyword: ``classes``, and ``vocab``, ``seq_len``,
+    ``pad_id`` (token data) or ``inputs`` (feature data: the flattened width)."""
+    x = dataset.features["x"]
+    shapes: dict[str, Any] = {}
+    if dataset.num_classes:
+        shapes["classes"] = int(dataset.num_classes)
+    if x.dtype.kind in "iu" and dataset.vocab:
+        shapes["vocab"] = len(dataset.vocab)
+        if x.shape:
+            shapes["seq_len"] = int(x.shape[-1])
+        pad_id = getattr(dataset, "pad_id", None)
+        if pad_id is not None:
+            shapes["pad_id"] = int(pad_id)
+    else:
+        shapes["inputs"] = int(math.prod(x.shape)) if x.shape else 1
+    return shapes
+
+
+def _contradiction(key: str, given: Any, dataset: Any, what: str) -> ConfigError:
+    return ConfigError(f"--model.{key}={given} contradicts the data: {dataset.path} has "
+                       f"{what}; leave model.{key} out, the data sets it")
+
+
+def model_options(config: Config, dataset: Any) -> dict[str, Any]:
+    """The model's keyword arguments: the user's, completed (and checked) by the data."""
+    name = config.model.name
+    accepted = model_parameters(check_model(config))
+    kwargs = dict(config.model.kwargs)
+    shapes = data_shapes(dataset)
+    x = dataset.features["x"]
+    if name in TOKEN_MODELS and "vocab" not in shapes:
+        raise ConfigError(f"model {name!r} reads token ids, but {dataset.path} holds "
+                          f"{x.dtype} features of shape {tuple(x.shape)}: use --model=mlp "
+                          "(or write the dataset from text with `mpidl shard`)")
+    if name in FEATURE_MODELS and "inputs" not in shapes:
+        raise ConfigError(f"model {name!r} reads feature vectors, but {dataset.path} holds "
+                          f"token ids (a text dataset): use --model=bow or --model=transformer")
+    what = {"classes": "{} classes", "vocab": "a vocabulary of {} tokens",
+            "seq_len": "rows of {} tokens", "pad_id": "padding id {}"}
+    for key, wanted in shapes.items():
+        if key not in accepted:
+            continue
+        if key in kwargs and kwargs[key] != wanted:
+            raise _contradiction(key, kwargs[key], dataset, what[key].format(wanted))
+        kwargs[key] = wanted
+    if "sizes" in accepted and "inputs" in shapes:
+        kwargs["sizes"] = _mlp_sizes(kwargs, shapes, dataset)
+    return kwargs
+
+
+def _mlp_sizes(kwargs: dict[str, Any], shapes: dict[str, Any], dataset: Any) -> list[int]:
+    """The mlp's widths: the user's hidden layers (the reference's two of 1024 by default)
+    between the data's input width and class count."""
+    from mpidl.models import mlp
+
+    import inspect
+
+    default = list(inspect.signature(mlp).parameters["sizes"].default)
+    sizes = list(kwargs.get("sizes", default))
+    if len(sizes) < 2:
+        raise ConfigError(f"--model.sizes={sizes} needs at least an input and an output width")
+    given = "sizes" in kwargs
+    if given and sizes[0] != shapes["inputs"]:
+        raise _contradiction("sizes", sizes, dataset,
+                             f"{shapes['inputs']} input features per sample, not {sizes[0]}")
+    classes = shapes.get("classes")
+    if given and classes is not None and sizes[-1] != classes:
+        raise _contradiction("sizes", sizes, dataset, f"{classes} classes, not {sizes[-1]}")
+    sizes[0] = shapes["inputs"]
+    if classes is not None:
+        sizes[-1] = classes
+    return sizes
+
+
+def build_model(config: Config, dataset: Any) -> Any:
+    """The configured model, shaped by ``dataset`` (see the module docstring)."""
+    factory = check_model(config)
+    return factory(seed=config.seed, **model_options(config, dataset))
