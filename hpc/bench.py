@@ -7,6 +7,7 @@ prints, one table row (or one JSON line) per size::
     mpiexec -n 4 python -m hpc.bench                          # allreduce, 4 B .. 64 MiB
     mpiexec -n 4 python -m hpc.bench --op allreduce,allgather --max-bytes 1MiB --json
     srun --mpi=pmix python -m hpc.bench --device cupy         # CUDA-aware MPI, GPU buffers
+    mpiexec -n 2 mpidl bench --op all --plot net.png --save-profile mycluster
 
 Method: per size, ``--warmup`` iterations, then ``--windows`` timed windows of the
 same iteration count on every rank, each after a barrier. A window's time is the
@@ -16,12 +17,17 @@ about ``--window-s``.
 
 Bandwidths, in GB/s of 1e9 bytes: ``algbw = bytes / time``; ``busbw = algbw * factor``
 with NCCL-tests' factors, which make busbw comparable with the link's bandwidth at any
-rank count: allreduce ``2(n-1)/n``, allgather and reduce_scatter ``(n-1)/n``, bcast 1.
-``bytes`` is the allreduce/bcast buffer, the allgather output and the reduce_scatter
-input (the whole gathered or scattered vector, NCCL-tests' convention).
+rank count: allreduce ``2(n-1)/n``, allgather, reduce_scatter and alltoall
+``(n-1)/n``, bcast and sendrecv 1. ``bytes`` is the allreduce/bcast buffer, the
+allgather output, the reduce_scatter input and the alltoall send buffer (the whole
+vector, NCCL-tests' convention), and the message each rank sends to the next in the
+sendrecv ring exchange (rank r sends to r+1 and receives from r-1, as ring attention
+passes its blocks).
 
 The fit ``t(bytes) = alpha + bytes / beta`` (:func:`fit_alpha_beta`) gives the latency
-alpha and the asymptotic bandwidth beta that ``mpidl plan``-style cost models use.
+alpha and the asymptotic bandwidth beta; ``--save-profile NAME`` stores each op's fit
+as a network profile for ``mpidl plan`` (:mod:`hpc.costmodel`), and ``--plot FILE``
+draws time and bus bandwidth against message size (needs matplotlib: the [plot] extra).
 
 Needs mpi4py and NumPy (CuPy for ``--device cupy``); ``hpc`` never imports ``mpidl``.
 """
@@ -42,7 +48,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-OPS = ("allreduce", "allgather", "bcast", "reduce_scatter")
+OPS = ("allreduce", "allgather", "bcast", "reduce_scatter", "alltoall", "sendrecv")
 DTYPES = ("float32", "float64", "int32", "int64")
 GB = 1e9
 _UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2,
@@ -50,21 +56,14 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2,
 
 
 def bus_factor(op: str, size: int) -> float:
-    """busbw / algbw for ``op`` on ``size`` ranks (NCCL-tests, doc/PERFORMANCE.md).
+    """busbw / algbw for ``op`` on ``size`` ranks (NCCL-tests, doc/PERFORMANCE.md): the
+    cost model's :func:`hpc.costmodel.volume`. At one rank nothing crosses a link: the
+    factor is 0 except for bcast and sendrecv."""
+    from hpc.costmodel import volume
 
-    An allreduce moves ``2(n-1)/n`` of the buffer through each rank's link in the best
-    (ring) algorithm, an allgather or reduce-scatter ``(n-1)/n``, a broadcast all of it.
-    At one rank nothing crosses a link: the factor is 0 except for bcast.
-    """
-    if size < 1:
-        raise ValueError(f"size={size}: a communicator has at least 1 rank")
-    if op == "allreduce":
-        return 2.0 * (size - 1) / size
-    if op in ("allgather", "reduce_scatter"):
-        return (size - 1) / size
-    if op == "bcast":
-        return 1.0
-    raise ValueError(f"op={op!r} is not one of {', '.join(OPS)}")
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not one of {', '.join(OPS)}")
+    return volume(op, size)
 
 
 def parse_bytes(text: str) -> int:
@@ -206,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the buffers live; cupy measures CUDA-aware MPI")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per size, then one per fit, instead of a table")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="draw time and bus bandwidth against message size into FILE (PNG)")
+    p.add_argument("--save-profile", metavar="NAME", default=None,
+                   help="store the fits as network profile NAME for `mpidl plan --network "
+                        "NAME` (in $MPIDL_PROFILE_DIR or ~/.config/mpidl/network)")
     return p
 
 
@@ -229,9 +233,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+_WHOLE_VECTOR = ("allgather", "reduce_scatter", "alltoall")  # bytes: all ranks' blocks
+
+
 def _elements(op: str, nbytes: int, itemsize: int, size: int) -> int:
     """Elements per rank for a message of about ``nbytes`` (see the module docstring)."""
-    per = size if op in ("allgather", "reduce_scatter") else 1
+    per = size if op in _WHOLE_VECTOR else 1
     return max(1, nbytes // (itemsize * per))
 
 
@@ -255,6 +262,17 @@ def _collective(op: str, comm: Any, MPI: Any, xp: ModuleType, dtype: str, count:
         send, recv = xp.ones(n * count, dtype), xp.zeros(count, dtype)
         call = lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM)  # noqa: E731
         out, want = recv, lambda: xp.full(count, n, dtype)
+    elif op == "alltoall":
+        # Block j of rank r holds r * n + j, so rank r receives i * n + r from rank i.
+        send = xp.repeat(xp.arange(r * n, r * n + n, dtype=dtype), count)
+        recv = xp.zeros(n * count, dtype)
+        call = lambda: comm.Alltoall(send, recv)  # noqa: E731
+        out, want = recv, lambda: xp.repeat(xp.arange(n, dtype=dtype) * n + r, count)
+    elif op == "sendrecv":
+        send, recv = xp.full(count, r + 1, dtype), xp.zeros(count, dtype)
+        dest, source = (r + 1) % n, (r - 1) % n
+        call = lambda: comm.Sendrecv(send, dest, recvbuf=recv, source=source)  # noqa: E731
+        out, want = recv, lambda: xp.full(count, source + 1, dtype)
     else:
         buf = xp.full(count, 7 if r == 0 else 0, dtype)
         call = lambda: comm.Bcast(buf, root=0)  # noqa: E731
@@ -308,7 +326,7 @@ def measure(comm: Any, MPI: Any, call: Callable[[], None], xp: ModuleType, iters
 
 
 def _header(op: str, args: argparse.Namespace, ranks: int, nodes: int, library: str) -> str:
-    factor = {"allreduce": "2(n-1)/n", "bcast": "1"}.get(op, "(n-1)/n")
+    factor = {"allreduce": "2(n-1)/n", "bcast": "1", "sendrecv": "1"}.get(op, "(n-1)/n")
     return (f"# hpc.bench {op}: {ranks} ranks on {nodes} node(s), {args.dtype}, "
             f"{args.device} buffers; {library}\n"
             f"# time = slowest rank's mean per iteration, median (min-max) of "
@@ -402,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0].strip()
     itemsize = np.dtype(args.dtype).itemsize
     say = print if rank == 0 else (lambda *a, **k: None)
+    sweeps: dict[str, list[Result]] = {}
     for op in args.op:
         if not args.json:
             say(_header(op, args, ranks, where.nodes, library), flush=True)
@@ -409,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seen: set[int] = set()
         for nbytes in message_sizes(args.min_bytes, args.max_bytes, args.factor):
             count = _elements(op, nbytes, itemsize, ranks)
-            actual = count * itemsize * (ranks if op in ("allgather", "reduce_scatter") else 1)
+            actual = count * itemsize * (ranks if op in _WHOLE_VECTOR else 1)
             if actual in seen:  # tiny sizes round to the same buffer at many ranks
                 continue
             seen.add(actual)
@@ -426,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          iters, windows)
             results.append(res)
             say(json.dumps(res.to_json()) if args.json else _row(res), flush=True)
+        sweeps[op] = results
         fit = _fit_record(op, results)
         if fit is not None:
             beta = "inf" if fit["beta_GBps"] is None else f"{fit['beta_GBps']:.4g} GB/s"
@@ -433,7 +453,58 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"# fit over {fit['sizes']} sizes, t = alpha + bytes / beta: "
                 f"alpha = {fit['alpha_us']:.3g} us, beta = {beta}", flush=True)
     comm.Free()
+    if rank == 0:
+        return _outputs(args, sweeps, library)
     return 0
+
+
+def _outputs(args: argparse.Namespace, sweeps: dict[str, list[Result]], library: str) -> int:
+    """Rank 0: the plot and the saved profile asked for."""
+    if args.plot:
+        try:
+            plot_sweeps(sweeps, args.plot)
+        except ImportError as e:
+            print(f"hpc.bench: --plot needs matplotlib ({e}); install the [plot] extra: "
+                  "pip install 'mpidl[plot]'", file=sys.stderr)
+            return 1
+        print(f"# plot: {args.plot}")
+    if args.save_profile:
+        from hpc import costmodel
+
+        fits = {op: fit_alpha_beta([r.nbytes for r in res], [r.seconds for r in res])
+                for op, res in sweeps.items() if len({r.nbytes for r in res}) >= 2}
+        first = next(iter(sweeps.values()))[0]
+        path = costmodel.save_network_profile(
+            args.save_profile, fits, ranks=first.ranks, nodes=first.nodes,
+            source=f"measured with `mpidl bench` ({library}, {args.dtype}, {args.device} "
+                   f"buffers, {first.ranks} ranks on {first.nodes} node(s)), "
+                   f"{time.strftime('%Y-%m-%d %H:%M')}")
+        print(f"# network profile {args.save_profile!r}: {path}")
+    return 0
+
+
+def plot_sweeps(sweeps: dict[str, list[Result]], path: str) -> str:
+    """Time and bus bandwidth against message size, one line per op, into ``path``."""
+    # A Figure of its own, not pyplot: no process-wide backend or figure state changes.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    ax_t, ax_b = fig.subplots(1, 2)
+    for op, results in sweeps.items():
+        sizes = [r.nbytes for r in results]
+        ax_t.loglog(sizes, [r.seconds * 1e6 for r in results], marker="o", ms=3, label=op)
+        ax_b.semilogx(sizes, [r.busbw / GB for r in results], marker="o", ms=3, label=op)
+    first = next(iter(sweeps.values()))[0]
+    ax_t.set(xlabel="message size (bytes)", ylabel="time (us)",
+             title=f"latency, {first.ranks} ranks on {first.nodes} node(s)")
+    ax_b.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
+             title="bus bandwidth (NCCL-tests convention)")
+    for ax in (ax_t, ax_b):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":

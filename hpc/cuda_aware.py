@@ -150,10 +150,10 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 def save_verdict(path: Path, verdict: Verdict) -> None:
     """Write a verdict atomically (rename over), so concurrent jobs never read half a file."""
+    from hpc.files import write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(verdict)))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(dataclasses.asdict(verdict)))
 
 
 def load_verdict(path: Path) -> Verdict | None:

@@ -28,7 +28,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterator
 
-from mpidl.atomic import write_text
+from hpc.files import write_text
 
 import numpy
 

@@ -27,7 +27,7 @@ import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from mpidl.atomic import write_text
+from hpc.files import write_text
 
 TRACKS = ("compute", "comm", "input")
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy
 
 from mpidl import functions as F
-from mpidl.atomic import write_text
+from hpc.files import write_text
 from mpidl.autograd import no_grad
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.config import Config, ConfigError, to_toml

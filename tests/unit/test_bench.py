@@ -71,14 +71,15 @@ def test_fit_rejects_what_it_cannot_fit(sizes, times, words):
     ("allreduce", 1, 0.0), ("allreduce", 2, 1.0), ("allreduce", 4, 1.5),
     ("allreduce", 8, 1.75), ("allgather", 2, 0.5), ("allgather", 4, 0.75),
     ("reduce_scatter", 8, 0.875), ("bcast", 1, 1.0), ("bcast", 16, 1.0),
+    ("alltoall", 4, 0.75), ("sendrecv", 2, 1.0), ("sendrecv", 8, 1.0),
 ])
 def test_bus_factor_follows_nccl_tests(op, n, factor):
     assert bench.bus_factor(op, n) == pytest.approx(factor)
 
 
 def test_bus_factor_rejects_unknown_op_and_empty_group():
-    with pytest.raises(ValueError, match="alltoall"):
-        bench.bus_factor("alltoall", 2)
+    with pytest.raises(ValueError, match="scan"):
+        bench.bus_factor("scan", 2)
     with pytest.raises(ValueError, match="size=0"):
         bench.bus_factor("allreduce", 0)
 
@@ -138,7 +139,7 @@ def test_parse_args_reads_op_lists_sizes_and_counts():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--op", "alltoall"], "alltoall"),
+    (["--op", "scan"], "scan"),
     (["--iters", "0"], "--iters 0 must be >= 1"),
     (["--windows", "0"], "--windows 0 must be >= 1"),
     (["--factor", "1"], "--factor 1 must be >= 2"),

@@ -1,5 +1,8 @@
 """Text files replaced atomically: readers see the old file or the new one, never half.
 
+Here in ``hpc`` (which knows nothing of deep learning) so that both ``hpc`` and
+``mpidl`` write their files one way.
+
 The text goes to a temporary file beside the target (same file system, so the rename
 is atomic), is flushed and fsynced, then renamed over the target. If anything fails (a
 full disk is the usual case) the temporary file is removed and the old file is left as

@@ -1,0 +1,242 @@
+"""The alpha-beta cost of collectives, and the network and device profiles that feed it.
+
+A link is two numbers: ``alpha``, the seconds a message costs before its first byte
+(latency), and ``bandwidth``, the bytes per second it then moves. The time of a
+collective of ``n`` bytes over ``p`` ranks follows from the algorithm MPI libraries use
+for large messages (Thakur, Rabenseifner & Gropp 2005; MPICH's comments)::
+
+    allreduce (ring)          2(p-1) alpha + 2 (p-1)/p  n / bandwidth
+    allgather, reduce_scatter  (p-1) alpha +   (p-1)/p  n / bandwidth   (n: all blocks)
+    alltoall (pairwise)        (p-1) alpha +   (p-1)/p  n / bandwidth   (n: the send buffer)
+    bcast (binomial tree)  ceil(lg p) alpha +           n / bandwidth
+    sendrecv (a ring shift)           alpha +           n / bandwidth
+
+(the reduction's arithmetic is left out: it runs at memory speed, far above any link).
+The bandwidth here is NCCL-tests' *bus bandwidth*, which is why ``mpidl bench``'s
+busbw of a measured collective is directly the link's: a fit ``t = a + n / b`` measured
+at ``p`` ranks gives ``bandwidth = b * factor(op, p)`` and ``alpha = a / steps(op, p)``.
+
+Profiles are TOML files: ``hpc/profiles/network/*.toml`` and ``hpc/profiles/device/*.toml``
+ship common ones, each naming the source of its numbers; ``mpidl bench
+--save-profile NAME`` writes a measured one into ``$MPIDL_PROFILE_DIR/network`` (default
+``~/.config/mpidl/network``), which :func:`load_network` finds by name first.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+SHIPPED = Path(__file__).resolve().parent / "profiles"
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "sendrecv")
+
+
+def steps(op: str, ranks: int) -> int:
+    """Messages on the critical path of ``op`` over ``ranks`` (the alpha terms)."""
+    if ranks <= 1:
+        return 0
+    if op == "allreduce":
+        return 2 * (ranks - 1)
+    if op in ("allgather", "reduce_scatter", "alltoall"):
+        return ranks - 1
+    if op == "bcast":
+        return math.ceil(math.log2(ranks))
+    if op == "sendrecv":
+        return 1
+    raise ValueError(f"unknown collective {op!r}; one of {', '.join(COLLECTIVES)}")
+
+
+def volume(op: str, ranks: int) -> float:
+    """Bytes through each rank's link per byte of the collective: NCCL-tests' bus factor
+    (doc/PERFORMANCE.md), the one rule ``mpidl bench``'s busbw uses too. A ring allreduce
+    moves ``2(n-1)/n`` of the buffer through each link, an allgather, reduce-scatter or
+    alltoall ``(n-1)/n``, a broadcast or a ring shift all of it."""
+    if ranks < 1:
+        raise ValueError(f"size={ranks}: a communicator has at least 1 rank")
+    if op == "allreduce":
+        return 2.0 * (ranks - 1) / ranks
+    if op in ("allgather", "reduce_scatter", "alltoall"):
+        return (ranks - 1) / ranks
+    if op in ("bcast", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; one of {', '.join(COLLECTIVES)}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective's link parameters: latency (s) and bus bandwidth (bytes/s)."""
+
+    alpha: float
+    bandwidth: float
+
+    def time(self, op: str, nbytes: float, ranks: int) -> float:
+        """Seconds of ``op`` on ``nbytes`` over ``ranks`` (0 on one rank)."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        return steps(op, ranks) * self.alpha + volume(op, ranks) * nbytes / self.bandwidth
+
+
+@dataclass
+class NetworkProfile:
+    """A named network: a :class:`Link` per collective (``default`` for the others)."""
+
+    name: str
+    source: str
+    links: dict[str, Link]
+    path: str = ""
+    notes: str = ""
+
+    def link(self, op: str) -> Link:
+        if op in self.links:
+            return self.links[op]
+        if "default" in self.links:
+            return self.links["default"]
+        raise KeyError(f"network profile {self.name!r} ({self.path}) has no numbers for {op} "
+                       f"and no [default]; it has {sorted(self.links)}")
+
+    def time(self, op: str, nbytes: float, ranks: int) -> float:
+        """Seconds of ``op`` on ``nbytes`` over ``ranks`` ranks of this network."""
+        return self.link(op).time(op, nbytes, ranks)
+
+
+@dataclass
+class DeviceProfile:
+    """A named device: sustained float32 throughput of a training step, memory."""
+
+    name: str
+    source: str
+    flops: float                  # sustained FLOP/s of a training step (not the peak)
+    memory_bytes: float
+    kind: str = "cpu"
+    path: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ProfileError(ValueError):
+    """A profile that is missing or malformed; the message names the file and the fix."""
+
+
+def profile_dir() -> Path:
+    """Where measured profiles go: ``$MPIDL_PROFILE_DIR`` or ``~/.config/mpidl``."""
+    root = os.environ.get("MPIDL_PROFILE_DIR")
+    return Path(root) if root else Path.home() / ".config" / "mpidl"
+
+
+def _candidates(kind: str, name: str) -> list[Path]:
+    if name.endswith(".toml") or os.sep in name:
+        return [Path(name)]
+    return [profile_dir() / kind / f"{name}.toml", SHIPPED / kind / f"{name}.toml"]
+
+
+def list_profiles(kind: str) -> list[str]:
+    """Names of the ``kind`` ("network" or "device") profiles: measured, then shipped."""
+    names: list[str] = []
+    for root in (profile_dir() / kind, SHIPPED / kind):
+        if root.is_dir():
+            names += [p.stem for p in sorted(root.glob("*.toml")) if p.stem not in names]
+    return names
+
+
+def _read(kind: str, name: str) -> tuple[dict, Path]:
+    for path in _candidates(kind, name):
+        if path.is_file():
+            try:
+                with open(path, "rb") as f:
+                    return tomllib.load(f), path
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise ProfileError(f"{kind} profile {path} is not valid TOML: {e}") from None
+    raise ProfileError(f"no {kind} profile {name!r}; known: {', '.join(list_profiles(kind))} "
+                       f"(or a .toml path; measure one with `mpidl bench --save-profile NAME`)")
+
+
+def _number(table: Mapping, key: str, where: str, positive: bool = True) -> float:
+    value = table.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+            value > 0 if positive else value >= 0) or not math.isfinite(value):
+        raise ProfileError(f"{where}: {key} = {value!r} must be a finite number "
+                           f"{'> 0' if positive else '>= 0'}")
+    return float(value)
+
+
+def load_network(name: str) -> NetworkProfile:
+    """Read network profile ``name`` (a name or a .toml path).
+
+    Format: ``name``, ``source`` (where the numbers come from), and one table per
+    collective or ``[default]``, each with ``alpha_us`` and ``bandwidth_GBps`` (bus
+    bandwidth, 1e9 bytes/s).
+    """
+    data, path = _read("network", name)
+    if not isinstance(data.get("source"), str) or not data["source"].strip():
+        raise ProfileError(f"network profile {path} names no source: add source = \"...\" "
+                           "(a measurement or a datasheet)")
+    links = {}
+    for op, table in data.items():
+        if isinstance(table, dict):
+            if op not in COLLECTIVES + ("default",):
+                raise ProfileError(f"network profile {path}: unknown table [{op}]; use "
+                                   f"{', '.join(COLLECTIVES)} or default")
+            where = f"network profile {path} [{op}]"
+            links[op] = Link(_number(table, "alpha_us", where, positive=False) * 1e-6,
+                             _number(table, "bandwidth_GBps", where) * 1e9)
+    if not links:
+        raise ProfileError(f"network profile {path} has no [default] or per-collective table")
+    return NetworkProfile(str(data.get("name", path.stem)), data["source"], links, str(path),
+                          str(data.get("notes", "")))
+
+
+def load_device(name: str) -> DeviceProfile:
+    """Read device profile ``name``: ``source``, ``kind`` ("cpu"/"gpu"), ``tflops``
+    (sustained float32 TFLOP/s of training steps) and ``memory_GB``."""
+    data, path = _read("device", name)
+    if not isinstance(data.get("source"), str) or not data["source"].strip():
+        raise ProfileError(f"device profile {path} names no source: add source = \"...\"")
+    where = f"device profile {path}"
+    return DeviceProfile(str(data.get("name", path.stem)), data["source"],
+                         _number(data, "tflops", where) * 1e12,
+                         _number(data, "memory_GB", where) * 1e9,
+                         str(data.get("kind", "cpu")), str(path),
+                         {k: v for k, v in data.items()
+                          if k not in ("name", "source", "tflops", "memory_GB", "kind")})
+
+
+def link_from_fit(op: str, alpha: float, beta: float, ranks: int) -> Link:
+    """The link behind a fit ``t = alpha + bytes / beta`` of ``op`` measured at ``ranks``."""
+    if ranks < 2:
+        raise ProfileError(f"a fit measured on {ranks} rank says nothing about a network: "
+                           "measure at 2 ranks or more (on 2 nodes for the network)")
+    return Link(alpha / steps(op, ranks), beta * volume(op, ranks))
+
+
+def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: int,
+                         source: str) -> Path:
+    """Write the fits of ``mpidl bench`` (op -> AlphaBeta) as network profile ``name``."""
+    if not name or os.sep in name or name.startswith("."):
+        raise ProfileError(f"profile name {name!r}: use a plain name like 'mycluster'")
+    lines = [f"# Measured by `mpidl bench --save-profile {name}`; read by `mpidl plan "
+             f"--network {name}`.", f"name = {_toml(name)}", f"source = {_toml(source)}",
+             f"ranks = {ranks}", f"nodes = {nodes}", ""]
+    if nodes < 2:
+        lines.insert(3, 'notes = "measured on one node: shared memory, not a network"')
+    for op, fit in fits.items():
+        link = link_from_fit(op, fit.alpha, fit.beta, ranks)
+        bandwidth = link.bandwidth / 1e9 if math.isfinite(link.bandwidth) else 1e6
+        lines += [f"[{op}]", f"alpha_us = {link.alpha * 1e6:.6g}",
+                  f"bandwidth_GBps = {bandwidth:.6g}", ""]
+    from hpc.files import write_text
+
+    path = profile_dir() / "network" / f"{name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, "\n".join(lines))
+    return path
+
+
+def _toml(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

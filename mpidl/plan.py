@@ -1,0 +1,519 @@
+"""``mpidl plan``: is distributing this training worth it? Numbers before the job is queued.
+
+For the user's model (a preset or config, as ``mpidl train`` takes) and data size, it
+predicts for each rank count the step time (compute, exposed communication, input),
+throughput, speedup, parallel efficiency, time to train, model-state memory per rank,
+and the break-even against the hours of setting the machines up and waiting in the
+queue, ending in one verdict line::
+
+    mpidl plan --samples 50000 --epochs 3 --ranks 1,2,4,10 --network 10gbe
+    mpidl plan reviews-transformer --ranks 1,2,8 --network ib-hdr --device a100 \\
+        --setup-hours 40 --queue-hours 1 --json plan.json --plot plan.png
+    mpidl plan --from-run runs/reviews-bow-... --ranks 1,2,4 --network mycluster
+
+The model (strong scaling: the config's global batch, split over the ranks):
+
+- **Compute** of one step at per-rank batch ``b`` (the largest share, ``ceil(G/R)``: the
+  slowest rank sets the pace) is measured here by default: forward, backward and the
+  optimizer step of the configured model on inputs of its shape, in one process with
+  one BLAS thread (what a rank of a full node gets). ``--device PROFILE`` instead
+  divides the step's FLOPs (about 6 per parameter per sample: forward 2, backward 4)
+  by the device's sustained rate; ``--step-time S`` takes the 1-rank step at batch G as
+  given and scales it as ``b / G``; ``--from-run`` uses a run's measured compute.
+- **Communication**: the dense gradient (float32, or 16 bits with compression) in
+  ``bucket_mb`` buckets, each one allreduce priced by the alpha-beta model of
+  :mod:`hpc.costmodel` on ``--network`` between nodes (``--node-network`` within
+  one: ``shm``, a profile measured here, by default). With overlap (the default
+  across nodes) the buckets travel while backward (2/3 of compute) runs: only what
+  outlasts it is exposed. Embedding tables are counted dense: an upper bound where
+  DataParallel sends touched rows only.
+- **Memory** per rank: parameters, gradients and optimizer state (AdamW: two more
+  copies, SGD with momentum one), in float32.
+- **Break-even**: a training saves ``T(1) - T(R) - queue`` hours at R ranks; setting
+  up costs ``--setup-hours`` once, so it pays after ``setup / saving`` trainings.
+
+``--sbatch FILE`` writes the batch script (``mpidl sbatch``'s templates) for the best
+rank count; ``--json FILE`` the whole table, ``--plot FILE`` speedup and time to train.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+HOUR = 3600.0
+BACKWARD_SHARE = 2.0 / 3.0  # of a step's compute: what overlapped buckets can hide behind
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the training is: sizes that do not depend on the rank count."""
+
+    samples: int
+    epochs: float
+    global_batch: int
+    params: int                  # all parameters
+    grad_bytes: int              # dense gradient bytes exchanged per step (float32)
+    bucket_bytes: int
+    overlap: bool | None = None  # None: on across nodes, off within one (DataParallel's)
+    compression: bool = False
+    state_copies: int = 2        # optimizer state per parameter (AdamW: 2, SGD momentum: 1)
+
+    @property
+    def steps(self) -> int:
+        return math.ceil(self.samples * self.epochs / self.global_batch)
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One rank count's predicted step and what follows from it."""
+
+    ranks: int
+    nodes: int
+    per_rank_batch: int
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    input_s: float
+    step_s: float
+    samples_per_s: float
+    speedup: float
+    efficiency: float
+    train_hours: float
+    memory_bytes: int
+    saving_hours: float = 0.0
+    trainings_to_break_even: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def per_rank_batch(global_batch: int, ranks: int) -> int:
+    """The largest per-rank share of a global batch (mpidl.comm.split_counts' rule)."""
+    return -(-global_batch // ranks)
+
+
+def comm_seconds(work: Workload, ranks: int, nodes: int, network: Any, node_link: Any) -> float:
+    """Seconds of one step's gradient exchange (all buckets, not overlapped).
+
+    Within one node the buckets cross the node's link (shared memory); across nodes the
+    network's allreduce over all ranks is the bottleneck (a ring's slowest hop).
+    """
+    if ranks <= 1:
+        return 0.0
+    wire = work.grad_bytes // 2 if work.compression else work.grad_bytes
+    bucket = max(1, work.bucket_bytes // 2 if work.compression else work.bucket_bytes)
+    full, rest = divmod(wire, bucket)
+    link = node_link if nodes <= 1 else network
+    sizes = [bucket] * full + ([rest] if rest else [])
+    return sum(link.time("allreduce", n, ranks) for n in sizes)
+
+
+def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int],
+            network: Any, node_link: Any, ranks_per_node: int = 1, input_s: float = 0.0,
+            queue_hours: float = 0.0, setup_hours: float = 0.0) -> list[Prediction]:
+    """The table for each rank count in ``ranks``.
+
+    Args:
+        work: the training.
+        compute: seconds of one step's compute at a per-rank batch.
+        ranks: the rank counts to predict (1 is added as the reference when absent).
+        network: between nodes (an :class:`hpc.costmodel.NetworkProfile`).
+        node_link: within a node (the same interface).
+        ranks_per_node: ranks that share a node (consecutive ranks, as launchers place).
+        input_s: input wait per step (0: the prefetch hides it).
+        queue_hours: hours each distributed run waits in the queue (not the 1-rank run).
+        setup_hours: one-off hours to set the distributed runs up.
+    """
+    counts = sorted(set(ranks) | {1})
+    rows = []
+    for r in counts:
+        if r < 1 or r > work.global_batch:
+            raise ValueError(f"{r} ranks for a global batch of {work.global_batch}: every rank "
+                             "needs a sample per step (use at most that many ranks, or a "
+                             "larger --global-batch)")
+        nodes = -(-r // max(1, ranks_per_node))
+        b = per_rank_batch(work.global_batch, r)
+        c = compute(b)
+        comm = comm_seconds(work, r, nodes, network, node_link)
+        overlap = work.overlap if work.overlap is not None else nodes > 1
+        exposed = max(comm - BACKWARD_SHARE * c, 0.0) if overlap else comm
+        step = c + exposed + input_s
+        rows.append(Prediction(
+            ranks=r, nodes=nodes, per_rank_batch=b, compute_s=c, comm_s=comm,
+            exposed_comm_s=exposed, input_s=input_s, step_s=step,
+            samples_per_s=work.global_batch / step, speedup=0.0, efficiency=0.0,
+            train_hours=work.steps * step / HOUR,
+            memory_bytes=work.params * 4 * (2 + work.state_copies)))
+    base = rows[0]
+    for row in rows:
+        row.speedup = base.step_s / row.step_s
+        row.efficiency = row.speedup / row.ranks
+        if row.ranks > 1:
+            row.saving_hours = base.train_hours - row.train_hours - queue_hours
+            row.trainings_to_break_even = (setup_hours / row.saving_hours
+                                           if row.saving_hours > 0 else None)
+    return [row for row in rows if row.ranks in set(ranks)] or rows[:1]
+
+
+def verdict(rows: list[Prediction], setup_hours: float, queue_hours: float) -> str:
+    """One plain line: the best rank count, its gain, and whether it pays off."""
+    base = next((r for r in rows if r.ranks == 1), None)
+    best = max(rows, key=lambda r: r.speedup)
+    if base is None or best.ranks == 1:
+        return ("distributing does not pay: no rank count is faster than one "
+                f"({_hours(base.train_hours if base else rows[0].train_hours)})")
+    head = (f"{best.ranks} ranks: {best.speedup:.1f}x faster, {_hours(best.train_hours)} "
+            f"instead of {_hours(base.train_hours)}")
+    if best.saving_hours <= 0:
+        return head + (f"; but with {queue_hours:g} h in the queue each run saves nothing: "
+                       "not worth it")
+    if setup_hours <= 0:
+        return head + f"; saves {_hours(best.saving_hours)} per training"
+    n = best.trainings_to_break_even
+    when = ("pays off with the first training" if n <= 1 else
+            f"pays off after {math.ceil(n)} trainings")
+    worth = "worth it" if n <= 1 else "not worth it for one training"
+    return head + f"; with {setup_hours:g} h of setup it {when}: {worth}"
+
+
+def _hours(h: float) -> str:
+    if h < 1 / 60:
+        return f"{h * 3600:.0f} s"
+    return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h"
+
+
+def format_table(rows: list[Prediction]) -> str:
+    """The human-readable table (milliseconds per step, hours to train)."""
+    head = (f"{'ranks':>5} {'nodes':>5} {'batch/rank':>10} {'compute ms':>10} "
+            f"{'comm ms':>8} {'exposed ms':>10} {'step ms':>8} {'samples/s':>10} "
+            f"{'speedup':>7} {'eff':>5} {'train h':>8} {'state MB':>8}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r.ranks:5d} {r.nodes:5d} {r.per_rank_batch:10d} "
+                     f"{r.compute_s * 1e3:10.2f} {r.comm_s * 1e3:8.2f} "
+                     f"{r.exposed_comm_s * 1e3:10.2f} {r.step_s * 1e3:8.2f} "
+                     f"{r.samples_per_s:10.0f} {r.speedup:7.2f} {r.efficiency:5.2f} "
+                     f"{r.train_hours:8.3f} {r.memory_bytes / 1e6:8.1f}")
+    return "\n".join(lines)
+
+
+# -- the model and its compute -------------------------------------------------------------
+
+def _dataset_for(config: Any) -> Any:
+    """A description of the run's data (shapes only), without generating or reading it.
+
+    A dataset directory's train manifest when ``--data`` is set; else the generated
+    reviews corpus's shapes from the ``[data]`` options.
+    """
+    from types import SimpleNamespace
+
+    import numpy
+
+    from mpidl.data.format import Feature
+
+    if config.data.path:
+        import os
+
+        from mpidl.data import ShardedDataset
+
+        return ShardedDataset(os.path.join(config.data.path, "train"))
+    d = config.data
+    features = {"x": Feature("x", numpy.dtype("<i4"), (d.seq_len,)),
+                "y": Feature("y", numpy.dtype("<i8"), ())}
+    return SimpleNamespace(path="the generated reviews corpus", features=features,
+                           num_classes=2, vocab=["<pad>", "<unk>"] + [""] * (d.vocab_size - 2),
+                           pad_id=0)
+
+
+def workload(config: Any, model: Any, samples: int, epochs: float) -> Workload:
+    """The training's sizes from the config and the built model."""
+    params = model.parameters()
+    count = sum(int(p.data.size) for p in params)
+    bucket_mb = config.bucket_mb if config.bucket_mb is not None else 4.0
+    copies = {"adamw": 2, "adam": 2, "sgd": 1 if config.momentum else 0}[config.optimizer]
+    return Workload(samples=samples, epochs=epochs, global_batch=config.global_batch,
+                    params=count, grad_bytes=4 * count, bucket_bytes=int(bucket_mb * 2**20),
+                    overlap=config.overlap, state_copies=copies)
+
+
+def measure_compute(config: Any, dataset: Any, batches: Sequence[int], repeats: int = 7
+                    ) -> dict[int, float]:
+    """Seconds of one training step (forward, backward, optimizer) at each batch size,
+    measured here in this process with one BLAS thread: the fastest of ``repeats``
+    after two warm-up steps (the least disturbed by whatever else the machine runs)."""
+    import numpy
+
+    from mpidl import functions as F
+    from mpidl.train.trainer import build_model, build_optimizer
+
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a dependency
+        threadpool_limits = None
+    model = build_model(config, dataset)
+    opt = build_optimizer(config, model.parameters())
+    x_feature = dataset.features["x"]
+    rng = numpy.random.default_rng(0)
+    classes = dataset.num_classes or 2
+    out = {}
+    limit = threadpool_limits(limits=1, user_api="blas") if threadpool_limits else None
+    try:
+        for b in sorted(set(batches)):
+            if x_feature.dtype.kind in "iu":
+                x = rng.integers(2, len(dataset.vocab), size=(b, *x_feature.shape))
+            else:
+                x = rng.standard_normal((b, *x_feature.shape)).astype(x_feature.dtype)
+            y = rng.integers(0, classes, size=b)
+            times = []
+            for i in range(repeats + 2):  # two warm-up steps
+                t0 = time.perf_counter()
+                loss = F.softmax_cross_entropy(model(x), y, reduction="mean")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            out[b] = min(times)
+    finally:
+        if limit is not None:
+            limit.restore_original_limits()
+    return out
+
+
+def compute_from_run(run_dir: str) -> tuple[Callable[[int], float], float, dict]:
+    """A run's measured compute per sample (and input wait) from its ``metrics.jsonl``."""
+    import os
+
+    from mpidl.train.config import load_config
+    from mpidl.train.metrics import read_metrics
+
+    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+               if r.get("kind") == "train" and "time_compute" in r]
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no train records with step times: "
+                         "train first (any length), then plan from it")
+    config = load_config(os.path.join(run_dir, "config.toml"))
+    tail = records[len(records) // 2:]  # after warm-up
+    compute = sum(r["time_compute"] for r in tail) / len(tail)
+    input_s = sum(r.get("time_input", 0.0) for r in tail) / len(tail)
+    ranks = _run_ranks(run_dir)
+    b = per_rank_batch(config.global_batch, ranks)
+    return (lambda batch: compute * batch / b), input_s, {"ranks": ranks, "config": config}
+
+
+def _run_ranks(run_dir: str) -> int:
+    import os
+
+    from mpidl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+    return int(load_checkpoint(path).extra.get("ranks", 1)) if path else 1
+
+
+# -- the command ----------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpidl plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("preset", nargs="?", help="a preset or .toml config, as `mpidl train` takes")
+    p.add_argument("--samples", type=int, help="training samples per epoch (default: the "
+                   "dataset's, or the generated corpus's num_train)")
+    p.add_argument("--epochs", type=float, help="epochs (default: the config's)")
+    p.add_argument("--ranks", default="1,2,4,8", help="rank counts, comma-separated")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks sharing a node (GPUs or cores per node)")
+    p.add_argument("--network", default="10gbe", help="network profile between nodes")
+    p.add_argument("--node-network", default="shm",
+                   help="network profile within a node (shm: shared memory, measured here)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--device", help="device profile: compute from FLOPs, not measured here")
+    src.add_argument("--step-time", type=float, help="seconds of a 1-rank step at the "
+                     "global batch, measured elsewhere")
+    src.add_argument("--from-run", metavar="RUN_DIR", help="a run directory: its measured "
+                     "compute and input times and its config")
+    p.add_argument("--setup-hours", type=float, default=0.0, help="one-off hours to set the "
+                   "distributed runs up")
+    p.add_argument("--queue-hours", type=float, default=0.0, help="hours each distributed "
+                   "run waits in the queue")
+    p.add_argument("--json", metavar="FILE", help="write the table as JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw speedup and time to train (PNG)")
+    p.add_argument("--sbatch", metavar="FILE", help="write a batch script for the best rank "
+                   "count (`mpidl sbatch` templates)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """``mpidl plan [PRESET|CONFIG] [OPTIONS] [--key=value ...]``.
+
+    Planning is one process's work; under a launcher rank 0 plans and prints while the
+    others wait, and every rank exits with its status.
+    """
+    from hpc.env import detect
+
+    if detect().size <= 1:
+        return _plan(argv)
+    from mpidl.comm import world
+    from mpidl.comm.ledger import patience
+
+    comm = world()
+    code = _plan(argv) if comm.rank == 0 else None
+    with patience("rank 0 plans"):
+        return comm.bcast_obj(code)
+
+
+def _plan(argv: Sequence[str]) -> int:
+    from hpc import costmodel
+
+    from mpidl.train.config import ConfigError, load_config
+    from mpidl.train.model import build_model
+
+    parser = _parser()
+    args, overrides = parser.parse_known_args(list(argv))
+    try:
+        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+        if not ranks or min(ranks) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--ranks {args.ranks!r}: rank counts >= 1, comma-separated (1,2,4)")
+    try:
+        input_s, run = 0.0, None
+        if args.from_run:
+            compute, input_s, run = compute_from_run(args.from_run)
+            import os
+
+            config = load_config(os.path.join(args.from_run, "config.toml"), overrides)
+        else:
+            config = load_config(args.preset, overrides)
+        dataset = _dataset_for(config)
+        model = build_model(config, dataset)
+        samples = args.samples or (len(dataset) if hasattr(dataset, "__len__")
+                                   else config.data.num_train)
+        work = workload(config, model, samples, args.epochs or config.epochs)
+        network = costmodel.load_network(args.network)
+        node_link = (shared_memory_link() if args.node_network == "shm"
+                     else costmodel.load_network(args.node_network))
+    except (ConfigError, costmodel.ProfileError, ValueError, OSError) as e:
+        print(f"mpidl plan: error: {e}", file=sys.stderr)
+        return 2
+    batches = [per_rank_batch(work.global_batch, r) for r in sorted(set(ranks) | {1})]
+    if args.from_run:
+        basis = f"compute measured by the run {args.from_run} ({run['ranks']} ranks)"
+    elif args.device:
+        device = costmodel.load_device(args.device)
+        flops = 6.0 * work.params
+
+        def compute(b: int) -> float:
+            return flops * b / device.flops
+        basis = f"compute from FLOPs on {device.name} ({device.flops / 1e12:g} TFLOP/s " \
+                f"sustained; {device.source.split(';')[0]})"
+    elif args.step_time:
+        step, g = args.step_time, work.global_batch
+
+        def compute(b: int) -> float:
+            return step * b / g
+        basis = f"a 1-rank step of {step:g} s at batch {g}, given"
+    else:
+        measured = measure_compute(config, dataset, batches)
+
+        def compute(b: int) -> float:
+            return measured[b]
+        basis = "compute measured here (1 process, 1 BLAS thread per rank)"
+    rows = predict(work, compute, ranks, network, node_link, args.ranks_per_node, input_s,
+                   args.queue_hours, args.setup_hours)
+    line = verdict(rows, args.setup_hours, args.queue_hours)
+    print(f"mpidl plan: {config.model.name}, {work.params:,} parameters "
+          f"({work.grad_bytes / 1e6:.1f} MB of gradient per step), {samples:,} samples x "
+          f"{work.epochs:g} epochs at global batch {work.global_batch} = {work.steps:,} steps\n"
+          f"network: {network.name} between nodes, {node_link.name} within "
+          f"({args.ranks_per_node} rank(s) per node); {basis}\n")
+    print(format_table(rows))
+    print(f"\nverdict: {line}")
+    best = max(rows, key=lambda r: r.speedup)
+    if args.json:
+        doc = {"model": config.model.name, "params": work.params, "samples": samples,
+               "epochs": work.epochs, "global_batch": work.global_batch,
+               "network": network.name, "node_network": node_link.name, "basis": basis,
+               "rows": [r.as_dict() for r in rows], "verdict": line, "best_ranks": best.ranks}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, f"{config.model.name} on {network.name}")
+    if args.sbatch:
+        return _write_sbatch(args, best, config)
+    return 0
+
+
+def shared_memory_link() -> Any:
+    """The link between ranks of this node (its shared memory), measured here: two
+    threads are not MPI, so a memory copy's bandwidth and a fixed few microseconds per
+    step stand in (Open MPI's shared-memory latency)."""
+    import numpy
+
+    from hpc.costmodel import Link, NetworkProfile
+
+    a = numpy.ones(8 * 2**20 // 8)
+    b = numpy.empty_like(a)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        numpy.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    # A shared-memory reduction reads two copies and writes one: a third of a copy's rate.
+    bandwidth = a.nbytes / best / 3
+    return NetworkProfile("shm", "measured here: numpy copy bandwidth / 3, 2 us per step",
+                          {"default": Link(2e-6, bandwidth)})
+
+
+def plot(rows: list[Prediction], path: str, title: str) -> str:
+    """Speedup (with the ideal line) and time to train against ranks, into ``path``."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    ax_s, ax_t = fig.subplots(1, 2)
+    r = [row.ranks for row in rows]
+    ax_s.plot(r, [row.speedup for row in rows], marker="o", label="predicted")
+    ax_s.plot(r, r, linestyle="--", color="grey", label="ideal")
+    ax_s.set(xlabel="ranks", ylabel="speedup", title=title)
+    ax_t.plot(r, [row.train_hours for row in rows], marker="o")
+    ax_t.set(xlabel="ranks", ylabel="hours to train", title="time to train")
+    for ax in (ax_s, ax_t):
+        ax.grid(True, alpha=0.3)
+    ax_s.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _write_sbatch(args: argparse.Namespace, best: Prediction, config: Any) -> int:
+    from pathlib import Path
+
+    from hpc import sbatch
+
+    gpu = bool(args.device) and "gpu" in getattr(args, "device", "")
+    template = "train_gpu" if gpu else "train_cpu"
+    try:
+        path = sbatch.find_template(template)
+        profile = sbatch.load_profile("generic-gpu" if gpu else "generic-cpu")
+        req = sbatch.Request(nodes=best.nodes, tasks_per_node=min(best.ranks,
+                                                                  args.ranks_per_node),
+                             time=_slurm_time(best.train_hours))
+        text = sbatch.render(path.read_text(), profile, req,
+                             (path.parent / "env.sh").read_text(),
+                             template_name=f"slurm/{path.name}")
+    except sbatch.RenderError as e:
+        print(f"mpidl plan: error: {e}", file=sys.stderr)
+        return 2
+    Path(args.sbatch).write_text(text)
+    print(f"batch script for {best.ranks} ranks: {args.sbatch} (sbatch {args.sbatch})")
+    return 0
+
+
+def _slurm_time(hours: float) -> str:
+    """A generous time limit for a predicted run: 1.5x, at least 10 minutes."""
+    minutes = max(10, math.ceil(hours * 60 * 1.5))
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
