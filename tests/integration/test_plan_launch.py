@@ -3,7 +3,6 @@ and a batch script that `mpidl sbatch`'s conventions accept."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
