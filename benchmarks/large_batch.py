@@ -1,0 +1,107 @@
+"""Large-batch evidence: where growing the global batch with the ranks stops paying.
+
+Data parallelism at N ranks with a fixed batch per rank multiplies the global batch by N
+(1,024 GPUs x 32 = 32,768 samples). This trains the reviews task with global batches
+1x, 8x and 32x the baseline (64: 64, 512, 2048), with the linear learning-rate scaling
+rule (Goyal et al. 2017: lr x batch / 64) and warm-up, and the same without warm-up,
+all for the same number of epochs; it records the test accuracy after every epoch and
+plots it against epochs and against optimizer steps::
+
+    .venv/bin/python benchmarks/large_batch.py --epochs 6 --ranks 2 --plot large_batch.png
+
+Reading the plot: at the same epochs, a larger batch takes fewer steps; where its
+accuracy matches the baseline's, the larger batch (more ranks) would pay; where it
+falls behind, the ranks buy speed per step but not accuracy per epoch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BASE = 64
+
+
+def cases(multiples: Sequence[int]) -> list[dict]:
+    out = []
+    for m in multiples:
+        out.append({"name": f"{m}x, warm-up", "batch": BASE * m, "warmup": 0.05})
+        if m > 1:
+            out.append({"name": f"{m}x, no warm-up", "batch": BASE * m, "warmup": 0.0})
+    return out
+
+
+def train(case: dict, ranks: int, epochs: int, out: str, extra: Sequence[str]) -> list[dict]:
+    from mpidl.testing.launch import launch_env, mpiexec_command
+    from mpidl.train.metrics import read_metrics
+
+    run_dir = os.path.join(out, f"batch{case['batch']}-warmup{case['warmup']}")
+    cmd = mpiexec_command(ranks, [
+        sys.executable, "-m", "mpidl", "train", f"--epochs={epochs}",
+        f"--global-batch={case['batch']}", f"--base-batch={BASE}", "--lr-scaling=linear",
+        f"--warmup-fraction={case['warmup']}", "--progress=never", "--resume=never",
+        f"--run-dir={run_dir}", *extra])
+    done = subprocess.run(cmd, env=launch_env(), cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{case['name']} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return [{"epoch": r["epoch"] + 1, "step": r["step"], "accuracy": r["test_accuracy"]}
+            for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+            if r.get("kind") == "eval"]
+
+
+def plot(results: dict[str, list[dict]], path: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    ax_e, ax_s = fig.subplots(1, 2)
+    for name, evals in results.items():
+        style = "--" if "no warm-up" in name else "-"
+        ax_e.plot([e["epoch"] for e in evals], [e["accuracy"] for e in evals], style,
+                  marker="o", ms=3, label=name)
+        ax_s.semilogx([e["step"] for e in evals], [e["accuracy"] for e in evals], style,
+                      marker="o", ms=3, label=name)
+    ax_e.set(xlabel="epochs", ylabel="test accuracy", title="accuracy per epoch")
+    ax_s.set(xlabel="optimizer steps", ylabel="test accuracy", title="accuracy per step")
+    for ax in (ax_e, ax_s):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--multiples", default="1,8,32")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--out", default="runs/large-batch")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    results = {}
+    for case in cases([int(m) for m in args.multiples.split(",")]):
+        results[case["name"]] = train(case, args.ranks, args.epochs, args.out, extra)
+        last = results[case["name"]][-1]
+        accuracies = " ".join(f"{e['accuracy']:.3f}" for e in results[case["name"]])
+        print(f"{case['name']:>16}: batch {case['batch']:5d}, {last['step']:5d} steps, "
+              f"test accuracy per epoch {accuracies}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"# plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
