@@ -410,6 +410,7 @@ def write_text_shards(
         "classes": classes,
         "vocab": vocab,
         "tokenizer": text_mod.TOKENIZER,
+        "pad_id": text_mod.PAD_ID,
         "length": length,
         "source": source,
         **options.pop("metadata", {}),
