@@ -12,6 +12,9 @@ Examples::
 Output: ``OUT_DIR/train/`` and, when the input has a test split or ``--test-fraction`` is
 above 0, ``OUT_DIR/test/`` (see :mod:`mpidl.data.format`), written beside what is there
 and put in place only when complete (``--force`` replaces a dataset; a failure keeps it).
+It prints what the data is, and stores it in each split's manifest
+(:mod:`mpidl.data.stats`): class counts, token-length percentiles, the texts cut and the
+unknown-token rate (text), each feature's value range and NaN/inf count (arrays).
 ``--verify`` exits 1 and names each bad file, and each split that disagrees with
 ``train`` (:mod:`mpidl.data.splits`).
 """
@@ -117,6 +120,50 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _percent(share: float) -> str:
+    return "<0.1%" if 0 < share < 0.001 else f"{share:.1%}"
+
+
+def _stats_lines(m: Manifest) -> list[str]:
+    """What ``m``'s split is, from its ``metadata["stats"]``, one indented line per topic."""
+    stats = m.metadata.get("stats")
+    if not isinstance(stats, dict):
+        return []
+    lines = []
+    counts = stats.get("classes")
+    if counts:
+        n = max(1, stats["samples"])
+        items = [f"{name} {c} ({_percent(c / n)})" for name, c in counts.items()]
+        if len(items) > 10:
+            big = max(counts, key=lambda k: counts[k])
+            small = min(counts, key=lambda k: counts[k])
+            items = [f"{len(counts) + stats.get('classes_omitted', 0)} classes, largest "
+                     f"{big} {counts[big]} ({_percent(counts[big] / n)}), smallest {small} "
+                     f"{counts[small]} ({_percent(counts[small] / n)})"]
+        lines.append("classes: " + ", ".join(items))
+    t = stats.get("tokens")
+    if t and t["max"] is not None:
+        line = (f"tokens per text: p50 {t['p50']}, p90 {t['p90']}, p99 {t['p99']}, max "
+                f"{t['max']} (mean {t['mean']:.1f}); {t['cut']} cut to "
+                f"{m.metadata.get('length')}; {_percent(t['unk_rate'])} of the stored tokens "
+                "are <unk>")
+        if t["empty"]:
+            line += f"; {t['empty']} texts have no token (all padding)"
+        lines.append(line)
+    for name, f in (stats.get("features") or {}).items():
+        if f["min"] is None and not f["nan"] + f["inf"]:
+            continue
+        if f["min"] is not None:
+            lines.append(f"{name}: min {f['min']:.6g}, max {f['max']:.6g}, mean {f['mean']:.6g}, "
+                         f"std {f['std']:.6g}")
+        if f["nan"] or f["inf"]:
+            lines.append(
+                f"warning: {name} holds {f['nan']} NaN and {f['inf']} infinite value(s); a "
+                "model trained on them gets a NaN loss: replace them (numpy.nan_to_num) or "
+                "drop those rows")
+    return lines
+
+
 def _describe(path: str, m: Manifest) -> str:
     feats = ", ".join(f"{n} {f.dtype.name}{list(f.shape)}" for n, f in m.features.items())
     extra = ""
@@ -220,8 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        for split, manifest in _write(args).items():
+        manifests = _write(args)
+        for split, manifest in manifests.items():
             print(f"wrote {_describe(f'{args.out_dir}/{split}', manifest)}")
+            for line in _stats_lines(manifest):
+                print(f"  {line}")
         return 0
     except DataError as e:
         print(f"mpidl shard: error: {e}", file=sys.stderr)

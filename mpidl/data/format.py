@@ -26,7 +26,8 @@ A dataset split is a directory::
      "labels": {"feature": "y", "num_classes": 2},        # optional: range-checked labels
      "metadata": {"classes": ["negative", "positive"],   # free-form, e.g. text datasets:
                   "vocab": ["<pad>", "<unk>", "the", ...], "tokenizer": {...},
-                  "pad_id": 0}}                        # the padding token id (text)
+                  "pad_id": 0,                         # the padding token id (text)
+                  "stats": {"samples": 45000, "classes": {...}, ...}}}  # stats.py
 
 Samples are numbered ``0 .. num_samples - 1`` in shard order. Each shard's root
 attributes repeat ``format``, ``format_version``, ``dataset_id``, ``shard_index`` and

@@ -109,6 +109,17 @@ def encode_tokens(
     return out
 
 
+def covering(lengths: Sequence[int] | numpy.ndarray, percentile: float) -> int:
+    """The fewest tokens that ``percentile`` % of the texts fit in (0 for no texts).
+
+    The inverted-CDF percentile: always one of ``lengths``, and at least ``percentile`` %
+    of them are at most it, so "99% of the texts have <= p99 tokens" holds exactly.
+    """
+    if len(lengths) == 0:
+        return 0
+    return int(numpy.percentile(numpy.asarray(lengths), percentile, method="inverted_cdf"))
+
+
 def _is_integer(label: str) -> bool:
     try:
         int(label)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy
 
+from mpidl.data import stats as stats_mod
 from mpidl.data import text as text_mod
 from mpidl.data.format import (
     FORMAT_VERSION,
@@ -198,6 +199,7 @@ def _split_writer(
     labels: str | None = None,
     num_classes: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    stats: Mapping[str, Any] | None = None,
     dataset_id: str | None = None,
     source: str = "arrays",
 ) -> Callable[[str], Manifest]:
@@ -212,6 +214,8 @@ def _split_writer(
             ``[0, num_classes)`` here and on every read.
         num_classes: the number of classes (default: largest label + 1).
         metadata: free JSON-serialisable metadata (vocabulary, classes, tokenizer, ...).
+        stats: what the split's data is, stored as ``metadata["stats"]``; by default
+            :func:`mpidl.data.stats.array_stats` of ``arrays`` (text writers pass theirs).
         source: the input's name, for error messages.
     """
     arrays = {k: numpy.ascontiguousarray(v) for k, v in arrays.items()}
@@ -222,6 +226,10 @@ def _split_writer(
             num_classes = int(y.max()) + 1 if y is not None and n else 1
         _check_labels(arrays, labels, num_classes, source)
     storage = _check_options(rows_per_shard, compression, compression_opts)
+    metadata = dict(metadata or {})
+    if stats is None:
+        stats = stats_mod.array_stats(arrays, labels, num_classes, metadata.get("classes"))
+    metadata["stats"] = dict(stats)
     row_bytes = sum(v[:1].nbytes for v in arrays.values())
     per = rows_per_shard or max(1, SHARD_BYTES // max(1, row_bytes))
     dataset_id = dataset_id or uuid.uuid4().hex
@@ -256,7 +264,7 @@ def _split_writer(
             storage=storage,
             labels=None if labels is None else {"feature": labels,
                                                 "num_classes": int(num_classes)},
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             writer=writer,
             created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
@@ -276,6 +284,7 @@ def write_shards(
     shuffle: bool = True,
     labels: str | None = "auto",
     num_classes: int | None = None,
+    stats: Mapping[str, Mapping[str, Any]] | None = None,
     **options: Any,
 ) -> dict[str, Manifest]:
     """Write ``out_dir/train`` (and ``out_dir/test``) from arrays.
@@ -289,6 +298,9 @@ def write_shards(
         shuffle: shuffle the rows before writing (recommended: see the module docstring).
         labels: the integer label feature, range-checked against ``num_classes``;
             ``"auto"`` (default) means ``"y"`` if it is a 1-d integer feature, else none.
+        stats: split name -> its ``metadata["stats"]``, for splits whose statistics the
+            caller knows better (text); the others get :mod:`mpidl.data.stats`'s of
+            their arrays.
         **options: passed to :func:`write_split` (``rows_per_shard``, ``compression``,
             ``metadata``, ``overwrite``, ``source``, ...).
 
@@ -342,7 +354,8 @@ def write_shards(
     dataset_id = uuid.uuid4().hex
     writers = {
         name: _split_writer(split, split=name, labels=labels, num_classes=num_classes,
-                            dataset_id=f"{dataset_id}-{name}", **options)
+                            stats=(stats or {}).get(name), dataset_id=f"{dataset_id}-{name}",
+                            **options)
         for name, split in splits.items()
     }
     return publish_splits(str(out_dir), writers, overwrite=overwrite, replaces=("train", "test"))
@@ -367,7 +380,9 @@ def write_text_shards(
     """Tokenise texts and write them as ``x`` (int32 ``(N, length)`` ids) and ``y`` (int64).
 
     The vocabulary is built on the training texts only (after the split) and stored, with
-    the classes and the tokenizer settings, in the metadata of both manifests.
+    the classes, the tokenizer settings and the padding id (``pad_id``), in the metadata
+    of both manifests; each split's manifest also holds its statistics (``stats``: class
+    counts, token lengths, texts cut, unknown-token rate; see :mod:`mpidl.data.stats`).
 
     Args:
         train_texts, train_labels: texts and their label strings.
@@ -394,7 +409,9 @@ def write_text_shards(
     train_tokens = [text_mod.tokenize(t) for t in train_texts]
     vocab = text_mod.vocab_from_tokens(train_tokens, vocab_size, min_freq)
     y, classes = text_mod.encode_labels(list(train_labels), classes)
+    train_lengths = _token_counts(train_tokens)
     x = text_mod.encode_tokens(train_tokens, vocab, length)
+    stats = {"train": stats_mod.text_stats(train_lengths, x, y, length, classes)}
     test = None
     if test_texts is not None:
         if test_labels is None or len(test_texts) != len(test_labels):
@@ -405,7 +422,10 @@ def write_text_shards(
             raise DataError(
                 f"{source}: test split: {e} seen in training; pass `classes` to fix the set"
             ) from e
-        test = {"x": text_mod.encode(test_texts, vocab, length), "y": y_test}
+        test_tokens = [text_mod.tokenize(t) for t in test_texts]
+        test = {"x": text_mod.encode_tokens(test_tokens, vocab, length), "y": y_test}
+        stats["test"] = stats_mod.text_stats(_token_counts(test_tokens), test["x"], y_test,
+                                             length, classes)
     metadata = {
         "classes": classes,
         "vocab": vocab,
@@ -423,6 +443,11 @@ def write_text_shards(
         labels="y",
         num_classes=len(classes),
         metadata=metadata,
+        stats=stats,
         source=source,
         **options,
     )
+
+
+def _token_counts(token_lists: Sequence[Sequence[str]]) -> numpy.ndarray:
+    return numpy.fromiter(map(len, token_lists), dtype=numpy.int64, count=len(token_lists))
