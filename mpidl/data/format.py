@@ -27,6 +27,8 @@ A dataset split is a directory::
      "metadata": {"classes": ["negative", "positive"],   # free-form, e.g. text datasets:
                   "vocab": ["<pad>", "<unk>", "the", ...], "tokenizer": {...},
                   "pad_id": 0,                         # the padding token id (text)
+                  "length": 256,                       # tokens per sample (text), and how
+                  "length_choice": {"chosen": "auto", ...},  # it was chosen (writer.py)
                   "stats": {"samples": 45000, "classes": {...}, ...}}}  # stats.py
 
 Samples are numbered ``0 .. num_samples - 1`` in shard order. Each shard's root

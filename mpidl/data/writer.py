@@ -372,17 +372,20 @@ def write_text_shards(
     seed: int = 0,
     vocab_size: int = 20000,
     min_freq: int = 1,
-    length: int = 256,
+    length: int | str = "auto",
     classes: Sequence[str] | None = None,
     source: str = "texts",
     **options: Any,
 ) -> dict[str, Manifest]:
     """Tokenise texts and write them as ``x`` (int32 ``(N, length)`` ids) and ``y`` (int64).
 
-    The vocabulary is built on the training texts only (after the split) and stored, with
-    the classes, the tokenizer settings and the padding id (``pad_id``), in the metadata
-    of both manifests; each split's manifest also holds its statistics (``stats``: class
-    counts, token lengths, texts cut, unknown-token rate; see :mod:`mpidl.data.stats`).
+    The vocabulary and the automatic length are chosen from the training texts only
+    (after the split) and stored, with the classes, the tokenizer settings and the padding
+    id (``pad_id``), in the metadata of both manifests; each split's manifest also holds
+    its statistics (``stats``: class counts, token lengths, unknown-token rate; see
+    :mod:`mpidl.data.stats`). The length is ``metadata["length"]``, how it was chosen
+    ``metadata["length_choice"]`` (:func:`mpidl.data.text.resolve_length`), and each
+    split's ``stats["tokens"]["cut"]`` counts its texts longer than it.
 
     Args:
         train_texts, train_labels: texts and their label strings.
@@ -390,12 +393,15 @@ def write_text_shards(
             training texts, chosen with ``seed``.
         vocab_size: the vocabulary size including ``<pad>`` (0) and ``<unk>`` (1).
         min_freq: words rarer than this in the training texts become ``<unk>``.
-        length: tokens per sample (longer texts are cut, shorter ones padded with 0).
+        length: tokens per sample (longer texts are cut, shorter ones padded with
+            ``<pad>``, id 0), or ``"auto"`` (default): chosen from the training texts by
+            :func:`mpidl.data.text.choose_length`.
         classes: class names in id order (default: the sorted distinct training labels).
         **options: passed to :func:`write_shards` / :func:`write_split`.
     """
     if len(train_texts) != len(train_labels):
         raise DataError(f"{source}: {len(train_texts)} texts but {len(train_labels)} labels")
+    text_mod.check_length(length)
     if test_texts is None and test_fraction > 0:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction {test_fraction} must be in [0, 1)")
@@ -410,6 +416,7 @@ def write_text_shards(
     vocab = text_mod.vocab_from_tokens(train_tokens, vocab_size, min_freq)
     y, classes = text_mod.encode_labels(list(train_labels), classes)
     train_lengths = _token_counts(train_tokens)
+    length, choice = text_mod.resolve_length(length, train_lengths)
     x = text_mod.encode_tokens(train_tokens, vocab, length)
     stats = {"train": stats_mod.text_stats(train_lengths, x, y, length, classes)}
     test = None
@@ -432,6 +439,7 @@ def write_text_shards(
         "tokenizer": text_mod.TOKENIZER,
         "pad_id": text_mod.PAD_ID,
         "length": length,
+        "length_choice": choice,
         "source": source,
         **options.pop("metadata", {}),
     }

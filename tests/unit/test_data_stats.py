@@ -1,6 +1,6 @@
-"""What `mpidl shard` says the data is: class counts, token-length percentiles, the
-unknown-token rate and the value range of array features, printed and stored in each
-split's manifest."""
+"""What `mpidl shard` says the data is: the automatic text length and its cuts, class
+counts, token-length percentiles, the unknown-token rate and the value range of array
+features, printed and stored in each split's manifest."""
 
 from __future__ import annotations
 
@@ -9,10 +9,25 @@ import csv
 import numpy
 import pytest
 
-from mpidl.data import read_manifest, write_shards
+from mpidl.data import ShardedDataset, read_manifest, write_shards, write_text_shards
 from mpidl.data.command import main as shard_main
 from mpidl.data.stats import class_counts, feature_stats, majority
+from mpidl.data.text import choose_length
 from mpidl.testing.datasets import edit_manifest
+
+
+def words(n, tag="w"):
+    return " ".join(f"{tag}{i % 7}" for i in range(n))
+
+
+def text_tree(root, train_lengths, test_lengths):
+    """``root/{train,test}/{pos,neg}/NNN.txt``: one text of each length, alternating class."""
+    for split, lengths in (("train", train_lengths), ("test", test_lengths)):
+        for i, n in enumerate(lengths):
+            d = root / split / ("pos", "neg")[i % 2]
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{i:04d}.txt").write_text(words(n), encoding="utf-8")
+    return root
 
 
 def shard(capsys, *args):
@@ -20,6 +35,80 @@ def shard(capsys, *args):
     out = capsys.readouterr()
     assert rc == 0, out.err
     return out.out
+
+
+# Most texts 5-10 tokens, a few of 1000: 198 of the 200 training texts (99%) have at
+# most 10 tokens, so the length follows them: 10 rounded up to a multiple of 8.
+SHORT = [5 + i % 6 for i in range(198)]
+TRAIN = SHORT[:100] + [1000] + SHORT[100:] + [1000]
+TEST = [5 + i % 6 for i in range(45)] + [16, 17, 1000, 999, 40]  # 4 longer than 16
+
+
+def test_auto_length_follows_the_bulk_of_a_skewed_distribution(tmp_path, capsys):
+    out = shard(capsys, "--from-folder", text_tree(tmp_path / "in", TRAIN, TEST), tmp_path / "d")
+    assert out.splitlines()[0] == ("length 16 (auto: 99% of the 200 training texts have <= 10 "
+                                   "tokens; 2 train and 4 test texts cut)")
+    train, test = (ShardedDataset(str(tmp_path / "d" / s)) for s in ("train", "test"))
+    assert train.features["x"].shape == test.features["x"].shape == (16,)
+    assert train.metadata["length"] == 16
+    assert train.metadata["length_choice"] == {
+        "chosen": "auto", "percentile": 99, "percentile_tokens": 10, "auto": 16,
+        "multiple": 8, "min": 8, "cap": 512}
+    tokens = train.metadata["stats"]["tokens"]
+    assert (tokens["p50"], tokens["p99"], tokens["max"], tokens["cut"]) == (8, 10, 1000, 2)
+    assert test.metadata["stats"]["tokens"]["cut"] == 4
+    assert "16 cut" not in out and "2 cut to 16" in out and "4 cut to 16" in out
+
+
+def test_auto_length_is_capped_when_the_long_texts_are_more_than_one_percent(tmp_path, capsys):
+    train = SHORT[:190] + [1000] * 10  # 5% long: the 99th percentile is 1000 tokens
+    out = shard(capsys, "--from-folder", text_tree(tmp_path / "in", train, [600, 512, 5]),
+                tmp_path / "d")
+    assert out.splitlines()[0] == (
+        "length 512 (auto: 99% of the 200 training texts have <= 1000 tokens, more than the "
+        "cap 512; 10 train and 1 test texts cut)")
+    assert read_manifest(str(tmp_path / "d" / "train")).features["x"].shape == (512,)
+
+
+@pytest.mark.parametrize("lengths, want", [
+    ([1, 2, 3] * 40, 8),              # at least 8
+    ([0] * 50, 8),                    # texts with no token at all
+    ([], 8),                          # no texts
+    ([24] * 99 + [25], 24),           # a multiple of 8 stays
+    ([17] * 100, 24),                 # rounded up
+    (list(range(1, 101)), 104),       # 99 of 100 have <= 99 tokens
+    ([5000] * 100, 512),              # capped
+])
+def test_choose_length_rounds_up_to_a_multiple_of_8_between_8_and_512(lengths, want):
+    assert choose_length(lengths) == want
+
+
+def test_length_n_forces_the_length_and_reports_the_cuts(tmp_path, capsys):
+    out = shard(capsys, "--from-folder", text_tree(tmp_path / "in", TRAIN, TEST), "--length",
+                "9", tmp_path / "d")
+    # longer than 9: the 33 training texts of 10 tokens and the 2 of 1000; in the test
+    # split, 7 of 10 tokens and the 5 long ones
+    assert out.splitlines()[0] == (
+        "length 9 (given; 99% of the 200 training texts have <= 10 tokens, so auto would "
+        "choose 16; 35 train and 12 test texts cut)")
+    m = read_manifest(str(tmp_path / "d" / "train"))
+    assert m.features["x"].shape == (9,) and m.metadata["length_choice"]["chosen"] == "given"
+    assert m.metadata["stats"]["tokens"]["cut"] == 35
+
+
+def test_the_api_keeps_a_given_length_as_the_reviews_corpus_passes_it(tmp_path):
+    m = write_text_shards(str(tmp_path / "d"), ["good film"] * 4, ["a", "b"] * 2, length=128)
+    assert m["train"].features["x"].shape == (128,)
+    assert m["train"].metadata["length_choice"]["chosen"] == "given"
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "abc", "12.5"])
+def test_a_bad_length_is_a_usage_error(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as info:
+        shard_main(["--from-folder", str(tmp_path), "--length", bad, str(tmp_path / "d")])
+    assert info.value.code == 2 and "neither 'auto' nor a number" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must be 'auto'"):
+        write_text_shards(str(tmp_path / "e"), ["a"], ["x"], length=0)
 
 
 def test_csv_stats_count_classes_token_lengths_and_unknown_words(tmp_path, capsys):
@@ -82,3 +171,12 @@ def test_a_dataset_without_stats_or_labels_has_no_majority(tmp_path):
     write_shards(str(tmp_path / "e"), {"x": numpy.zeros((4, 2)), "y": numpy.arange(4) % 2})
     edit_manifest(tmp_path / "e" / "train", lambda m: m["metadata"].pop("stats"))
     assert majority(read_manifest(str(tmp_path / "e" / "train"))) is None
+
+
+def test_real_sentences_get_a_length_from_their_texts(tmp_path, capsys, sentiment_sentences):
+    out = shard(capsys, "--from-csv", sentiment_sentences / "imdb.tsv", "--no-header",
+                "--text-col", "0", "--label-col", "1", tmp_path / "d")
+    m = read_manifest(str(tmp_path / "d" / "train"))
+    length, tokens = m.metadata["length"], m.metadata["stats"]["tokens"]
+    assert length % 8 == 0 and tokens["p99"] <= length < tokens["p99"] + 8 <= 80, out
+    assert tokens["cut"] <= 9 and m.metadata["stats"]["classes"].keys() == {"0", "1"}
