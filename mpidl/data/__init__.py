@@ -22,8 +22,8 @@ Layout on disk (details in :mod:`mpidl.data.format`)::
     data/imdb/
       train/manifest.json    format_version, features {name: dtype, shape}, shards
                              [{file, rows, bytes, sha256}], labels, metadata
-                             (vocab, classes, tokenizer)
-      train/shard-00000.h5   datasets /x (int32 (rows, 256) token ids), /y (int64 labels)
+                             (vocab, classes, tokenizer, pad_id, length, stats)
+      train/shard-00000.h5   datasets /x (int32 (rows, length) token ids), /y (int64 labels)
       test/manifest.json     same features; vocabulary built on train, stored in both
       test/shard-00000.h5
 

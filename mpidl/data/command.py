@@ -9,9 +9,17 @@ Examples::
     mpidl shard --from-h5 big.h5 --features x,y --compression gzip data/big
     mpidl shard --verify data/imdb                        # every checksum, shape and label
 
+Text is cut or padded to ``--length`` tokens per sample: by default (``auto``) the
+smallest multiple of 8 that 99% of the training texts fit in, at most 512
+(:func:`mpidl.data.text.choose_length`); ``--length N`` forces N.
+
 Output: ``OUT_DIR/train/`` and, when the input has a test split or ``--test-fraction`` is
 above 0, ``OUT_DIR/test/`` (see :mod:`mpidl.data.format`), written beside what is there
 and put in place only when complete (``--force`` replaces a dataset; a failure keeps it).
+It prints what the data is, and stores it in each split's manifest
+(:mod:`mpidl.data.stats`): the length chosen and the texts cut, class counts, token-length
+percentiles and the unknown-token rate (text), each feature's value range and NaN/inf
+count (arrays).
 ``--verify`` exits 1 and names each bad file, and each split that disagrees with
 ``train`` (:mod:`mpidl.data.splits`).
 """
@@ -25,6 +33,7 @@ from typing import Sequence
 from mpidl.data import sources
 from mpidl.data.format import DataError, Manifest
 from mpidl.data.hdf5 import verify_dataset
+from mpidl.data.text import check_length
 from mpidl.data.writer import write_shards, write_text_shards
 
 
@@ -78,7 +87,13 @@ def _parser() -> argparse.ArgumentParser:
         "--vocab-size", type=int, default=20000, help="vocabulary size incl. <pad>, <unk> (20000)"
     )
     t.add_argument("--min-freq", type=int, default=1, help="rarer training words become <unk> (1)")
-    t.add_argument("--length", type=int, default=256, help="tokens per sample, cut or padded (256)")
+    t.add_argument(
+        "--length",
+        type=_length_arg,
+        default="auto",
+        help="tokens per sample, cut or padded: a number, or 'auto' (default): the smallest "
+        "multiple of 8 that 99%% of the training texts fit in, at most 512",
+    )
     a = p.add_argument_group("array inputs (--from-npz, --from-h5)")
     a.add_argument("--features", help="comma-separated datasets/arrays to take (default: all)")
     a.add_argument(
@@ -115,6 +130,79 @@ def _parser() -> argparse.ArgumentParser:
         "--level", choices=("size", "sha256"), default="sha256", help="--verify depth (sha256)"
     )
     return p
+
+
+def _length_arg(value: str) -> int | str:
+    try:
+        return check_length(value if value == "auto" else int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither 'auto' nor a number of tokens >= 1") from None
+
+
+def _percent(share: float) -> str:
+    return "<0.1%" if 0 < share < 0.001 else f"{share:.1%}"
+
+
+def _length_line(manifests: dict[str, Manifest]) -> str | None:
+    """``length 40 (auto: 99% of the 2700 training texts have <= 36 tokens; 21 train and
+    2 test texts cut)``, from the manifests of a text dataset; None for arrays."""
+    meta = manifests["train"].metadata
+    choice, length = meta.get("length_choice"), meta.get("length")
+    if not isinstance(choice, dict):
+        return None
+    n = meta["stats"]["samples"]
+    covers = (f"{choice['percentile']}% of the {n} training texts have <= "
+              f"{choice['percentile_tokens']} tokens")
+    if choice["chosen"] == "auto":
+        why = f"auto: {covers}"
+        if choice["percentile_tokens"] > choice["cap"]:
+            why += f", more than the cap {choice['cap']}"
+    else:
+        why = f"given; {covers}, so auto would choose {choice['auto']}"
+    cuts = " and ".join(f"{m.metadata['stats']['tokens']['cut']} {split}"
+                        for split, m in manifests.items())
+    return f"length {length} ({why}; {cuts} texts cut)"
+
+
+def _stats_lines(m: Manifest) -> list[str]:
+    """What ``m``'s split is, from its ``metadata["stats"]``, one indented line per topic."""
+    stats = m.metadata.get("stats")
+    if not isinstance(stats, dict):
+        return []
+    lines = []
+    counts = stats.get("classes")
+    if counts:
+        n = max(1, stats["samples"])
+        items = [f"{name} {c} ({_percent(c / n)})" for name, c in counts.items()]
+        if len(items) > 10:
+            big = max(counts, key=lambda k: counts[k])
+            small = min(counts, key=lambda k: counts[k])
+            items = [f"{len(counts) + stats.get('classes_omitted', 0)} classes, largest "
+                     f"{big} {counts[big]} ({_percent(counts[big] / n)}), smallest {small} "
+                     f"{counts[small]} ({_percent(counts[small] / n)})"]
+        lines.append("classes: " + ", ".join(items))
+    t = stats.get("tokens")
+    if t and t["max"] is not None:
+        line = (f"tokens per text: p50 {t['p50']}, p90 {t['p90']}, p99 {t['p99']}, max "
+                f"{t['max']} (mean {t['mean']:.1f}); {t['cut']} cut to "
+                f"{m.metadata.get('length')}; {_percent(t['unk_rate'])} of the stored tokens "
+                "are <unk>")
+        if t["empty"]:
+            line += f"; {t['empty']} texts have no token (all padding)"
+        lines.append(line)
+    for name, f in (stats.get("features") or {}).items():
+        if f["min"] is None and not f["nan"] + f["inf"]:
+            continue
+        if f["min"] is not None:
+            lines.append(f"{name}: min {f['min']:.6g}, max {f['max']:.6g}, mean {f['mean']:.6g}, "
+                         f"std {f['std']:.6g}")
+        if f["nan"] or f["inf"]:
+            lines.append(
+                f"warning: {name} holds {f['nan']} NaN and {f['inf']} infinite value(s); a "
+                "model trained on them gets a NaN loss: replace them (numpy.nan_to_num) or "
+                "drop those rows")
+    return lines
 
 
 def _describe(path: str, m: Manifest) -> str:
@@ -220,8 +308,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        for split, manifest in _write(args).items():
+        manifests = _write(args)
+        length = _length_line(manifests)
+        if length:
+            print(length)
+        for split, manifest in manifests.items():
             print(f"wrote {_describe(f'{args.out_dir}/{split}', manifest)}")
+            for line in _stats_lines(manifest):
+                print(f"  {line}")
         return 0
     except DataError as e:
         print(f"mpidl shard: error: {e}", file=sys.stderr)

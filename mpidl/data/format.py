@@ -25,7 +25,11 @@ A dataset split is a directory::
                  "sha256": "9981a66e..."}, ...],
      "labels": {"feature": "y", "num_classes": 2},        # optional: range-checked labels
      "metadata": {"classes": ["negative", "positive"],   # free-form, e.g. text datasets:
-                  "vocab": ["<pad>", "<unk>", "the", ...], "tokenizer": {...}}}
+                  "vocab": ["<pad>", "<unk>", "the", ...], "tokenizer": {...},
+                  "pad_id": 0,                         # the padding token id (text)
+                  "length": 256,                       # tokens per sample (text), and how
+                  "length_choice": {"chosen": "auto", ...},  # it was chosen (writer.py)
+                  "stats": {"samples": 45000, "classes": {...}, ...}}}  # stats.py
 
 Samples are numbered ``0 .. num_samples - 1`` in shard order. Each shard's root
 attributes repeat ``format``, ``format_version``, ``dataset_id``, ``shard_index`` and
@@ -39,6 +43,8 @@ inside contiguous raw data are otherwise silent; hashing is an explicit
 ``mpidl shard --verify``, not a start-up cost.
 
 A newer ``format_version`` is refused; optional fields may be added without bumping it.
+Text datasets written before ``pad_id`` was stored pad with ``<pad>``, vocabulary id 0
+(:attr:`Manifest.pad_id` says so for both).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ import os
 from typing import Any
 
 import numpy
+
+from mpidl.data.text import PAD, PAD_ID
 
 FORMAT = "mpidl.dataset"
 SHARD_FORMAT = "mpidl.shard"
@@ -142,6 +150,19 @@ class Manifest:
     @property
     def num_samples(self) -> int:
         return sum(s.rows for s in self.shards)
+
+    @property
+    def pad_id(self) -> int | None:
+        """The token id that pads a text dataset's samples, which models leave out.
+
+        ``metadata["pad_id"]`` when the writer stored it; 0 for a text dataset written
+        before it did (its vocabulary starts with ``<pad>``); None for other datasets.
+        """
+        pad = self.metadata.get("pad_id")
+        if pad is not None:
+            return int(pad)
+        vocab = self.metadata.get("vocab")
+        return PAD_ID if isinstance(vocab, list) and vocab[:1] == [PAD] else None
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -295,6 +316,9 @@ def parse_manifest(data: Any, directory: str, where: str) -> Manifest:
         )
         check_num_classes(labels["num_classes"], where, "the manifest is corrupt or was "
                           "edited: rewrite the dataset with `mpidl shard`")
+    metadata = data.get("metadata") or {}
+    _require(isinstance(metadata, dict), where, f"'metadata' {metadata!r} is not an object")
+    _check_pad_id(metadata, where)
     return Manifest(
         features=features,
         shards=shards,
@@ -302,10 +326,27 @@ def parse_manifest(data: Any, directory: str, where: str) -> Manifest:
         split=str(data.get("split", "train")),
         storage=dict(data.get("storage") or {"layout": "contiguous"}),
         labels=labels,
-        metadata=dict(data.get("metadata") or {}),
+        metadata=dict(metadata),
         created=str(data.get("created", "")),
         writer=dict(data.get("writer") or {}),
         format_version=version,
+    )
+
+
+def _check_pad_id(metadata: dict[str, Any], where: str) -> None:
+    # Models compare token ids with pad_id to leave padding out: a pad_id of the wrong
+    # type ("0") or outside the vocabulary would silently mask nothing.
+    if "pad_id" not in metadata:
+        return
+    pad, vocab = metadata["pad_id"], metadata.get("vocab")
+    size = len(vocab) if isinstance(vocab, list) else None
+    _require(
+        isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0
+        and (size is None or pad < size),
+        where,
+        f"metadata pad_id {pad!r} is not a token id"
+        + (f" in [0, {size}) (the vocabulary's size)" if size is not None else " (an int >= 0)")
+        + ": the manifest is corrupt or was edited; rewrite the dataset with `mpidl shard`",
     )
 
 

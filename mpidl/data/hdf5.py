@@ -142,6 +142,13 @@ class ShardedDataset:
         return self.manifest.metadata.get("vocab")
 
     @property
+    def pad_id(self) -> int | None:
+        """The padding token id of a text dataset (models leave it out), else None
+        (:attr:`~mpidl.data.format.Manifest.pad_id`: 0 for text datasets written before
+        the manifest named it)."""
+        return self.manifest.pad_id
+
+    @property
     def classes(self) -> list[str] | None:
         """The class names (index = label id), if the writer stored them."""
         return self.manifest.metadata.get("classes")

@@ -6,7 +6,8 @@ with the same output layer, so the two must agree on:
 - the features: the same names, each with the same dtype and per-sample shape;
 - the labels: the same label feature and the same number of classes, and the same
   class names in the same order (label 1 must mean the same class);
-- the vocabulary (index = token id): token 17 must be the same word.
+- the vocabulary (index = token id): token 17 must be the same word;
+- the padding token id: the model leaves out the one it was built with.
 
 A test split written on its own (another vocabulary, a class more) otherwise trains
 without complaint and reports a wrong accuracy. :func:`check_splits_agree` is the one
@@ -66,6 +67,8 @@ def _differences(m: Manifest, ref_m: Manifest, ref: str) -> list[str]:
                        f"{'none' if ref_vocab is None else 'one'}")
     else:
         out.extend(filter(None, [_vocabulary(list(vocab), list(ref_vocab), ref)]))
+    if m.pad_id != ref_m.pad_id:
+        out.append(f"padding token id {m.pad_id} differs from {ref}'s {ref_m.pad_id}")
     return out
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy
 
+from mpidl.data import stats as stats_mod
 from mpidl.data import text as text_mod
 from mpidl.data.format import (
     FORMAT_VERSION,
@@ -198,6 +199,7 @@ def _split_writer(
     labels: str | None = None,
     num_classes: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    stats: Mapping[str, Any] | None = None,
     dataset_id: str | None = None,
     source: str = "arrays",
 ) -> Callable[[str], Manifest]:
@@ -212,6 +214,8 @@ def _split_writer(
             ``[0, num_classes)`` here and on every read.
         num_classes: the number of classes (default: largest label + 1).
         metadata: free JSON-serialisable metadata (vocabulary, classes, tokenizer, ...).
+        stats: what the split's data is, stored as ``metadata["stats"]``; by default
+            :func:`mpidl.data.stats.array_stats` of ``arrays`` (text writers pass theirs).
         source: the input's name, for error messages.
     """
     arrays = {k: numpy.ascontiguousarray(v) for k, v in arrays.items()}
@@ -222,6 +226,10 @@ def _split_writer(
             num_classes = int(y.max()) + 1 if y is not None and n else 1
         _check_labels(arrays, labels, num_classes, source)
     storage = _check_options(rows_per_shard, compression, compression_opts)
+    metadata = dict(metadata or {})
+    if stats is None:
+        stats = stats_mod.array_stats(arrays, labels, num_classes, metadata.get("classes"))
+    metadata["stats"] = dict(stats)
     row_bytes = sum(v[:1].nbytes for v in arrays.values())
     per = rows_per_shard or max(1, SHARD_BYTES // max(1, row_bytes))
     dataset_id = dataset_id or uuid.uuid4().hex
@@ -256,7 +264,7 @@ def _split_writer(
             storage=storage,
             labels=None if labels is None else {"feature": labels,
                                                 "num_classes": int(num_classes)},
-            metadata=dict(metadata or {}),
+            metadata=metadata,
             writer=writer,
             created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
@@ -276,6 +284,7 @@ def write_shards(
     shuffle: bool = True,
     labels: str | None = "auto",
     num_classes: int | None = None,
+    stats: Mapping[str, Mapping[str, Any]] | None = None,
     **options: Any,
 ) -> dict[str, Manifest]:
     """Write ``out_dir/train`` (and ``out_dir/test``) from arrays.
@@ -289,6 +298,9 @@ def write_shards(
         shuffle: shuffle the rows before writing (recommended: see the module docstring).
         labels: the integer label feature, range-checked against ``num_classes``;
             ``"auto"`` (default) means ``"y"`` if it is a 1-d integer feature, else none.
+        stats: split name -> its ``metadata["stats"]``, for splits whose statistics the
+            caller knows better (text); the others get :mod:`mpidl.data.stats`'s of
+            their arrays.
         **options: passed to :func:`write_split` (``rows_per_shard``, ``compression``,
             ``metadata``, ``overwrite``, ``source``, ...).
 
@@ -342,7 +354,8 @@ def write_shards(
     dataset_id = uuid.uuid4().hex
     writers = {
         name: _split_writer(split, split=name, labels=labels, num_classes=num_classes,
-                            dataset_id=f"{dataset_id}-{name}", **options)
+                            stats=(stats or {}).get(name), dataset_id=f"{dataset_id}-{name}",
+                            **options)
         for name, split in splits.items()
     }
     return publish_splits(str(out_dir), writers, overwrite=overwrite, replaces=("train", "test"))
@@ -359,15 +372,20 @@ def write_text_shards(
     seed: int = 0,
     vocab_size: int = 20000,
     min_freq: int = 1,
-    length: int = 256,
+    length: int | str = "auto",
     classes: Sequence[str] | None = None,
     source: str = "texts",
     **options: Any,
 ) -> dict[str, Manifest]:
     """Tokenise texts and write them as ``x`` (int32 ``(N, length)`` ids) and ``y`` (int64).
 
-    The vocabulary is built on the training texts only (after the split) and stored, with
-    the classes and the tokenizer settings, in the metadata of both manifests.
+    The vocabulary and the automatic length are chosen from the training texts only
+    (after the split) and stored, with the classes, the tokenizer settings and the padding
+    id (``pad_id``), in the metadata of both manifests; each split's manifest also holds
+    its statistics (``stats``: class counts, token lengths, unknown-token rate; see
+    :mod:`mpidl.data.stats`). The length is ``metadata["length"]``, how it was chosen
+    ``metadata["length_choice"]`` (:func:`mpidl.data.text.resolve_length`), and each
+    split's ``stats["tokens"]["cut"]`` counts its texts longer than it.
 
     Args:
         train_texts, train_labels: texts and their label strings.
@@ -375,12 +393,15 @@ def write_text_shards(
             training texts, chosen with ``seed``.
         vocab_size: the vocabulary size including ``<pad>`` (0) and ``<unk>`` (1).
         min_freq: words rarer than this in the training texts become ``<unk>``.
-        length: tokens per sample (longer texts are cut, shorter ones padded with 0).
+        length: tokens per sample (longer texts are cut, shorter ones padded with
+            ``<pad>``, id 0), or ``"auto"`` (default): chosen from the training texts by
+            :func:`mpidl.data.text.choose_length`.
         classes: class names in id order (default: the sorted distinct training labels).
         **options: passed to :func:`write_shards` / :func:`write_split`.
     """
     if len(train_texts) != len(train_labels):
         raise DataError(f"{source}: {len(train_texts)} texts but {len(train_labels)} labels")
+    text_mod.check_length(length)
     if test_texts is None and test_fraction > 0:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction {test_fraction} must be in [0, 1)")
@@ -394,7 +415,10 @@ def write_text_shards(
     train_tokens = [text_mod.tokenize(t) for t in train_texts]
     vocab = text_mod.vocab_from_tokens(train_tokens, vocab_size, min_freq)
     y, classes = text_mod.encode_labels(list(train_labels), classes)
+    train_lengths = _token_counts(train_tokens)
+    length, choice = text_mod.resolve_length(length, train_lengths)
     x = text_mod.encode_tokens(train_tokens, vocab, length)
+    stats = {"train": stats_mod.text_stats(train_lengths, x, y, length, classes)}
     test = None
     if test_texts is not None:
         if test_labels is None or len(test_texts) != len(test_labels):
@@ -405,12 +429,17 @@ def write_text_shards(
             raise DataError(
                 f"{source}: test split: {e} seen in training; pass `classes` to fix the set"
             ) from e
-        test = {"x": text_mod.encode(test_texts, vocab, length), "y": y_test}
+        test_tokens = [text_mod.tokenize(t) for t in test_texts]
+        test = {"x": text_mod.encode_tokens(test_tokens, vocab, length), "y": y_test}
+        stats["test"] = stats_mod.text_stats(_token_counts(test_tokens), test["x"], y_test,
+                                             length, classes)
     metadata = {
         "classes": classes,
         "vocab": vocab,
         "tokenizer": text_mod.TOKENIZER,
+        "pad_id": text_mod.PAD_ID,
         "length": length,
+        "length_choice": choice,
         "source": source,
         **options.pop("metadata", {}),
     }
@@ -422,6 +451,11 @@ def write_text_shards(
         labels="y",
         num_classes=len(classes),
         metadata=metadata,
+        stats=stats,
         source=source,
         **options,
     )
+
+
+def _token_counts(token_lists: Sequence[Sequence[str]]) -> numpy.ndarray:
+    return numpy.fromiter(map(len, token_lists), dtype=numpy.int64, count=len(token_lists))
