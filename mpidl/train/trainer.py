@@ -139,6 +139,7 @@ class Trainer:
         self.train_set = ShardedDataset(os.path.join(data_dir, "train"), comm=comm)
         self.test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
         _check_splits(self.train_set, self.test_set)  # the same files: alike on every rank
+        self._warn_if_one_class_dominates()
         self.model = build_model(config, self.train_set).to(self.xp)
         dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
         self.dp = DataParallel(self.model, comm, overlap=config.overlap,
@@ -175,6 +176,24 @@ class Trainer:
 
             sync = synchronize
         self.timer = StepTimer(timeline=self.timeline, sync=sync)
+
+    def _warn_if_one_class_dominates(self) -> None:
+        """Say so when always guessing one class scores high: the accuracy to beat.
+
+        "Dominates": more than halfway from a balanced share to all of them (75% of 2
+        classes, 55% of 10), where a high accuracy stops meaning the model learned.
+        """
+        from mpidl.data.stats import majority
+
+        found = majority(self.train_set.manifest)
+        classes = self.train_set.num_classes or 0
+        if found is None or classes < 2:
+            return
+        name, share = found
+        if share >= 0.5 + 0.5 / classes:
+            self.log.info(f"warning: one class dominates the training data: {name!r} is "
+                          f"{share:.0%} of {self.train_set.path}; always guessing it scores "
+                          f"{share:.2f}, the accuracy a model must beat")
 
     # -- checkpoints ----------------------------------------------------------------------
     @property
