@@ -205,29 +205,26 @@ def format_table(rows: list[Prediction]) -> str:
 # -- the model and its compute -------------------------------------------------------------
 
 def _dataset_for(config: Any) -> Any:
-    """A description of the run's data (shapes only), without generating or reading it.
+    """The run's training split: ``--data``'s, or the generated reviews corpus, made and
+    cached as `mpidl train` would (once): the model's shapes and the measured batches
+    come from the real data (the corpus's vocabulary is far below ``vocab_size``)."""
+    import os
 
-    A dataset directory's train manifest when ``--data`` is set; else the generated
-    reviews corpus's shapes from the ``[data]`` options.
-    """
-    from types import SimpleNamespace
+    from mpidl.comm import SingleCommunicator
+    from mpidl.data import ShardedDataset
+    from mpidl.train.log import Logger
+    from mpidl.train.task import prepare_data
 
+    return ShardedDataset(os.path.join(prepare_data(config, SingleCommunicator(), Logger()),
+                                       "train"))
+
+
+def _batch(dataset: Any, b: int, rng: Any) -> tuple[Any, Any]:
+    """``b`` samples of the dataset, spread over it."""
     import numpy
 
-    from mpidl.data.format import Feature
-
-    if config.data.path:
-        import os
-
-        from mpidl.data import ShardedDataset
-
-        return ShardedDataset(os.path.join(config.data.path, "train"))
-    d = config.data
-    features = {"x": Feature("x", numpy.dtype("<i4"), (d.seq_len,)),
-                "y": Feature("y", numpy.dtype("<i8"), ())}
-    return SimpleNamespace(path="the generated reviews corpus", features=features,
-                           num_classes=2, vocab=["<pad>", "<unk>"] + [""] * (d.vocab_size - 2),
-                           pad_id=0)
+    ids = numpy.sort(rng.choice(len(dataset), size=b, replace=len(dataset) < b))
+    return dataset.read("x", ids), dataset.read("y", ids)
 
 
 def workload(config: Any, model: Any, samples: int, epochs: float) -> Workload:
@@ -243,12 +240,16 @@ def workload(config: Any, model: Any, samples: int, epochs: float) -> Workload:
 
 def measure_compute(config: Any, dataset: Any, batches: Sequence[int], repeats: int = 7
                     ) -> dict[int, float]:
-    """Seconds of one training step (forward, backward, optimizer) at each batch size,
-    measured here in this process with one BLAS thread: the fastest of ``repeats``
-    after two warm-up steps (the least disturbed by whatever else the machine runs)."""
+    """Seconds of one training step at each per-rank batch size, measured here: the
+    trainer's own step (DataParallel on one rank: its sparse embedding update included;
+    forward, backward, optimizer) in this process with one BLAS thread, the fastest of
+    ``repeats`` after two warm-up steps (the least disturbed by the rest of the machine).
+    """
     import numpy
 
     from mpidl import functions as F
+    from mpidl.comm import SingleCommunicator
+    from mpidl.parallel import DataParallel
     from mpidl.train.trainer import build_model, build_optimizer
 
     try:
@@ -256,30 +257,26 @@ def measure_compute(config: Any, dataset: Any, batches: Sequence[int], repeats: 
     except ImportError:  # pragma: no cover - a dependency
         threadpool_limits = None
     model = build_model(config, dataset)
+    dp = DataParallel(model, SingleCommunicator(), keep_freed_memory=config.keep_freed_memory)
     opt = build_optimizer(config, model.parameters())
-    x_feature = dataset.features["x"]
     rng = numpy.random.default_rng(0)
-    classes = dataset.num_classes or 2
     out = {}
     limit = threadpool_limits(limits=1, user_api="blas") if threadpool_limits else None
     try:
         for b in sorted(set(batches)):
-            if x_feature.dtype.kind in "iu":
-                x = rng.integers(2, len(dataset.vocab), size=(b, *x_feature.shape))
-            else:
-                x = rng.standard_normal((b, *x_feature.shape)).astype(x_feature.dtype)
-            y = rng.integers(0, classes, size=b)
+            x, y = _batch(dataset, b, rng)
             times = []
             for i in range(repeats + 2):  # two warm-up steps
                 t0 = time.perf_counter()
-                loss = F.softmax_cross_entropy(model(x), y, reduction="mean")
-                loss.backward()
+                loss = F.softmax_cross_entropy(dp(x), y, reduction="sum")
+                dp.backward(loss, global_count=b)
                 opt.step()
                 opt.zero_grad()
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
             out[b] = min(times)
     finally:
+        dp.close()
         if limit is not None:
             limit.restore_original_limits()
     return out
@@ -369,6 +366,7 @@ def main(argv: Sequence[str]) -> int:
 def _plan(argv: Sequence[str]) -> int:
     from hpc import costmodel
 
+    from mpidl.data import DataError
     from mpidl.train.config import ConfigError, load_config
     from mpidl.train.model import build_model
 
@@ -391,13 +389,12 @@ def _plan(argv: Sequence[str]) -> int:
             config = load_config(args.preset, overrides)
         dataset = _dataset_for(config)
         model = build_model(config, dataset)
-        samples = args.samples or (len(dataset) if hasattr(dataset, "__len__")
-                                   else config.data.num_train)
+        samples = args.samples or len(dataset)
         work = workload(config, model, samples, args.epochs or config.epochs)
         network = costmodel.load_network(args.network)
         node_link = (shared_memory_link() if args.node_network == "shm"
                      else costmodel.load_network(args.node_network))
-    except (ConfigError, costmodel.ProfileError, ValueError, OSError) as e:
+    except (ConfigError, costmodel.ProfileError, ValueError, OSError, DataError) as e:
         print(f"mpidl plan: error: {e}", file=sys.stderr)
         return 2
     batches = [per_rank_batch(work.global_batch, r) for r in sorted(set(ranks) | {1})]

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from mpidl.testing.launch import mpiexec
+from trainjob import SMALL
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,7 +26,7 @@ def _is_png(path):
         return f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_of_every_op_plots_and_saves_a_profile_the_planner_reads(tmp_path):
+def test_bench_of_every_op_plots_and_saves_a_profile_the_planner_reads(tmp_path, cache):
     png = tmp_path / "net.png"
     env = {"MPIDL_PROFILE_DIR": str(tmp_path / "profiles")}
     result = _run(2, "bench", "--op", "all", "--max-bytes", "16384", "--iters", "3",
@@ -37,18 +38,20 @@ def test_bench_of_every_op_plots_and_saves_a_profile_the_planner_reads(tmp_path)
     saved = tmp_path / "profiles" / "network" / "here.toml"
     assert saved.is_file() and "measured with `mpidl bench`" in saved.read_text()
     planned = _run(1, "plan", "--ranks", "1,2", "--network", "here", "--node-network", "here",
-                   "--ranks-per-node", "2", "--step-time", "0.01", env=env)
+                   "--ranks-per-node", "2", "--step-time", "0.01", *SMALL,
+                   f"--data.cache-dir={cache}", env=env)
     assert "network: here between nodes, here within" in planned.stdout
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_plan_writes_its_table_plot_and_batch_script(tmp_path, n):
+def test_plan_writes_its_table_plot_and_batch_script(tmp_path, cache, n):
     out = tmp_path / "plan.json"
     png = tmp_path / "plan.png"
     job = tmp_path / "job.sbatch"
     result = _run(n, "plan", "--ranks", "1,2,4", "--network", "ib-hdr", "--samples", "50000",
                   "--epochs", "3", "--setup-hours", "40", "--queue-hours", "1",
-                  "--json", str(out), "--plot", str(png), "--sbatch", str(job))
+                  "--json", str(out), "--plot", str(png), "--sbatch", str(job), *SMALL,
+                  f"--data.cache-dir={cache}")
     assert result.stdout.count("verdict: ") == 1, result.stdout  # rank 0 alone prints
     doc = json.loads(out.read_text())
     assert [r["ranks"] for r in doc["rows"]] == [1, 2, 4]
@@ -73,8 +76,8 @@ def test_plan_from_a_run_uses_its_measured_times(tmp_path, cache):
 
 
 def test_plan_names_a_missing_profile_and_a_bad_rank_list(tmp_path):
-    result = mpiexec(1, [sys.executable, "-m", "mpidl", "plan", "--network", "carrier-pigeon"],
-                     timeout=60)
+    result = mpiexec(1, [sys.executable, "-m", "mpidl", "plan", "--network", "carrier-pigeon",
+                         f"--data.cache-dir={tmp_path}"], timeout=60)
     assert result.returncode == 2 and "no network profile 'carrier-pigeon'" in result.stderr
     result = mpiexec(1, [sys.executable, "-m", "mpidl", "plan", "--ranks", "0,2"], timeout=60)
     assert result.returncode == 2 and "--ranks '0,2'" in result.stderr
