@@ -244,7 +244,8 @@ def main(argv: Sequence[str]) -> int:
                         help="inputs scored at a time on each rank (256)")
     parser.add_argument("--data", help="the dataset the run was trained on, for runs without "
                                        "a dataset.json (older mpidl); otherwise unused")
-    args = parser.parse_args(list(argv))
+    # Intermixed: `RUN_DIR --checkpoint=C INPUT` leaves INPUT to the optional positional.
+    args = parser.parse_intermixed_args(list(argv))
     if args.batch < 1:
         parser.error(f"--batch {args.batch} must be >= 1")
 

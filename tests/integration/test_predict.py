@@ -204,8 +204,9 @@ def test_eval_of_a_dense_run_is_the_same_at_1_and_2_ranks(dense_run):
 def test_predict_on_an_array_file_matches_eval(dense_run, ranks, rows):
     run_dir, _, root, true = dense_run
     scores = evaluated(2, run_dir)
-    got = predictions(ok(mpidl(ranks, "predict", run_dir, os.path.join(root, rows), "--json",
-                               "--batch=48")))
+    # The input after the options, as users write it too.
+    got = predictions(ok(mpidl(ranks, "predict", run_dir, "--json", "--batch=48",
+                               os.path.join(root, rows))))
     assert confusion(true, [g[0] for g in got], scores["classes"]) == scores["confusion"]
 
 
