@@ -6,6 +6,8 @@ Run under a launcher for several ranks::
     srun --mpi=pmix mpidl train my.toml --epochs=3
     mpiexec -n 3 mpidl run my_script.py ARGS # a user's script, aborting all ranks on error
     mpidl shard --from-csv reviews.csv --text-col review --label-col sentiment data/
+    mpiexec -n 2 mpidl eval runs/reviews     # score a run's checkpoint on its test split
+    echo "great stay" | mpidl predict runs/reviews
     mpidl info
 
 Every sub-command runs under the global exception hook (:mod:`mpidl.excepthook`): an
@@ -28,7 +30,10 @@ from typing import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mpidl.train.command:main",
               "train a model data-parallel (default: the reviews task)"),
-    "eval": ("mpidl.train.command:eval_main", "evaluate a run's checkpoint on a dataset"),
+    "eval": ("mpidl.train.inference:eval_main",
+             "evaluate a run's checkpoint on a test split: accuracy, macro-F1, confusion"),
+    "predict": ("mpidl.train.predict:main",
+                "classify new inputs (text lines, feature rows) with a run's checkpoint"),
     "shard": ("mpidl.data.command:main", "write or verify a sharded HDF5 dataset"),
     "plot": ("mpidl.train.plot:main", "plot a run's metrics to PNG (needs the [plot] extra)"),
     "info": ("mpidl.info:main", "report MPI, ranks, nodes, GPUs, library versions"),

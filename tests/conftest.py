@@ -17,6 +17,19 @@ def comm():
     return world()
 
 
+@pytest.fixture
+def shared_dir(comm):
+    """A directory every rank sees: made by rank 0, its path broadcast; removed after."""
+    import shutil
+    import tempfile
+
+    path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpidl-test-") if comm.rank == 0 else None)
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _xp_params():
     import numpy
 

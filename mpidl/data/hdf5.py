@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import numpy
 
+from mpidl.data.description import DatasetDescription
 from mpidl.data.format import DataError, Feature, Manifest, parse_manifest, read_manifest
 from mpidl.data.ranges import bad_rows, out_of_range, value_ranges
 from mpidl.data.sampler import coalesce_runs
@@ -69,8 +70,11 @@ def _load_manifest(path: str, comm: Any) -> Manifest:
     return parse_manifest(payload[1], path, os.path.join(path, "manifest.json"))
 
 
-class ShardedDataset:
+class ShardedDataset(DatasetDescription):
     """One split (a directory with ``manifest.json``) of a sharded dataset.
+
+    Its features, classes and vocabulary are those of its
+    :class:`~mpidl.data.description.DatasetDescription`.
 
     Args:
         path: the split directory, e.g. ``data/reviews/train``.
@@ -131,32 +135,6 @@ class ShardedDataset:
     @property
     def num_samples(self) -> int:
         return len(self)
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self.manifest.metadata
-
-    @property
-    def vocab(self) -> list[str] | None:
-        """The vocabulary (index = token id) of a text dataset, else None."""
-        return self.manifest.metadata.get("vocab")
-
-    @property
-    def pad_id(self) -> int | None:
-        """The padding token id of a text dataset (models leave it out), else None
-        (:attr:`~mpidl.data.format.Manifest.pad_id`: 0 for text datasets written before
-        the manifest named it)."""
-        return self.manifest.pad_id
-
-    @property
-    def classes(self) -> list[str] | None:
-        """The class names (index = label id), if the writer stored them."""
-        return self.manifest.metadata.get("classes")
-
-    @property
-    def num_classes(self) -> int | None:
-        labels = self.manifest.labels
-        return None if labels is None else int(labels["num_classes"])
 
     def shard_path(self, index: int) -> str:
         return os.path.join(self.path, self.manifest.shards[index].file)

@@ -55,16 +55,18 @@ def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def run(cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
-        cwd: str | None = None) -> Launched:
-    """Run ``cmd`` in its own process group; kill the group after ``timeout`` seconds."""
+        cwd: str | None = None, input: str | None = None) -> Launched:
+    """Run ``cmd`` in its own process group; kill the group after ``timeout`` seconds.
+    ``input``, if given, is its standard input (else it inherits this process's)."""
     import time
 
     t0 = time.monotonic()
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=None if input is None else subprocess.PIPE,
                             text=True, env=dict(env or launch_env()), cwd=cwd,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()

@@ -401,7 +401,11 @@ def set_aside_after(directory: str | os.PathLike, step: int) -> str | None:
     return aside
 
 
-RUN_FILES = ("metrics.jsonl", "config.toml", "trace.json")  # what a run writes besides
+# The description of the run's training data (mpidl.data.description), written at the
+# start of a run: enough to rebuild the model and encode inputs after the data is gone.
+DATASET_FILE = "dataset.json"
+# What a run writes besides its checkpoints.
+RUN_FILES = ("metrics.jsonl", "config.toml", "trace.json", DATASET_FILE)
 
 
 def set_aside_run(run_dir: str | os.PathLike) -> str | None:

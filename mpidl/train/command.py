@@ -1,4 +1,4 @@
-"""``mpidl train`` and ``mpidl eval``: the main job, under ``mpirun``/``srun``.
+"""``mpidl train``: the main job, under ``mpirun``/``srun``.
 
 Run::
 
@@ -7,7 +7,7 @@ Run::
     srun --mpi=pmix mpidl train my.toml --lr=3e-4  # a TOML config plus overrides
     mpidl train --help                             # every key and its value (reviews)
     mpidl train reviews-transformer --help         # ... as that preset sets them
-    mpiexec -n 2 mpidl eval runs/tf                # evaluate the run's latest checkpoint
+    mpiexec -n 2 mpidl eval runs/tf                # evaluate it (mpidl.train.inference)
 
 Exit codes (the same on every rank): 0 done; 2 a configuration or data error (unknown
 key, wrong type, missing file, a dataset that is corrupt or whose splits disagree: one
@@ -17,7 +17,6 @@ checkpoint — run the same command again to resume; 1 any other error.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Sequence
 
@@ -60,10 +59,9 @@ def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
 
 def _config_error(comm, error: str | None) -> bool:
     """Whether any rank has a configuration error; rank 0 reports the first. Collective."""
-    first = next((e for e in comm.allgather_obj(error) if e), None)
-    if first is not None and comm.rank == 0:
-        print(f"mpidl train: error: {first}", file=sys.stderr, flush=True)
-    return first is not None
+    from mpidl.train.log import report_first_error
+
+    return report_first_error(comm, error, "mpidl train")
 
 
 def _trainer(config, comm, run_dir: str, data_dir: str):
@@ -166,53 +164,3 @@ def _plan(config, run_dir: str, comm):
     if _config_error(comm, error):
         return None
     return ResumePlan(state, corrupt, previous)
-
-
-def eval_main(argv: Sequence[str]) -> int:
-    """``mpidl eval RUN_DIR [--checkpoint PATH] [--data DIR]``. Collective."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="mpidl eval", description="Evaluate a run's checkpoint exactly on a test split.")
-    parser.add_argument("run_dir", help="a run directory written by `mpidl train`")
-    parser.add_argument("--checkpoint", help="a checkpoint file (default: the run's latest)")
-    parser.add_argument("--data", help="a dataset directory with a test/ split "
-                                       "(default: the run's own data)")
-    args = parser.parse_args(list(argv))
-
-    from mpidl.comm import world
-    from mpidl.train.checkpoint import (CHECKPOINT_DIR, CheckpointError, latest_checkpoint,
-                                        load_checkpoint)
-    from mpidl.train.config import ConfigError, load_config
-    from mpidl.train.log import Logger
-    from mpidl.train.task import prepare_data
-    from mpidl.train.trainer import load_model_state
-
-    comm = world()
-    config_path = os.path.join(args.run_dir, "config.toml")
-    path = args.checkpoint or latest_checkpoint(os.path.join(args.run_dir, CHECKPOINT_DIR))
-    problem = None
-    if not os.path.isfile(config_path):
-        problem = f"{config_path} does not exist: is {args.run_dir!r} a run directory?"
-    elif path is None:
-        problem = f"no checkpoint in {os.path.join(args.run_dir, CHECKPOINT_DIR)}"
-    comm.check(problem is None, str(problem))
-    config = load_config(config_path, [f"--data={args.data}"] if args.data else [])
-    data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size))
-    trainer = _trainer(config, comm, args.run_dir, data_dir)
-    if trainer is None:
-        return EXIT_CONFIG
-    error = None
-    try:
-        state = load_checkpoint(path)
-        load_model_state(trainer.model, state, config, "evaluate")
-    except (FileNotFoundError, CheckpointError, ConfigError) as e:  # alike on every rank
-        error = str(e)
-    if _config_error(comm, error):
-        return EXIT_CONFIG
-    loss, accuracy = trainer.evaluate()
-    if comm.rank == 0:
-        print(f"checkpoint: {path} (step {state.step})\n"
-              f"test samples: {len(trainer.test_set)}\n"
-              f"test loss: {loss:.4f}\ntest accuracy: {accuracy:.4f}", flush=True)
-    return 0

@@ -6,6 +6,7 @@
   batch job (output to a file) a plain line every ``plain_every`` seconds instead, since
   a bar's carriage returns make a Slurm log unreadable; nothing on other ranks.
 * :func:`format_table`, :func:`format_summary`: the final table.
+* :func:`report_first_error`: an error every rank found, said once.
 """
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ class Logger:
     def warning(self, message: str) -> None:
         """Print on any rank, to stderr, as ``rank R/N: warning: message``."""
         _print(f"rank {self.rank}/{self.size}: warning: {message}", sys.stderr)
+
+
+def report_first_error(comm: Any, error: str | None, prog: str) -> bool:
+    """Whether any rank has an ``error``; if so rank 0 prints the first rank's once, as
+    ``PROG: error: ...`` on stderr. Collective: every rank passes its error or None.
+
+    For errors every rank finds alike (a configuration, a dataset, a checkpoint: each
+    rank reads the same files), reported as one message instead of one per rank.
+    """
+    first = next((e for e in comm.allgather_obj(error) if e), None)
+    if first is not None and comm.rank == 0:
+        print(f"{prog}: error: {first}", file=sys.stderr, flush=True)
+    return first is not None
 
 
 def _print(message: str, stream: TextIO) -> None:

@@ -38,7 +38,6 @@ import numpy
 
 from mpidl import functions as F
 from hpc.files import write_text
-from mpidl.autograd import no_grad
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.config import Config, ConfigError, to_toml
 from mpidl.train.log import Logger, ProgressBar, format_summary
@@ -332,10 +331,15 @@ class Trainer:
         start by ``--resume=never``) the old checkpoints, metrics and config first move
         to ``RUN_DIR/previous-<time>/``. Then every rank opens the metrics.
         """
+        from mpidl.data.description import write_description
+
         notes, error = [], None
         if self.comm.rank == 0:
             try:
                 notes = self._claim_run_dir(config_text, corrupt, previous)
+                # What predicting needs of the data once it is gone (mpidl.data.description).
+                write_description(os.path.join(self.run_dir, ckpt.DATASET_FILE),
+                                  self.train_set.manifest, self.train_set.path)
             except OSError as e:
                 error = (f"cannot prepare the run directory {self.run_dir}: {e}; free space "
                          "or fix its permissions and run again")
@@ -370,23 +374,12 @@ class Trainer:
         return notes
 
     # -- evaluation -----------------------------------------------------------------------
-    def evaluate(self) -> tuple[float, float]:
-        """Exact test loss and accuracy over the whole test split. Collective."""
-        xp = self.xp
-        self.model.eval()
-        totals = numpy.zeros(3)  # loss sum, correct, count
-        self.eval_loader.set_epoch(0)
-        with no_grad():
-            for x, y, _ in self.eval_loader:
-                if len(y) == 0:
-                    continue
-                logits = self.model(x)
-                loss = F.softmax_cross_entropy(logits, y, reduction="sum")
-                totals += [float(loss.data), float(xp.count_nonzero(logits.data.argmax(1) == y)),
-                           len(y)]
-        self.model.train()
-        self.comm.allreduce_(totals)
-        return totals[0] / max(totals[2], 1), totals[1] / max(totals[2], 1)
+    def evaluate(self) -> Any:
+        """Exact scores over the whole test split (:class:`~mpidl.data.evaluate.Scores`:
+        loss, accuracy, recall, macro-F1, majority-class accuracy). Collective."""
+        from mpidl.train.evaluation import evaluate_model
+
+        return evaluate_model(self.model, self.eval_loader, self.comm)
 
     # -- training -------------------------------------------------------------------------
     def _train_step(self, x: Any, y: Any, n: int, flag: PreemptionFlag
@@ -561,10 +554,10 @@ class Trainer:
 
     def _evaluate_epoch(self, epoch: int, say: Any) -> None:
         """Evaluate on the test split, record it and ``say`` it. Collective."""
-        test_loss, test_acc = self.evaluate()
-        self.metrics.write(kind="eval", epoch=epoch, step=self.step,
-                           test_loss=test_loss, test_accuracy=test_acc)
-        say(f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {test_acc:.4f}")
+        scores = self.evaluate()
+        self.metrics.write(kind="eval", epoch=epoch, step=self.step, **scores.as_record())
+        say(f"epoch {epoch}: test loss {scores.loss:.4f}, test accuracy {scores.accuracy:.4f}, "
+            f"macro-F1 {scores.macro_f1:.4f} (majority class {scores.majority_accuracy:.4f})")
 
     def _window_totals(self, window: list) -> numpy.ndarray:
         """Loss sum, correct and samples of ``window`` over all ranks. Collective."""

@@ -8,8 +8,6 @@ rank. Run at 1, 2 and 3 ranks::
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy
@@ -31,16 +29,6 @@ from mpidl.testing.datasets import edit_manifest, resync_shard
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
 N = 233  # not a multiple of the batch or of 2 or 3 ranks
-
-
-@pytest.fixture
-def shared_dir(comm):
-    """A directory every rank sees: made by rank 0, its path broadcast; removed after."""
-    path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpidl-loader-") if comm.rank == 0 else None)
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def write_dataset(comm, root, **kw):
