@@ -115,7 +115,7 @@ def description_json(manifest: Manifest, path: str) -> dict[str, Any]:
 def write_description(path: str, manifest: Manifest, split_path: str) -> str:
     """Write the description of the split at ``split_path`` to the file ``path``,
     atomically. Not collective: one rank writes."""
-    from mpidl.atomic import write_text
+    from hpc.files import write_text
 
     return write_text(path, _dumps(description_json(manifest, split_path)) + "\n")
 
