@@ -109,6 +109,30 @@ def zeros_add_at(xp: ModuleType, shape: tuple, index: Any, values: Any) -> Any:
     return out.astype(dtype, copy=False)
 
 
+_device_generators: dict[int, Any] = {}  # CuPy device id -> its Philox RandomState
+
+
+def uniform_from_seed(xp: ModuleType, seed: int, shape: tuple[int, ...]) -> Any:
+    """float32 uniforms in [0, 1) of ``shape``, drawn on ``xp``'s device from ``seed`` alone.
+
+    The same ``(seed, shape)`` gives the same numbers on every call (per backend: NumPy
+    and CuPy draw different ones). NumPy: ``numpy.random.default_rng(seed)``. CuPy: a
+    cuRAND Philox generator of the current device, reseeded for the call (reseeding
+    resets its offset; no state to allocate or checkpoint), so nothing is copied from
+    the host. Callers derive ``seed`` from a checkpointed host generator
+    (:mod:`mpidl.functions.dropout`), which makes device randomness resumable.
+    """
+    if not is_cupy(xp):
+        return numpy.random.default_rng(seed).random(shape, dtype=numpy.float32)
+    device = int(xp.cuda.runtime.getDevice())
+    gen = _device_generators.get(device)
+    if gen is None:
+        gen = _device_generators[device] = xp.random.RandomState(
+            0, method=xp.cuda.curand.CURAND_RNG_PSEUDO_PHILOX4_32_10)
+    gen.seed(numpy.uint64(seed))  # CuPy casts the seed to uint64 with casting="safe"
+    return gen.random_sample(shape, dtype=numpy.float32)
+
+
 def synchronize(x: Any = None) -> None:
     """Wait until the work queued on the current CUDA stream is done.
 
