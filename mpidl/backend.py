@@ -133,6 +133,38 @@ def uniform_from_seed(xp: ModuleType, seed: int, shape: tuple[int, ...]) -> Any:
     return gen.random_sample(shape, dtype=numpy.float32)
 
 
+class DeviceClock:
+    """Marks on the current CUDA stream (events), read once the GPU has passed them.
+
+    Taking a mark never blocks the host. :meth:`seconds` between two marks is the GPU's
+    time between reaching them; it waits only if the later mark is not reached yet
+    (read it a step later and it has been). ``xp`` is cupy (or a stand-in with its
+    ``cuda`` API, as in tests).
+    """
+
+    def __init__(self, xp: ModuleType) -> None:
+        self._cuda = xp.cuda
+
+    def mark(self) -> Any:
+        event = self._cuda.Event()
+        event.record(self._cuda.get_current_stream())
+        return event
+
+    @staticmethod
+    def reached(mark: Any) -> bool:
+        return bool(mark.done)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not end.done:
+            end.synchronize()
+        return float(self._cuda.get_elapsed_time(start, end)) / 1e3
+
+
+def device_clock(xp: ModuleType) -> DeviceClock | None:
+    """A :class:`DeviceClock` for CuPy, None for NumPy (host clocks are exact there)."""
+    return DeviceClock(xp) if is_cupy(xp) else None
+
+
 def synchronize(x: Any = None) -> None:
     """Wait until the work queued on the current CUDA stream is done.
 
