@@ -31,9 +31,10 @@ import numpy
 
 
 class FakeEvent:
-    def __init__(self, fake: "FakeCupy", block: bool = False, disable_timing: bool = False,
+    _fake: "FakeCupy"  # set on each FakeCupy's own subclass (its cuda.Event)
+
+    def __init__(self, block: bool = False, disable_timing: bool = False,
                  interprocess: bool = False) -> None:
-        self._fake = fake
         self._done = True
         self.time = 0.0
 
@@ -54,9 +55,10 @@ class FakeEvent:
 
 
 class FakeStream:
-    def __init__(self, fake: "FakeCupy", null: bool = False, non_blocking: bool = False,
+    _fake: "FakeCupy"  # set on each FakeCupy's own subclass (its cuda.Stream)
+
+    def __init__(self, null: bool = False, non_blocking: bool = False,
                  name: str = "side") -> None:
-        self._fake = fake
         self.name = name
 
     def synchronize(self) -> None:
@@ -188,11 +190,14 @@ class FakeCupy(types.ModuleType):
         for name in ("float16", "float32", "float64", "int32", "int64", "uint8", "uint16",
                      "uint32", "intp", "bool_"):
             setattr(self, name, getattr(numpy, name))
-        fake = self
-        current = FakeStream(self, name="current")
+        # Classes of this fake's own, as cupy.cuda.Event/Stream are classes (so that
+        # hpc.gpu_check.SyncCounter can wrap their synchronize).
+        event = type("Event", (FakeEvent,), {"_fake": self})
+        stream = type("Stream", (FakeStream,), {"_fake": self})
+        current = stream(name="current")
         self.cuda = types.SimpleNamespace(
-            Event=lambda *a, **k: FakeEvent(fake, *a, **k),
-            Stream=lambda *a, **k: FakeStream(fake, *a, **k),
+            Event=event,
+            Stream=stream,
             get_current_stream=lambda: current,
             alloc_pinned_memory=lambda n: bytearray(n),
             get_elapsed_time=lambda start, end: end.time - start.time,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 from hpc import cuda_aware, gpu
@@ -275,3 +276,54 @@ def test_gpu_check_without_a_gpu_skips_with_exit_0_unless_required():
                               timeout=60, env=env)
     assert required.returncode == 1
     assert "FAIL gpu: no GPU on ranks [0]" in required.stdout
+
+
+def test_sync_counter_counts_each_host_wait_once_by_call_site(monkeypatch):
+    # CuPy stand-ins: a fake cupy module (streams, events) and its syncdetect hook,
+    # which ndarray.get calls before it synchronises its stream (one wait).
+    import types
+
+    from hpc.gpu_check import SyncCounter
+    from mpidl.testing.fakedevice import FakeCupy
+
+    cp = FakeCupy()
+    syncdetect = types.ModuleType("cupy._core.syncdetect")
+    syncdetect._declare_synchronize = lambda: None
+    monkeypatch.setitem(sys.modules, "cupy._core.syncdetect", syncdetect)
+
+    def get_like():  # what ndarray.get does: declare, then synchronise the stream
+        syncdetect._declare_synchronize()
+        cp.cuda.get_current_stream().synchronize()
+
+    with SyncCounter(cp) as counter:
+        cp.cuda.get_current_stream().synchronize()
+        event = cp.cuda.Event()
+        event.record()
+        event.synchronize()
+        get_like()
+        assert event.done  # asking is not waiting
+    assert len(counter.sites) == 3, counter.sites
+    assert all("test_gpu.py" in site for site in counter.sites), counter.sites
+    assert counter.summary(3).startswith("1 per step (unit/test_gpu.py:")
+    cp.cuda.get_current_stream().synchronize()  # unwrapped again after the block
+    assert len(counter.sites) == 3
+
+
+def test_gpu_check_counts_the_host_syncs_of_each_phase_of_the_step(monkeypatch, capsys):
+    # The plumbing of the GPU check's last checks, on the host: the step module's
+    # phases run on NumPy (nothing to wait for), counted with a fake cupy's streams.
+    import functools
+
+    from hpc import gpu_check
+    from mpidl.testing import device_step
+    from mpidl.testing.fakedevice import FakeCupy
+
+    monkeypatch.setattr(device_step, "build", functools.partial(device_step.build, numpy))
+    checks = gpu_check._Checks(None)
+    gpu_check._sync_checks(checks, FakeCupy(), "mpidl.testing.device_step:build", 1)
+    out = capsys.readouterr().out
+    assert not checks.failed, out
+    assert "ok   host syncs (forward+backward): 0 per step; at most 0 expected" in out
+    assert "ok   host syncs (step): 0 per step" in out
+    gpu_check._sync_checks(checks, FakeCupy(), "no_such_module:build", 1)
+    assert "skip host syncs: no_such_module does not import" in capsys.readouterr().out
