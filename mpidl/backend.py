@@ -127,8 +127,10 @@ def uniform_from_seed(xp: ModuleType, seed: int, shape: tuple[int, ...]) -> Any:
     device = int(xp.cuda.runtime.getDevice())
     gen = _device_generators.get(device)
     if gen is None:
+        from cupy.cuda import curand  # a submodule cupy may load lazily
+
         gen = _device_generators[device] = xp.random.RandomState(
-            0, method=xp.cuda.curand.CURAND_RNG_PSEUDO_PHILOX4_32_10)
+            0, method=curand.CURAND_RNG_PSEUDO_PHILOX4_32_10)
     gen.seed(numpy.uint64(seed))  # CuPy casts the seed to uint64 with casting="safe"
     return gen.random_sample(shape, dtype=numpy.float32)
 

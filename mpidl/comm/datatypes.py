@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy
 
-from mpidl.comm.base import check_op
+from mpidl.comm.base import check_reducible
 
 # The sums run with these floating-point warnings off: inf + -inf is NaN and a sum past
 # the largest value is inf, the IEEE results the wire means to carry (to the
@@ -61,16 +61,13 @@ def reducible(x: Any, op: Any, what: str) -> tuple[Any, Any]:
 
     Float16 with "sum" becomes its uint16 view and :func:`float16_sum_op`; float16 with a
     user-defined op its uint16 view (the op reads the bytes); any other float16 op is a
-    TypeError. Other dtypes pass through unchanged.
+    TypeError (:func:`~mpidl.comm.base.check_reducible`). Other dtypes pass through.
     """
     if not is_float16(x):
         return x, op
     if not isinstance(op, str):
         return bits(x), op
-    if check_op(op) != "sum":
-        raise TypeError(f"{what} of a float16 array with op={op!r}: MPI has no 16-bit float "
-                        "type on every library, and mpidl sums float16 only; reduce "
-                        "x.astype(numpy.float32)")
+    check_reducible(x, what, op)
     return bits(x), float16_sum_op()
 
 

@@ -254,7 +254,7 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "allreduce_")
-        check_reducible(x, "allreduce_")
+        check_reducible(x, "allreduce_", op)
         entry = self._begin("allreduce_", x, op=op)
         wire, op = datatypes.reducible(x, op, "allreduce_")
         buf, finish = self._device(wire, "inout", "allreduce_", op)
@@ -280,7 +280,7 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "iallreduce_")
-        check_reducible(x, "iallreduce_")
+        check_reducible(x, "iallreduce_", op)
         wire, wop = datatypes.reducible(x, op, "iallreduce_")
         staged = is_cupy(get_array_module(wire)) and \
             self.stager.path("iallreduce_", wop) != DIRECT
@@ -310,7 +310,7 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "reduce_")
-        check_reducible(x, "reduce_")
+        check_reducible(x, "reduce_", op)
         entry = self._begin("reduce_", x, root=root, op=op)
         wire, op = datatypes.reducible(x, op, "reduce_")
         buf, finish = self._device(wire, "inout", "reduce_", op)
@@ -424,6 +424,7 @@ class MpiCommunicator(Communicator):
         """
         xp = get_array_module(x)
         x = xp.ascontiguousarray(x)
+        check_reducible(x, "reduce_scatter", op)
         entry = self._begin("reduce_scatter", x, op=op)
         rows = split_counts(x.shape[0], self.size)
         start = sum(rows[: self.rank])

@@ -73,9 +73,13 @@ def test_float16_is_reduced_as_uint16_with_the_float16_sum(monkeypatch):
     assert datatypes.bits(y) is y
 
 
-def test_float16_max_is_refused_with_the_fix_named():
+def test_float16_max_is_refused_with_the_fix_named_by_every_communicator():
+    from mpidl.comm import SingleCommunicator
+
     with pytest.raises(TypeError, match=r"float16 array with op='max'.*astype\(numpy.float32\)"):
         datatypes.reducible(numpy.ones(2, numpy.float16), "max", "allreduce_")
+    with pytest.raises(TypeError, match="float16 array with op='min'"):
+        SingleCommunicator().allreduce_(numpy.ones(2, numpy.float16), op="min")
     with pytest.raises(ValueError, match="unknown reduction op 'avg'"):
         datatypes.reducible(numpy.ones(2, numpy.float16), "avg", "allreduce_")
 
