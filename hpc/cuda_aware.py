@@ -3,15 +3,28 @@
 Whether MPI can read device buffers cannot be trusted to a query:
 ``MPIX_Query_cuda_support`` reports 0 on CUDA-capable UCX builds (open-mpi/ompi#11070,
 #13130), and Heat disables its ``ompi_info`` check as "broken". :func:`cuda_aware_mpi`
-therefore records the cheap hints and decides by a functional probe: a child process
-passes CuPy buffers to ``Sendrecv`` and ``Allreduce`` and checks the numbers. A
-non-aware MPI often segfaults on a device pointer (mpi4py#115); in a child, under a
-timeout, that costs a verdict, not the job.
+therefore records the cheap hints and decides by functional tests of what mpidl hands
+MPI, each a named *case* of the verdict (:data:`CASES`):
 
-Limitation: the child is an MPI singleton talking to itself on ``COMM_SELF``. That
-exercises the library's recognition of device memory and its self path, not the
-network path between nodes; ranks on other nodes take rank 0's verdict. Set
-``MPIDL_CUDA_AWARE=0|1`` to decide by hand.
+- ``sendrecv``, ``allreduce`` (blocking), ``iallreduce`` (non-blocking): a child process
+  passes CuPy buffers to them and checks the numbers. A non-aware MPI often segfaults
+  on a device pointer (mpi4py#115); in a child, under a timeout, that costs a verdict,
+  not the job. The child reports each case as it finishes, so a crash names its case.
+  ``iallreduce`` is informative only: mpidl stages non-blocking reductions whatever it
+  says (:mod:`mpidl.comm.device`), and the child's size-1 reduction may pass where a
+  real one crashes (Open MPI's libnbc, ompi#9845).
+- ``node-local sendrecv``: where ranks share a node, two of them on each such node
+  exchange device buffers (CUDA IPC inside Open MPI and UCX) in the job itself, since
+  only the job's ranks have its GPU visibility: under ``srun --gpus-per-task=1`` a rank
+  may not open a peer's memory handle (ompi#11949). A wrong result or a timeout makes
+  the verdict "not aware"; a library that aborts the job there ("cuIpcOpenMemHandle
+  failed") is best answered with ``MPIDL_CUDA_AWARE=0`` (staging) or
+  ``--gpus-per-task`` replaced by ``--gpus-per-node`` with mpidl's binding.
+
+The child is an MPI singleton talking to itself on ``COMM_SELF``: it exercises the
+library's recognition of device memory and its self path, not the network path between
+nodes; ranks on other nodes take rank 0's verdict. Set ``MPIDL_CUDA_AWARE=0|1`` to
+decide by hand (no case then runs).
 
 ``python -m hpc.cuda_aware --probe [--device N] [--host]`` is the child; ``--host``
 runs the same checks on NumPy buffers, which tests the machinery without a GPU.
@@ -32,10 +45,18 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Sequence
+
+# The child's cases, in the order it runs them; the verdict's ``cases`` adds
+# NODE_LOCAL where the job's ranks tested it.
+CASES = ("sendrecv", "allreduce", "iallreduce")
+NODE_LOCAL = "node-local sendrecv"
+# The cases that decide "aware": what mpidl hands MPI directly (mpidl.comm.device).
+DECIDING = ("sendrecv", "allreduce", NODE_LOCAL)
 
 
 @dataclass(frozen=True)
@@ -43,17 +64,21 @@ class Verdict:
     """Whether MPI accepts CUDA device buffers.
 
     Attributes:
-        aware: pass CuPy arrays to MPI directly (after synchronising their stream);
-            when False, stage them through host memory.
+        aware: pass CuPy arrays to MPI directly where :mod:`mpidl.comm.device` allows
+            (after synchronising their stream); when False, stage them all through host
+            memory.
         reason: why, in words (the probe's result and the static hints).
         method: how it was decided: ``"override"`` (``MPIDL_CUDA_AWARE``), ``"none"``
             (nothing to probe: no CuPy, GPU or mpi4py), ``"functional"`` (the child
             probe), ``"cache"`` (an earlier probe's verdict), ``"error"``.
+        cases: each functional case (:data:`CASES`, :data:`NODE_LOCAL`) and its result:
+            ``"ok"``, or ``"FAILED: ..."``/``"skipped: ..."`` with the reason.
     """
 
     aware: bool
     reason: str
     method: str
+    cases: Mapping[str, str] = field(default_factory=dict)
 
 
 def _loaded_libmpi_query() -> tuple[bool | None, str]:
@@ -160,7 +185,9 @@ def load_verdict(path: Path) -> Verdict | None:
     """A cached verdict, or None when there is none or it cannot be read."""
     try:
         data = json.loads(path.read_text())
-        return Verdict(aware=bool(data["aware"]), reason=str(data["reason"]), method="cache")
+        cases = {str(k): str(v) for k, v in dict(data.get("cases") or {}).items()}
+        return Verdict(aware=bool(data["aware"]), reason=str(data["reason"]), method="cache",
+                       cases=cases)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -197,31 +224,59 @@ def run_probe_child(argv: Sequence[str], timeout: float = 30,
                     environ: Mapping[str, str] | None = None) -> Verdict:
     """Run a probe child and turn its fate into a verdict; never raises for its failure.
 
-    The child prints one JSON line ``{"ok": bool, "reason": str}``. A crash (a
-    non-aware MPI reading a device pointer), a timeout (a hang in the transport) or
-    garbage output all mean "not aware".
+    The child prints a JSON line ``{"case": name, "ok": bool, "detail": str}`` as each
+    case finishes, then ``{"ok": bool, "reason": str}``. A crash (a non-aware MPI
+    reading a device pointer), a timeout (a hang in the transport) or garbage output
+    fail the case that was running; the verdict is "aware" when every deciding case
+    (:data:`DECIDING`) the child runs passed.
     """
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=singleton_environ(environ), start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
+        fate = None
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole session: MPI may have helpers
-        proc.communicate()
-        return Verdict(False, f"the probe child did not finish within {timeout:g} s (hung in MPI?)",
-                       "functional")
-    if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
-        return Verdict(False, f"the probe child died of {name}: MPI cannot read device buffers",
-                       "functional")
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    try:
-        result = json.loads(lines[-1])
-        return Verdict(bool(result["ok"]), str(result["reason"]), "functional")
-    except (IndexError, ValueError, KeyError):
-        tail = (err.strip() or out.strip())[-400:]
-        return Verdict(False, f"the probe child exited {proc.returncode} without a verdict: {tail}",
-                       "functional")
+        out, err = proc.communicate()
+        fate = f"did not finish within {timeout:g} s (hung in MPI?)"
+    cases: dict[str, str] = {}
+    summary = None
+    for line in out.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "case" in record:
+            cases[str(record["case"])] = "ok" if record.get("ok") else \
+                f"FAILED: {record.get('detail', '')}"
+        elif "ok" in record and "reason" in record:
+            summary = record
+    if fate is None and proc.returncode < 0:
+        fate = f"died of {signal.Signals(-proc.returncode).name}"
+    running = next((c for c in CASES if c not in cases), None)
+    if fate is not None:
+        if running is not None:
+            cases[running] = f"FAILED: the probe child {fate} in this case"
+        for later in CASES[CASES.index(running) + 1:] if running else ():
+            cases[later] = "skipped: the probe child ended before it"
+    blocking_ok = all(cases.get(c) == "ok" for c in DECIDING if c in CASES)
+    if summary is not None and fate is None:
+        aware = bool(summary["ok"]) and blocking_ok
+        return Verdict(aware, str(summary["reason"]), "functional", cases)
+    if fate is not None:
+        what = "MPI cannot read device buffers" if not blocking_ok else \
+            "the blocking cases passed; mpidl stages what failed"
+        return Verdict(blocking_ok, f"the probe child {fate} ({what}); cases: "
+                       + _describe_cases(cases), "functional", cases)
+    tail = (err.strip() or out.strip())[-400:]
+    return Verdict(False, f"the probe child exited {proc.returncode} without a verdict: {tail}",
+                   "functional", cases)
+
+
+def _describe_cases(cases: Mapping[str, str]) -> str:
+    return ", ".join(f"{name} {result}" for name, result in cases.items())
 
 
 def _override(environ: Mapping[str, str]) -> Verdict | None:
@@ -291,31 +346,129 @@ def cuda_aware_mpi(comm: Any = None, timeout: float = 30, cache: bool = True,
         return verdict  # type: ignore[return-value]
     payload = dataclasses.asdict(verdict) if verdict is not None else None
     bcast = comm.bcast_obj if hasattr(comm, "bcast_obj") else comm.bcast
-    payload = bcast(payload, root=0)
-    return Verdict(**payload)
+    verdict = Verdict(**bcast(payload, root=0))
+    if not verdict.aware:
+        return verdict
+    mpi_comm = getattr(comm, "mpi_comm", comm)  # an mpidl Communicator or mpi4py's
+    if mpi_comm is None or not hasattr(mpi_comm, "Split_type"):
+        return verdict
+    from hpc.gpu import cupy_module
+
+    local = node_local_exchange(mpi_comm, cupy_module(), timeout)
+    aware = not local.startswith("FAILED")
+    return Verdict(aware, f"{verdict.reason}; {NODE_LOCAL}: {local}", verdict.method,
+                   {**verdict.cases, NODE_LOCAL: local})
 
 
-def _probe(xp: ModuleType, MPI: Any) -> tuple[bool, str]:
-    """Sendrecv to self and Allreduce on COMM_SELF with ``xp`` buffers, checked numerically."""
+def node_local_exchange(comm: Any, xp: ModuleType | None, timeout: float = 30) -> str:
+    """Two ranks of each node exchange ``xp`` buffers over MPI; the same result everywhere.
+
+    Collective over the mpi4py communicator ``comm``. On every node where ranks share
+    memory (``COMM_TYPE_SHARED``), its local ranks 0 and 1 send each other two arrays
+    (small: eager; 1 MiB: rendezvous, where Open MPI and UCX use CUDA IPC) and check
+    them. Returns ``"ok: ..."``, ``"skipped: no two ranks share a node"`` or
+    ``"FAILED: ..."`` naming the ranks and what went wrong. ``xp`` is cupy for the real
+    check (each rank on its own bound device), numpy to test the machinery; None (no
+    CuPy on a rank) fails that rank's pair.
+    """
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        first_two = node.Get_size() >= 2 and node.Get_rank() < 2
+        pair = node.Split(0 if first_two else MPI.UNDEFINED, node.Get_rank())
+        mine = None
+        if pair != MPI.COMM_NULL:
+            try:
+                mine = _pair_exchange(pair, xp, timeout)
+            finally:
+                pair.Free()
+        everyone = comm.allgather((socket.gethostname(), comm.Get_rank(), mine))
+    finally:
+        node.Free()
+    pairs: dict[str, list] = {}
+    for host, rank, result in everyone:
+        if result is not None:
+            pairs.setdefault(host, []).append((rank, result))
+    if not pairs:
+        return "skipped: no two ranks share a node"
+    failed = [f"rank {rank} on {host}: {detail}" for host, members in pairs.items()
+              for rank, (ok, detail) in members if not ok]
+    if failed:
+        return "FAILED: " + "; ".join(failed)
+    shown = ", ".join(f"ranks {'/'.join(str(r) for r, _ in m)} on {h}"
+                      for h, m in list(pairs.items())[:4])
+    more = f" and {len(pairs) - 4} more nodes" if len(pairs) > 4 else ""
+    return f"ok: {shown}{more}"
+
+
+def _pair_exchange(pair: Any, xp: ModuleType | None, timeout: float) -> tuple[bool, str]:
+    """Send this rank's arrays to the other rank of ``pair`` and check what comes back."""
+    from mpi4py import MPI
+
+    if xp is None:
+        return False, "CuPy cannot be imported on this rank"
+    other = 1 - pair.Get_rank()
+    try:
+        for n in (16, 1 << 17):  # 128 B and 1 MiB of float64
+            send = xp.full(n, pair.Get_rank() + 1.0, dtype=xp.float64)
+            recv = xp.zeros(n, dtype=xp.float64)
+            if xp.__name__ == "cupy":
+                xp.cuda.get_current_stream().synchronize()  # MPI reads the buffer, not the stream
+            reqs = [pair.Irecv(recv, source=other, tag=n), pair.Isend(send, dest=other, tag=n)]
+            deadline = time.monotonic() + timeout
+            while not MPI.Request.Testall(reqs):
+                if time.monotonic() > deadline:
+                    for r in reqs:
+                        r.Cancel()
+                    return False, f"the exchange of {n} float64 did not complete in {timeout:g} s"
+                time.sleep(0.001)
+            if not bool((recv == other + 1.0).all()):
+                return False, f"{n} float64 from rank {other} of the pair arrived wrong"
+    except Exception as exc:  # an MPI error on a device pointer must still reach the gather
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, "ok"
+
+
+def _probe_case(xp: ModuleType, MPI: Any, case: str) -> str:
+    """Run one case of :data:`CASES` on COMM_SELF with ``xp`` buffers; "" if right, else why."""
     comm = MPI.COMM_SELF
-    failures = []
     # Two sizes: small messages go eagerly, large ones by rendezvous, different code paths.
     for n in (16, 1 << 20):
         send = xp.arange(n, dtype=xp.float64) + 1.0
         recv = xp.zeros_like(send)
-        total = xp.zeros_like(send)
         if xp.__name__ == "cupy":
             xp.cuda.get_current_stream().synchronize()  # MPI reads the buffer, not the stream
-        comm.Sendrecv(send, dest=0, sendtag=11, recvbuf=recv, source=0, recvtag=11)
-        comm.Allreduce(send, total, op=MPI.SUM)
+        if case == "sendrecv":
+            comm.Sendrecv(send, dest=0, sendtag=11, recvbuf=recv, source=0, recvtag=11)
+        elif case == "allreduce":
+            comm.Allreduce(send, recv, op=MPI.SUM)
+        else:
+            comm.Iallreduce(send, recv, op=MPI.SUM).Wait()
         if not bool((recv == send).all()):
-            failures.append(f"Sendrecv of {n} float64 returned wrong values")
-        if not bool((total == send).all()):
-            failures.append(f"Allreduce of {n} float64 returned wrong values")
-    if failures:
+            return f"{n} float64 came back wrong"
+    return ""
+
+
+def _probe(xp: ModuleType, MPI: Any, report: Any = None) -> tuple[bool, str]:
+    """Every case of :data:`CASES` on COMM_SELF, checked numerically.
+
+    ``report(case, ok, detail)`` is called as each case finishes (the child prints it at
+    once, so a crash in a later case keeps the earlier results).
+    """
+    failures = []
+    for case in CASES:
+        why = _probe_case(xp, MPI, case)
+        if report is not None:
+            report(case, not why, why)
+        if why:
+            failures.append(f"{case}: {why}")
+    deciding_failed = [f for f in failures if f.split(":")[0] in DECIDING]
+    if deciding_failed:
         return False, "; ".join(failures)
-    return True, (f"{xp.__name__} buffers through Sendrecv and Allreduce (COMM_SELF) "
-                  f"gave correct values")
+    note = f" ({'; '.join(failures)}: mpidl stages it)" if failures else ""
+    return True, (f"{xp.__name__} buffers through {', '.join(CASES)} (COMM_SELF) "
+                  f"gave correct values{note}")
 
 
 def _probe_main(argv: Sequence[str]) -> int:
@@ -337,7 +490,11 @@ def _probe_main(argv: Sequence[str]) -> int:
         import cupy as xp
 
         xp.cuda.Device(args.device).use()
-    ok, reason = _probe(xp, MPI)
+
+    def report(case: str, ok: bool, detail: str) -> None:
+        print(json.dumps({"case": case, "ok": ok, "detail": detail}), flush=True)
+
+    ok, reason = _probe(xp, MPI, report)
     _, query = _loaded_libmpi_query()
     print(json.dumps({"ok": ok, "reason": f"{reason}; {query}"}), flush=True)
     return 0

@@ -261,7 +261,7 @@ class Function:
     bucket slice): :meth:`grad_buffer_for` says where, or None for a fresh array.
 
     ``row_sparse_grads`` lists the input positions whose gradient is zero outside the
-    rows that ``backward`` records on the input tensor as ``grad_rows`` (the embedding
+    rows that ``backward`` records on the input tensor as ``grad_row_mask`` (the embedding
     functions). A leaf that receives any other gradient in a pass gets that pass in
     :attr:`Tensor.dense_grad_pass`: a table tied to an output projection, or under a
     weight penalty written into the loss, then has a dense gradient in that step.

@@ -109,6 +109,64 @@ def zeros_add_at(xp: ModuleType, shape: tuple, index: Any, values: Any) -> Any:
     return out.astype(dtype, copy=False)
 
 
+_device_generators: dict[int, Any] = {}  # CuPy device id -> its Philox RandomState
+
+
+def uniform_from_seed(xp: ModuleType, seed: int, shape: tuple[int, ...]) -> Any:
+    """float32 uniforms in [0, 1) of ``shape``, drawn on ``xp``'s device from ``seed`` alone.
+
+    The same ``(seed, shape)`` gives the same numbers on every call (per backend: NumPy
+    and CuPy draw different ones). NumPy: ``numpy.random.default_rng(seed)``. CuPy: a
+    cuRAND Philox generator of the current device, reseeded for the call (reseeding
+    resets its offset; no state to allocate or checkpoint), so nothing is copied from
+    the host. Callers derive ``seed`` from a checkpointed host generator
+    (:mod:`mpidl.functions.dropout`), which makes device randomness resumable.
+    """
+    if not is_cupy(xp):
+        return numpy.random.default_rng(seed).random(shape, dtype=numpy.float32)
+    device = int(xp.cuda.runtime.getDevice())
+    gen = _device_generators.get(device)
+    if gen is None:
+        from cupy.cuda import curand  # a submodule cupy may load lazily
+
+        gen = _device_generators[device] = xp.random.RandomState(
+            0, method=curand.CURAND_RNG_PSEUDO_PHILOX4_32_10)
+    gen.seed(numpy.uint64(seed))  # CuPy casts the seed to uint64 with casting="safe"
+    return gen.random_sample(shape, dtype=numpy.float32)
+
+
+class DeviceClock:
+    """Marks on the current CUDA stream (events), read once the GPU has passed them.
+
+    Taking a mark never blocks the host. :meth:`seconds` between two marks is the GPU's
+    time between reaching them; it waits only if the later mark is not reached yet
+    (read it a step later and it has been). ``xp`` is cupy (or a stand-in with its
+    ``cuda`` API, as in tests).
+    """
+
+    def __init__(self, xp: ModuleType) -> None:
+        self._cuda = xp.cuda
+
+    def mark(self) -> Any:
+        event = self._cuda.Event()
+        event.record(self._cuda.get_current_stream())
+        return event
+
+    @staticmethod
+    def reached(mark: Any) -> bool:
+        return bool(mark.done)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not end.done:
+            end.synchronize()
+        return float(self._cuda.get_elapsed_time(start, end)) / 1e3
+
+
+def device_clock(xp: ModuleType) -> DeviceClock | None:
+    """A :class:`DeviceClock` for CuPy, None for NumPy (host clocks are exact there)."""
+    return DeviceClock(xp) if is_cupy(xp) else None
+
+
 def synchronize(x: Any = None) -> None:
     """Wait until the work queued on the current CUDA stream is done.
 

@@ -122,11 +122,12 @@ def collect(comm: Any, probe: bool = True) -> dict[str, Any]:
         try:
             verdict = gpu.cuda_aware_mpi(comm=comm)
             cuda_aware = {"aware": verdict.aware, "reason": verdict.reason,
-                          "method": verdict.method}
+                          "method": verdict.method, "cases": dict(verdict.cases)}
         except ValueError as exc:  # a bad MPIDL_CUDA_AWARE, raised on every rank alike
-            cuda_aware = {"aware": None, "reason": str(exc), "method": None}
+            cuda_aware = {"aware": None, "reason": str(exc), "method": None, "cases": {}}
     else:
-        cuda_aware = {"aware": None, "reason": "not probed (--no-probe)", "method": None}
+        cuda_aware = {"aware": None, "reason": "not probed (--no-probe)", "method": None,
+                      "cases": {}}
     hosts = list(dict.fromkeys(r["host"] for r in per_rank))  # in order of first rank
     counts = Counter(r["host"] for r in per_rank)
     left = None
@@ -211,6 +212,8 @@ def format_report(report: dict[str, Any]) -> str:
     ca = report["cuda_aware"]
     answer = {True: "yes", False: "no", None: "unknown"}[ca["aware"]]
     lines.append(f"CUDA-aware MPI: {answer} ({ca['reason']})")
+    for case, result in (ca.get("cases") or {}).items():  # what each device-buffer test gave
+        lines.append(f"  {case}: {result}")
     gpus = [r for r in report["per_rank"] if r["device"] is not None]
     lines.append(f"GPUs: {len(gpus)} of {report['ranks']} ranks bound to a device"
                  if gpus else "GPUs: none visible (no CuPy/CUDA device, or none allocated)")

@@ -43,14 +43,20 @@ def check_op(op: str) -> str:
     return name
 
 
-def check_reducible(x: Any, what: str) -> None:
+def check_reducible(x: Any, what: str, op: Any = "sum") -> None:
     """Raise TypeError for an array MPI cannot reduce; the same on every communicator.
 
-    MPI has no reduction for booleans, and mpi4py refuses non-native byte order (h5py
-    returns it for big-endian files). A single rank would reduce either without
-    complaint and the script then fail on two: so every communicator checks.
+    MPI has no reduction for booleans, mpi4py refuses non-native byte order (h5py
+    returns it for big-endian files), and mpidl reduces float16 only by summing
+    (:mod:`mpidl.comm.datatypes`: no MPI float16 type on every library). A single rank
+    would reduce any of them without complaint and the script then fail on two: so
+    every communicator checks.
     """
     dtype = x.dtype
+    if dtype == "float16" and isinstance(op, str) and check_op(op) != "sum":
+        raise TypeError(f"{what} of a float16 array with op={op!r}: MPI has no 16-bit float "
+                        "type on every library, and mpidl sums float16 only; reduce "
+                        "x.astype(numpy.float32)")
     if dtype.kind == "b":
         raise TypeError(f"{what} of a bool array: MPI has no reduction for booleans; "
                         "reduce x.astype(numpy.uint8) (max is any, min is all)")

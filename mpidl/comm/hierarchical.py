@@ -33,7 +33,7 @@ class HierarchicalCommunicator:
             # The real node: ranks that share memory with this one.
             from mpidl.comm.mpi import MpiCommunicator
 
-            self.node = MpiCommunicator(comm.node_comm)
+            self.node = MpiCommunicator(comm.node_comm, cuda_aware=comm.stager.cuda_aware)
         else:
             if ranks_per_node < 1:
                 raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1")

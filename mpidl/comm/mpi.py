@@ -1,10 +1,13 @@
 """Communicator over mpi4py: buffer-based collectives on NumPy and CuPy arrays.
 
 Arrays go to MPI through the buffer protocol (NumPy) or ``__cuda_array_interface__``
-(CuPy), never pickled. A CuPy array is handed to MPI directly when the MPI library is
-CUDA-aware (the functional probe of :mod:`hpc.gpu` decides, once) and staged through
-pinned host memory otherwise (:mod:`mpidl.comm.staged`). Messages larger than
-``max_message_bytes`` (2 GiB by default: MPI counts are C ints) are split into chunks.
+(CuPy), never pickled. Whether a CuPy array is handed to MPI directly or staged through
+pinned host memory is decided per collective by :mod:`mpidl.comm.device` (from the MPI
+library and the probe of :mod:`hpc.gpu`) and carried out by :mod:`mpidl.comm.staged`.
+Float16 travels as uint16 bit patterns and is summed by a user-defined op
+(:mod:`mpidl.comm.datatypes`), so no collective depends on the library having a 16-bit
+float type. Messages larger than ``max_message_bytes`` (2 GiB by default: MPI counts are
+C ints) are split into chunks.
 
 Every collective is numbered and remembered with its call site in the communicator's
 :class:`~mpidl.comm.ledger.Ledger` (what the watchdog reports). Setting
@@ -22,10 +25,12 @@ import os
 from typing import Any, Callable
 
 from mpidl.backend import get_array_module, is_cupy, synchronize
+from mpidl.comm import datatypes
 from mpidl.comm.base import (Communicator, DistributedError, Request, check_op,
                              check_reducible, split_counts)
+from mpidl.comm.device import DIRECT
 from mpidl.comm.ledger import Entry, Ledger
-from mpidl.comm.staged import Stager
+from mpidl.comm.staged import Staged, Stager
 
 MAX_MESSAGE_BYTES = 2**31 - 1
 
@@ -94,24 +99,49 @@ def _contiguous(x: Any, what: str) -> Any:
 
 
 class MpiRequest(Request):
-    """Handle of a (possibly chunked) non-blocking collective."""
+    """Handle of a (possibly chunked) non-blocking collective.
 
-    def __init__(self, requests: list, result: Any, finish: Callable[[], None],
-                 ledger: Ledger, entry: Entry) -> None:
-        self._requests = requests
+    A staged device buffer's collective starts late: once its copy to the host is
+    complete, and only after every collective called before it on the communicator has
+    started (:class:`_StartQueue`), so that all ranks start them in the same order.
+    """
+
+    def __init__(self, requests: list | None, result: Any, finish: Callable[[], None],
+                 ledger: Ledger, entry: Entry, queue: "_StartQueue | None" = None,
+                 staged: Staged | None = None,
+                 launch: Callable[[], list] | None = None) -> None:
+        self._requests = requests  # None until started
         self._result = result
         self._finish = finish
         self._done = False
         self._ledger, self._entry = ledger, entry
+        self._queue, self.staged, self._launch = queue, staged, launch
+
+    @property
+    def started(self) -> bool:
+        return self._requests is not None
+
+    def start(self) -> None:
+        """Hand the operation to MPI (the :class:`_StartQueue` calls it, in order)."""
+        self.staged.wait()
+        self._requests = self._launch()
 
     def test(self) -> bool:
-        if not self._done and _mpi().Request.Testall(self._requests):
+        if self._done:
+            return True
+        if not self.started:
+            self._queue.run(block=False)
+            if not self.started:
+                return False
+        if _mpi().Request.Testall(self._requests):
             self._complete()
         return self._done
 
     def wait(self) -> Any:
         if not self._done:
             with self._ledger.waiting(self._entry):
+                if not self.started:
+                    self._queue.run(until=self)
                 _mpi().Request.Waitall(self._requests)
             self._complete()
         return self._result
@@ -119,6 +149,32 @@ class MpiRequest(Request):
     def _complete(self) -> None:
         self._done = True
         self._finish()
+
+
+class _StartQueue:
+    """Non-blocking collectives whose staged input is still on its way to the host.
+
+    MPI requires every rank to start the collectives of a communicator in the same
+    order. Requests wait here in call order; :meth:`run` starts them from the front, so
+    a later one never starts before an earlier one. The communicator runs the queue to
+    the end before any other collective.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[MpiRequest] = []
+
+    def run(self, block: bool = True, until: MpiRequest | None = None) -> None:
+        """Start queued requests in order: all of them (``block``, waiting for their
+        copies), up to and including ``until``, or (not ``block``) while their copies
+        are complete."""
+        while self.items:
+            req = self.items[0]
+            if not block and until is None and not req.staged.ready():
+                return
+            req.start()
+            self.items.pop(0)
+            if req is until:
+                return
 
 
 class MpiCommunicator(Communicator):
@@ -144,7 +200,8 @@ class MpiCommunicator(Communicator):
         self.max_message_bytes = MAX_MESSAGE_BYTES
         self.check_collectives = os.environ.get("MPIDL_CHECK_COLLECTIVES", "0") not in ("", "0")
         self.ledger = Ledger(_agreed_key(self.mpi_comm), _world_ranks(self.mpi_comm))
-        self._stager = Stager(self, cuda_aware)
+        self.stager = Stager(self, cuda_aware)  # how device buffers reach MPI
+        self._unstarted = _StartQueue()
 
     # -- helpers ----------------------------------------------------------------------
     def _chunks(self, n: int, itemsize: int) -> list[tuple[int, int]]:
@@ -152,9 +209,17 @@ class MpiCommunicator(Communicator):
         step = max(1, self.max_message_bytes // itemsize)
         return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
 
-    def _begin(self, name: str, x: Any = None, **extra: Any) -> Entry:
+    def _begin(self, name: str, x: Any = None, queued: bool = False, **extra: Any) -> Entry:
         """Number the collective ``name`` in the ledger; in check mode, first agree with
-        every rank that it is the same call (see the module docstring)."""
+        every rank that it is the same call (see the module docstring).
+
+        Non-blocking collectives still waiting for their staged input start first, so
+        that every rank starts the communicator's collectives in call order; ``queued``
+        (a staged non-blocking one, which joins the end of that queue) skips this,
+        except in check mode, whose agreement is itself a collective.
+        """
+        if not queued or self.check_collectives:
+            self._unstarted.run()
         entry = self.ledger.begin(name)
         if self.check_collectives:
             params = tuple(sorted((k, _described(v)) for k, v in extra.items()))
@@ -168,13 +233,15 @@ class MpiCommunicator(Communicator):
                                        group_size=self.size)
         return entry
 
-    def _device(self, x: Any, mode: str) -> tuple[Any, Callable[[], None]]:
-        """The buffer to hand MPI for ``x`` and a function to call when MPI is done.
+    def _device(self, x: Any, mode: str, collective: str,
+                op: Any = None) -> tuple[Any, Callable[[], None]]:
+        """The buffer to hand MPI for ``x`` in ``collective`` and a function to call when
+        MPI is done: ``x`` itself, or a host copy where :mod:`mpidl.comm.device` says so.
 
         ``mode`` is "in" (send buffer), "out" (receive buffer) or "inout" (in place).
         """
         if is_cupy(get_array_module(x)):
-            return self._stager.stage(x, mode)
+            return self.stager.stage(x, mode, collective, op)
         return x, _nothing
 
     # -- collectives ------------------------------------------------------------------
@@ -187,9 +254,10 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "allreduce_")
-        check_reducible(x, "allreduce_")
+        check_reducible(x, "allreduce_", op)
         entry = self._begin("allreduce_", x, op=op)
-        buf, finish = self._device(x, "inout")
+        wire, op = datatypes.reducible(x, op, "allreduce_")
+        buf, finish = self._device(wire, "inout", "allreduce_", op)
         flat = buf.reshape(-1)
         mop = _mpi_op(op)
         with self.ledger.waiting(entry):
@@ -205,17 +273,34 @@ class MpiCommunicator(Communicator):
         until True) and must not touch ``x`` before then. Open MPI progresses the
         operation only inside MPI calls, so calling ``test()`` between compute steps is
         what makes it overlap.
+
+        A device buffer is staged (:mod:`mpidl.comm.device`) without blocking the host:
+        its copy to pinned memory runs on a side stream, and the MPI operation starts
+        once that copy is complete, seen by a later ``test()``, ``wait()`` or collective.
         """
         MPI = _mpi()
         _contiguous(x, "iallreduce_")
-        check_reducible(x, "iallreduce_")
-        entry = self._begin("iallreduce_", x, op=op)
-        buf, finish = self._device(x, "inout")
-        flat = buf.reshape(-1)
-        mop = _mpi_op(op)
-        reqs = [self.mpi_comm.Iallreduce(MPI.IN_PLACE, flat[i:j], op=mop)
-                for i, j in self._chunks(flat.size, flat.itemsize)]
-        return MpiRequest(reqs, x, finish, self.ledger, entry)
+        check_reducible(x, "iallreduce_", op)
+        wire, wop = datatypes.reducible(x, op, "iallreduce_")
+        staged = is_cupy(get_array_module(wire)) and \
+            self.stager.path("iallreduce_", wop) != DIRECT
+        entry = self._begin("iallreduce_", x, queued=staged, op=op)
+        op, mop = wop, _mpi_op(wop)
+
+        def launch(buf: Any) -> list:
+            flat = buf.reshape(-1)
+            return [self.mpi_comm.Iallreduce(MPI.IN_PLACE, flat[i:j], op=mop)
+                    for i, j in self._chunks(flat.size, flat.itemsize)]
+
+        if staged:
+            copy = self.stager.stage_nonblocking(wire)
+            req = MpiRequest(None, x, copy.release, self.ledger, entry, self._unstarted,
+                             copy, lambda: launch(copy.host))
+            self._unstarted.items.append(req)
+            self._unstarted.run(block=False)  # at once if the copy is already done
+            return req
+        buf, finish = self._device(wire, "inout", "iallreduce_", op)
+        return MpiRequest(launch(buf), x, finish, self.ledger, entry)
 
     def reduce_(self, x: Any, root: int = 0, op: Any = "sum") -> Any:
         """Reduce ``x`` over all ranks into root's ``x``, in place; returns ``x``.
@@ -225,9 +310,10 @@ class MpiCommunicator(Communicator):
         """
         MPI = _mpi()
         _contiguous(x, "reduce_")
-        check_reducible(x, "reduce_")
+        check_reducible(x, "reduce_", op)
         entry = self._begin("reduce_", x, root=root, op=op)
-        buf, finish = self._device(x, "inout")
+        wire, op = datatypes.reducible(x, op, "reduce_")
+        buf, finish = self._device(wire, "inout", "reduce_", op)
         flat = buf.reshape(-1)
         mop = _mpi_op(op)
         with self.ledger.waiting(entry):
@@ -248,7 +334,8 @@ class MpiCommunicator(Communicator):
         entry = self._begin("bcast_", x, root=root)
         # Root's buffer is only read and the others' only written: a staged copy goes
         # one way on each rank.
-        buf, finish = self._device(x, "in" if self.rank == root else "out")
+        buf, finish = self._device(datatypes.bits(x), "in" if self.rank == root else "out",
+                                   "bcast_")
         flat = buf.reshape(-1)
         with self.ledger.waiting(entry):
             for i, j in self._chunks(flat.size, flat.itemsize):
@@ -265,8 +352,8 @@ class MpiCommunicator(Communicator):
         x = _same_shape_contiguous(xp, x)
         entry = self._begin("allgather", x)
         out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
-        src, release = self._device(x, "in")
-        dst, finish = self._device(out, "out")
+        src, release = self._device(datatypes.bits(x), "in", "allgather")
+        dst, finish = self._device(datatypes.bits(out), "out", "allgather")
         flat_src = src.reshape(-1)
         flat_dst = dst.reshape(self.size, -1)
         chunks = self._chunks(flat_src.size, flat_src.itemsize * self.size)
@@ -276,7 +363,7 @@ class MpiCommunicator(Communicator):
             else:
                 bxp = get_array_module(src)  # numpy when the device array was staged
                 for i, j in chunks:
-                    part = bxp.empty((self.size, j - i), dtype=x.dtype)
+                    part = bxp.empty((self.size, j - i), dtype=src.dtype)
                     piece = bxp.ascontiguousarray(flat_src[i:j])
                     synchronize(piece)  # device buffers: the copies must be done for MPI
                     self.mpi_comm.Allgather(piece, part)
@@ -311,8 +398,8 @@ class MpiCommunicator(Communicator):
         if total_bytes <= self.max_message_bytes:
             counts = [n * row_items for n in rows]
             displs = [sum(counts[:r]) for r in range(self.size)]
-            src, release = self._device(x, "in")
-            dst, finish = self._device(out, "out")
+            src, release = self._device(datatypes.bits(x), "in", "allgatherv")
+            dst, finish = self._device(datatypes.bits(out), "out", "allgatherv")
             self.mpi_comm.Allgatherv(src.reshape(-1), [dst.reshape(-1), (counts, displs)])
             finish()
             release()
@@ -331,10 +418,13 @@ class MpiCommunicator(Communicator):
 
         ``x`` is split along axis 0 into ``size`` blocks as evenly as possible (the first
         ``x.shape[0] % size`` blocks get one more row); rank r receives block r.
-        Collective: same shape and dtype on every rank, same ``op``.
+        Collective: same shape and dtype on every rank, same ``op``. Equal blocks go
+        through ``MPI_Reduce_scatter_block`` (which CUDA-aware Open MPI handles on device
+        buffers), uneven ones through ``MPI_Reduce_scatter``.
         """
         xp = get_array_module(x)
         x = xp.ascontiguousarray(x)
+        check_reducible(x, "reduce_scatter", op)
         entry = self._begin("reduce_scatter", x, op=op)
         rows = split_counts(x.shape[0], self.size)
         start = sum(rows[: self.rank])
@@ -343,11 +433,18 @@ class MpiCommunicator(Communicator):
             return full[start:start + rows[self.rank]].copy()
         row_items = x.size // x.shape[0] if x.shape[0] else 0
         out = xp.empty((rows[self.rank],) + x.shape[1:], dtype=x.dtype)
-        src, release = self._device(x, "in")
-        dst, finish = self._device(out, "out")
+        equal = len(set(rows)) == 1  # the same on every rank: the shapes agree
+        name = "reduce_scatter_block" if equal else "reduce_scatter"
+        wire, mop = datatypes.reducible(x, op, "reduce_scatter")
+        src, release = self._device(wire, "in", name, mop)
+        dst, finish = self._device(datatypes.bits(out), "out", name, mop)
         with self.ledger.waiting(entry):
-            self.mpi_comm.Reduce_scatter(src.reshape(-1), dst.reshape(-1),
-                                         [n * row_items for n in rows], op=_mpi_op(op))
+            if equal:
+                self.mpi_comm.Reduce_scatter_block(src.reshape(-1), dst.reshape(-1),
+                                                   op=_mpi_op(mop))
+            else:
+                self.mpi_comm.Reduce_scatter(src.reshape(-1), dst.reshape(-1),
+                                             [n * row_items for n in rows], op=_mpi_op(mop))
         finish()
         release()
         return out
@@ -365,8 +462,8 @@ class MpiCommunicator(Communicator):
         x = xp.ascontiguousarray(x)
         entry = self._begin("alltoall", x)
         out = xp.empty_like(x)
-        src, release = self._device(x, "in")
-        dst, finish = self._device(out, "out")
+        src, release = self._device(datatypes.bits(x), "in", "alltoall")
+        dst, finish = self._device(datatypes.bits(out), "out", "alltoall")
         s2, d2 = src.reshape(self.size, -1), dst.reshape(self.size, -1)
         chunks = self._chunks(s2.shape[1], s2.itemsize * self.size)
         with self.ledger.waiting(entry):
@@ -375,7 +472,7 @@ class MpiCommunicator(Communicator):
             else:
                 bxp = get_array_module(src)  # numpy when the device array was staged
                 for i, j in chunks:
-                    part = bxp.empty((self.size, j - i), dtype=x.dtype)
+                    part = bxp.empty((self.size, j - i), dtype=src.dtype)
                     piece = bxp.ascontiguousarray(s2[:, i:j])
                     synchronize(piece)  # device buffers: the copies must be done for MPI
                     self.mpi_comm.Alltoall(piece, part)
@@ -393,8 +490,8 @@ class MpiCommunicator(Communicator):
         xp = get_array_module(x)
         x = _same_shape_contiguous(xp, x)
         out = xp.empty_like(x)
-        src, release = self._device(x, "in")
-        dst, finish = self._device(out, "out")
+        src, release = self._device(datatypes.bits(x), "in", "sendrecv")
+        dst, finish = self._device(datatypes.bits(out), "out", "sendrecv")
         fs, fd = src.reshape(-1), dst.reshape(-1)
         # Point-to-point, so not compared across ranks in check mode; numbered for the
         # watchdog's report.
@@ -436,12 +533,14 @@ class MpiCommunicator(Communicator):
         with self.ledger.waiting(self._begin("split")):
             part = self.mpi_comm.Split(color, self.rank if key is None else key)
         try:
-            return MpiCommunicator(part, cuda_aware=self._stager.cuda_aware)
+            return MpiCommunicator(part, cuda_aware=self.stager.cuda_aware)
         finally:
             part.Free()
 
     def free(self) -> None:
         """Free the duplicated MPI communicators. Collective."""
+        if self.mpi_comm is not None:
+            self._unstarted.run()  # a freed communicator cannot start them any more
         for c in (self.node_comm, self.mpi_comm):
             if c is not None and not _mpi().Is_finalized():
                 c.Free()

@@ -23,13 +23,13 @@ class SingleCommunicator(Communicator):
     def allreduce_(self, x: Any, op: str = "sum") -> Any:
         """In place: the reduction over one rank leaves ``x`` unchanged."""
         check_op(op)
-        check_reducible(x, "allreduce_")
+        check_reducible(x, "allreduce_", op)
         return x
 
     def reduce_(self, x: Any, root: int = 0, op: str = "sum") -> Any:
         """In place: root's reduction over one rank is ``x``."""
         check_op(op)
-        check_reducible(x, "reduce_")
+        check_reducible(x, "reduce_", op)
         self._check_peer(root, "root")
         return x
 
@@ -49,6 +49,7 @@ class SingleCommunicator(Communicator):
     def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
         """Return a copy of ``x``: one rank receives the whole (reduced) array."""
         check_op(op)
+        check_reducible(x, "reduce_scatter", op)
         return x.copy()
 
     def alltoall(self, x: Any) -> Any:
@@ -66,7 +67,7 @@ class SingleCommunicator(Communicator):
     def iallreduce_(self, x: Any, op: str = "sum") -> Request:
         """Non-blocking in-place reduction; already complete on one rank."""
         check_op(op)
-        check_reducible(x, "iallreduce_")
+        check_reducible(x, "iallreduce_", op)
         return CompletedRequest(x)
 
     def barrier(self) -> None:

@@ -11,7 +11,7 @@ being found from the arguments. Modules by op family:
 - :mod:`~mpidl.functions.norm`: layer_norm
 - :mod:`~mpidl.functions.dropout`: dropout
 - :mod:`~mpidl.functions.embedding`: embedding, embedding_bag (sparse-aware backward,
-  ``weight.grad_rows``)
+  ``weight.grad_row_mask``)
 - :mod:`~mpidl.functions.attention`: scaled_dot_product_attention
 """
 from mpidl.functions.activation import erf, gelu, log_softmax, relu, sigmoid, softmax, tanh

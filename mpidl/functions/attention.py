@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import get_array_module
+from mpidl.backend import get_array_module, to_device
 from mpidl.functions.math import sum_last_axis, sum_to
 
 
@@ -122,8 +122,12 @@ def scaled_dot_product_attention(
         )
     if isinstance(mask, Tensor):
         mask = mask.data
-    if mask is not None and mask.dtype != bool:
-        raise TypeError(
-            f"attention mask must be boolean (True = keep), got dtype {mask.dtype}"
-        )
+    if mask is not None:
+        if mask.dtype != bool:
+            raise TypeError(
+                f"attention mask must be boolean (True = keep), got dtype {mask.dtype}"
+            )
+        # A host mask (a loader's padding mask) moves with q/k/v, as ids and labels do:
+        # CuPy's logical_and/logical_not take no NumPy arrays.
+        mask = to_device(mask, get_array_module(q))
     return ScaledDotProductAttention.apply(q, k, v, mask, causal=causal)

@@ -1,11 +1,20 @@
 """Inverted dropout with explicit, seedable randomness.
 
-The mask is drawn from the generator the caller passes, so a run is reproducible: give
+The mask comes from the generator the caller passes, so a run is reproducible: give
 each process (and each layer, if you like) its own ``numpy.random.Generator`` seeded from
-the run's seed, and checkpoint its state. Accepted generators: ``numpy.random.Generator``,
-``numpy.random.RandomState``, ``cupy.random.Generator`` / ``RandomState`` (for CuPy data,
-a NumPy generator works too, at the price of a host-to-device copy), or an int seed (a
-fresh ``numpy.random.default_rng(seed)``: the same mask on every call with that seed).
+the run's seed, and checkpoint its state. A host generator (``numpy.random.Generator`` or
+``RandomState``) gives one 63-bit seed per call, and the mask is drawn from that seed on
+the data's device (:func:`mpidl.backend.uniform_from_seed`): on CuPy no mask is copied
+from the host, and the only state is the host generator's, which a checkpoint holds
+(CuPy generator states cannot be saved), so a resumed run draws the same masks on both
+backends. The host generator advances by one draw per call whatever the shape.
+
+Other ``rng`` values: an int seed (the mask of that seed: the same on every call), a
+``cupy.random.Generator``/``RandomState`` (drawn from directly; not checkpointable), or
+None (the array module's global generator).
+
+Masks drawn from a host generator changed with the per-call seed (NumPy masks before it
+were the generator's own draws); the same seed still gives the same run.
 """
 from __future__ import annotations
 
@@ -14,14 +23,26 @@ from typing import Any
 import numpy
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import get_array_module, to_device
+from mpidl.backend import get_array_module, to_device, uniform_from_seed
+
+
+def call_seed(rng: Any) -> int | None:
+    """The seed of one call from a host generator (or an int seed); None for others."""
+    if isinstance(rng, (int, numpy.integer)):
+        return int(rng)
+    if isinstance(rng, numpy.random.Generator):
+        return int(rng.integers(2**63))
+    if isinstance(rng, numpy.random.RandomState):
+        return int(rng.randint(2**63, dtype=numpy.int64))
+    return None
 
 
 def _uniform(rng: Any, shape: tuple[int, ...], xp: Any) -> Any:
+    seed = call_seed(rng)
+    if seed is not None:
+        return uniform_from_seed(xp, seed, shape)
     if rng is None:
         rng = xp.random  # the global generator of the array module
-    elif isinstance(rng, (int, numpy.integer)):
-        rng = numpy.random.default_rng(int(rng))
     if hasattr(rng, "random") and not hasattr(rng, "random_sample"):
         u = rng.random(shape, dtype=numpy.float32)  # Generator
     else:

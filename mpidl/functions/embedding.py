@@ -16,14 +16,20 @@ one batched ``matmul`` with a vector of ``1/L`` (BLAS; 4x faster than
 stay in cache. On CuPy the rows are added with ``cupy.add.at`` (atomic adds into the
 same allocation).
 
+No host synchronisation on the GPU: the host path's ``unique``/``flatnonzero`` and
+boolean-mask writes need the host to know a data-dependent size (CuPy marks
+``flatnonzero`` "synchronize!"), so the device path keeps every token (a padding
+token adds a zero row), writes padding outputs with ``copyto(where=)``, and records the
+touched rows as a bitmap.
+
 Sparse-gradient hook (for data-parallel sparse exchange): after a backward pass, the
-weight tensor carries ``weight.grad_rows``, the sorted unique row ids (an xp integer
-array) that received a gradient in that pass (the union over every embedding call on
-the table in the pass). ``weight.grad[weight.grad_rows]`` is then all of the gradient
-that this pass added; every other row got nothing from it. The attribute is only
-meaningful when the table is used by the embedding functions alone in that pass (not,
-say, tied to an output projection, which gives it a dense gradient): autograd then
-sets the table's ``dense_grad_pass`` to the pass (``Function.row_sparse_grads``).
+weight tensor carries ``weight.grad_row_mask``, a boolean ``(vocab,)`` xp array, True for
+the rows that received a gradient in that pass (the union over every embedding call on
+the table in the pass). ``weight.grad[weight.grad_row_mask]`` is then all of the
+gradient that this pass added; every other row got nothing from it. The attribute is
+only meaningful when the table is used by the embedding functions alone in that pass
+(not, say, tied to an output projection, which gives it a dense gradient): autograd
+then sets the table's ``dense_grad_pass`` to the pass (``Function.row_sparse_grads``).
 """
 from __future__ import annotations
 
@@ -59,13 +65,16 @@ def _check_ids(ids: Any, vocab: int, padding_idx: int | None) -> None:
 
 
 def segment_sum(
-    xp: Any, ids: Any, rows: Any, owner: Any, vocab: int
+    xp: Any, ids: Any, rows: Any, owner: Any, vocab: int, drop: int | None = None
 ) -> tuple[Any, Any]:
-    """Dense ``(vocab, dim)`` sum of each token's gradient row into its id; unique ids.
+    """Dense ``(vocab, dim)`` sum of each token's gradient row into its id; touched rows.
 
     Token ``t`` (id ``ids[t]``) carries the gradient row ``rows[owner[t]]``, or
     ``rows[t]`` when ``owner`` is None. Bags share one row per bag, so ``rows`` is then
-    ``(bags, dim)`` and never repeated per token up front.
+    ``(bags, dim)`` and never repeated per token up front. Returns the gradient and the
+    boolean ``(vocab,)`` mask of the ids that have a token. ``drop`` (device arrays
+    only): tokens of this id (padding) contribute nothing and do not count as touched;
+    host callers leave such tokens out of ``ids`` instead.
 
     On the host, every row of the result is one row of a small table ``ext``: a zero
     row (ids without tokens), ``rows`` itself (an id with a single token is that
@@ -77,12 +86,17 @@ def segment_sum(
     n = ids.shape[0]
     dim = rows.shape[1]
     if n == 0:
-        return xp.zeros((vocab, dim), dtype=rows.dtype), ids[:0]
+        return xp.zeros((vocab, dim), dtype=rows.dtype), xp.zeros(vocab, dtype=bool)
     if is_cupy(xp):
         # On the GPU, atomic adds into the one allocation are the fast path (cupy's
         # ufunc.at is cupyx.scatter_add); the CPU's add.at is what the rounds avoid.
-        grad = zeros_add_at(xp, (vocab, dim), ids, rows if owner is None else rows[owner])
-        return grad, xp.unique(ids)
+        values = rows if owner is None else rows[owner]
+        touched = xp.zeros(vocab, dtype=bool)
+        touched[ids] = True  # a scatter: no data-dependent size, no sync (unlike unique)
+        if drop is not None:
+            values = xp.where((ids == drop)[:, None], xp.zeros((), values.dtype), values)
+            touched[drop] = False
+        return zeros_add_at(xp, (vocab, dim), ids, values), touched
     counts = xp.bincount(ids, minlength=vocab)
     unique = xp.flatnonzero(counts)  # sorted, without a sort
     src = xp.arange(n) if owner is None else owner
@@ -116,7 +130,7 @@ def segment_sum(
         _frequent_sums(xp, ext[start:], ids[tokens], rows, src[tokens], frequent_ids, vocab)
     grad = xp.empty((vocab, dim), dtype=rows.dtype)
     xp.take(ext, index, axis=0, out=grad, mode="clip")  # index is in range
-    return grad, unique
+    return grad, counts > 0
 
 
 # Rows moved per chunk in a round (1 MiB of float32 rows of 128): the gathered rows
@@ -218,16 +232,17 @@ def _bag_sums(xp: Any, table: Any, ids: Any, weights: Any) -> Any:
     return out
 
 
-def _record_rows(weight: Any, rows: Any) -> None:
-    """Attach ``grad_rows`` (union within one backward pass) to the weight tensor."""
+def _record_rows(weight: Any, touched: Any) -> None:
+    """Attach ``grad_row_mask`` (union within one backward pass) to the weight tensor."""
     if not isinstance(weight, Tensor):
         return
-    xp = get_array_module(rows)
+    xp = get_array_module(touched)
     this_pass = current_backward_pass()
-    if getattr(weight, "_grad_rows_pass", None) == this_pass and weight.grad_rows is not None:
-        weight.grad_rows = xp.unique(xp.concatenate([weight.grad_rows, rows]))
+    seen = getattr(weight, "grad_row_mask", None)
+    if getattr(weight, "_grad_rows_pass", None) == this_pass and seen is not None:
+        weight.grad_row_mask = xp.logical_or(seen, touched)
     else:
-        weight.grad_rows = rows
+        weight.grad_row_mask = touched
     weight._grad_rows_pass = this_pass
 
 
@@ -241,19 +256,24 @@ class Embedding(Function):
         self.dim, self.dtype = weight.shape[1], weight.dtype
         out = xp.take(weight, ids, axis=0)  # (..., D)
         if self.padding_idx is not None:
-            out[ids == self.padding_idx % self.vocab] = 0
+            # copyto(where=), not a boolean-mask write: that needs the mask's count
+            # on the host (a GPU sync); the same values either way.
+            pad = (ids == self.padding_idx % self.vocab)[..., None]
+            xp.copyto(out, xp.zeros((), dtype=out.dtype), where=pad)
         return out
 
     def backward(self, gy):
         xp = get_array_module(gy)
         flat = self.ids.reshape(-1)
         g = gy.reshape(-1, self.dim)  # (N, D)
-        owner = None
-        if self.padding_idx is not None:
+        owner, drop = None, None
+        if self.padding_idx is not None and is_cupy(xp):
+            drop = self.padding_idx % self.vocab  # kept, adding zeros: no compaction sync
+        elif self.padding_idx is not None:
             owner = xp.flatnonzero(flat != self.padding_idx % self.vocab)
             flat = flat[owner]
-        grad, rows = segment_sum(xp, flat, g, owner, self.vocab)
-        _record_rows(self.inputs[1], rows)
+        grad, touched = segment_sum(xp, flat, g, owner, self.vocab, drop)
+        _record_rows(self.inputs[1], touched)
         return None, grad
 
 
@@ -291,14 +311,18 @@ class EmbeddingBag(Function):
             g = g * gy.dtype.type(1.0 / max(bag, 1))
         else:
             g = g * self.scale[:, None].astype(gy.dtype, copy=False)
-        if self.padding_idx is not None:
+        drop = None
+        if self.padding_idx is not None and is_cupy(xp):
+            drop = self.padding_idx % self.vocab  # kept, adding zeros: no compaction sync
+            tokens = xp.arange(flat.shape[0])
+        elif self.padding_idx is not None:
             tokens = xp.flatnonzero(flat != self.padding_idx % self.vocab)
             flat = flat[tokens]
         else:
             tokens = xp.arange(flat.shape[0])
         owner = tokens // bag  # token t belongs to bag t // L
-        grad, rows = segment_sum(xp, flat, g, owner, self.vocab)
-        _record_rows(self.inputs[1], rows)
+        grad, touched = segment_sum(xp, flat, g, owner, self.vocab, drop)
+        _record_rows(self.inputs[1], touched)
         return None, grad
 
 

@@ -29,13 +29,6 @@ class SoftmaxCrossEntropy(Function):
             t = xp.where(valid, t, 0)
         else:
             valid = None
-        if xp is numpy and t.size and (t.min() < 0 or t.max() >= n_classes):
-            bad = t[(t < 0) | (t >= n_classes)][0]
-            raise ValueError(
-                f"softmax_cross_entropy: label {bad} is out of range for {n_classes} classes "
-                f"(labels must lie in [0, {n_classes}) or equal ignore_index="
-                f"{self.ignore_index})"
-            )
         rows = xp.arange(t.shape[0])
         shifted = x - x.max(axis=1, keepdims=True)  # (N, C), max is 0: exp cannot overflow
         picked = shifted[rows, t]  # (N,)
@@ -79,6 +72,25 @@ class SoftmaxCrossEntropy(Function):
         return g.reshape(self.logits_shape), None
 
 
+def _check_labels(labels: Any, n_classes: int, ignore_index: int | None) -> None:
+    """Raise ValueError for a host label outside ``[0, n_classes)`` (not ignore_index).
+
+    Host labels (a loader's batch) are checked here, before they move to the logits'
+    device: on the GPU an out-of-range label is not an error but a wrong answer (CuPy's
+    take wraps indices), and a check there would cost a host synchronisation. Labels
+    already on a device are not checked, as embedding ids are not.
+    """
+    if get_array_module(labels) is not numpy or not labels.size:
+        return
+    t = labels if ignore_index is None else labels[labels != ignore_index]
+    if t.size and (t.min() < 0 or t.max() >= n_classes):
+        bad = t[(t < 0) | (t >= n_classes)].flat[0]
+        raise ValueError(
+            f"softmax_cross_entropy: label {bad} is out of range for {n_classes} classes "
+            f"(labels must lie in [0, {n_classes}) or equal ignore_index={ignore_index})"
+        )
+
+
 def softmax_cross_entropy(
     logits: Any,
     labels: Any,
@@ -99,8 +111,6 @@ def softmax_cross_entropy(
     if isinstance(labels, Tensor):
         labels = labels.data
     xp = get_array_module(logits)
-    if get_array_module(labels) is not xp:
-        labels = to_device(labels, xp)  # host labels for device logits
     if labels.dtype.kind not in "iu":
         raise TypeError(
             f"softmax_cross_entropy: labels must be integer class ids, got dtype {labels.dtype}"
@@ -112,6 +122,8 @@ def softmax_cross_entropy(
             f"softmax_cross_entropy: labels of shape {tshape} do not match logits of shape "
             f"{lshape}; labels must have shape {lshape[:-1]}"
         )
+    _check_labels(labels, lshape[-1], ignore_index)
+    labels = to_device(labels, xp)  # host labels for device logits, after the check
     return SoftmaxCrossEntropy.apply(
         logits, labels, ignore_index=ignore_index, reduction=reduction, logits_shape=lshape
     )

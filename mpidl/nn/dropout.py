@@ -18,7 +18,9 @@ class Dropout(Module):
     see :mod:`mpidl.nn.init`), so two runs with the same seed drop the same units. Under
     data parallelism give each rank a different seed (e.g. ``seed + rank``) if ranks
     should drop different units. The generator state is ``self.rng.bit_generator.state``
-    (for checkpoints). CuPy inputs get the mask drawn on the host and copied over.
+    (for checkpoints). Each call takes one seed from it and draws the mask from that
+    seed on the input's device (:mod:`mpidl.functions.dropout`), so CuPy masks are
+    generated on the GPU and still resume exactly from the checkpointed host state.
 
     Args:
         p: drop probability in ``[0, 1)``.

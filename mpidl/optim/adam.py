@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+import numpy
+
 from mpidl.autograd import Tensor
 from mpidl.backend import get_array_module
 from mpidl.optim.optimizer import Optimizer
@@ -21,6 +23,12 @@ class Adam(Optimizer):
 
     The step counter and bias corrections are Python numbers, so a step never reads
     a device value back to the host.
+
+    A float16 parameter keeps its moments in float32 and is updated in float32, then
+    rounded to float16 once per step: in float16, ``eps=1e-8`` rounds to 0 and an
+    element whose moments are still 0 computes 0/0 = NaN (and small squared gradients
+    underflow ``v`` to 0), so the first step turned a gradient ``[0, 1e-3, 0, 1]`` into
+    parameters ``[nan, -inf, nan, 0.999]``.
 
     Args:
         params: the parameters, e.g. ``model.parameters()``.
@@ -49,12 +57,16 @@ class Adam(Optimizer):
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
 
+    def state_dtype(self, param: Any) -> Any:
+        """float32 for a float16 parameter (see the class docstring), else its dtype."""
+        return numpy.float32 if param.dtype == numpy.float16 else param.dtype
+
     def _begin(self, i: int, param: Any, lr: float) -> None:
         st = self.state[i]
         if "exp_avg" not in st:
             xp = get_array_module(param)
-            st["exp_avg"] = xp.zeros_like(param)
-            st["exp_avg_sq"] = xp.zeros_like(param)
+            st["exp_avg"] = xp.zeros(param.shape, dtype=self.state_dtype(param))
+            st["exp_avg_sq"] = xp.zeros(param.shape, dtype=self.state_dtype(param))
             st["step"] = 0
         st["step"] += 1
         t = st["step"]
@@ -64,10 +76,22 @@ class Adam(Optimizer):
         self._bias_correction2_sqrt = math.sqrt(1.0 - b2 ** t)
 
     def _update(self, param: Any, grad: Any, *state: Any, lr: float) -> None:
+        m, v = state
+        if param.dtype == m.dtype:
+            d, e = self._temps(param, 2)  # d: the (decayed) gradient, e: intermediate terms
+            self._adam(param, grad, m, v, d, e, lr)
+            return
+        # A float16 parameter with float32 moments: the whole update in float32.
+        p, g, d, e = self._temps(m, 4)
+        p[...] = param
+        g[...] = grad
+        self._adam(p, g, m, v, d, e, lr)
+        param[...] = p  # rounded to float16 once
+
+    def _adam(self, param: Any, grad: Any, m: Any, v: Any, d: Any, e: Any, lr: float) -> None:
+        """The update in ``param``'s dtype; ``d``, ``e``: scratch arrays like it."""
         xp = get_array_module(param)
         b1, b2 = self.betas
-        m, v = state
-        d, e = self._temps(param, 2)  # d: the (decayed) gradient, e: intermediate terms
         g = grad
         if self.weight_decay:
             if self.decoupled:

@@ -90,6 +90,10 @@ class Optimizer:
                 self._update(*block, lr=lr)
         self.step_count += 1
 
+    def state_dtype(self, param: Any) -> Any:
+        """The dtype of the state arrays of ``param`` (its own dtype unless overridden)."""
+        return param.dtype
+
     def _begin(self, i: int, param: Any, lr: float) -> None:
         """Per-parameter work before its blocks are updated (create state, count steps)."""
 
@@ -158,7 +162,7 @@ class Optimizer:
             xp = get_array_module(p.data)
             old = self.state[i].get(name)
             if old is None:
-                old = xp.empty_like(p.data)
+                old = xp.empty(p.data.shape, dtype=self.state_dtype(p.data))
             old[...] = to_device(value, xp)
             new[i][name] = old
         if unexpected:

@@ -8,7 +8,9 @@ type, bfloat16 (the upper half of a float32, same range as float32, so no overfl
 underflow worries) by widening to float32, adding, and rounding back to nearest-even.
 
 The reduction runs on the host (MPI calls user ops on host memory), so CuPy gradients
-are compressed on the device and staged through the host for this path.
+are compressed on the device and the communicator stages the 16-bit buffer through
+pinned host memory (:mod:`mpidl.comm.device`); the float16 sum is the communicators' own
+(:mod:`mpidl.comm.datatypes`), which every float16 reduction uses.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from typing import Any
 
 import numpy
 
-from mpidl.backend import as_numpy, get_array_module, to_device
+from mpidl.backend import get_array_module, to_device
+from mpidl.comm.datatypes import IEEE_RESULTS, float16_sum_op
 
 WIRE_DTYPES = ("float16", "bfloat16")
 
@@ -94,23 +97,10 @@ def bfloat16_to_float32(b: Any) -> Any:
     return (b.astype(xp.uint32) << 16).view(xp.float32)
 
 
-# The sums run with these floating-point warnings off: inf + -inf is NaN and a sum past
-# the largest value is inf, the IEEE results the wire means to carry (to the
-# non-finite gradient policy), not a warning from every rank at every reduction.
-_IEEE_RESULTS = {"over": "ignore", "invalid": "ignore"}
-
-
-def _sum_float16(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-    a = numpy.frombuffer(inbuf, dtype=numpy.float16)
-    b = numpy.frombuffer(inoutbuf, dtype=numpy.float16)
-    with numpy.errstate(**_IEEE_RESULTS):
-        numpy.add(b, a, out=b)
-
-
 def _sum_bfloat16(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
     a = numpy.frombuffer(inbuf, dtype=numpy.uint16)
     b = numpy.frombuffer(inoutbuf, dtype=numpy.uint16)
-    with numpy.errstate(**_IEEE_RESULTS):
+    with numpy.errstate(**IEEE_RESULTS):
         for part in _blocks(b.size, numpy):  # MPI hands over whole buffers: in blocks
             total = bfloat16_to_float32(a[part])
             total += bfloat16_to_float32(b[part])
@@ -121,34 +111,36 @@ def wire_sum_op(wire_dtype: str) -> Any:
     """The MPI op that sums 16-bit wire buffers of ``wire_dtype`` (created once)."""
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"compression={wire_dtype!r}: use one of {WIRE_DTYPES} or None")
+    if wire_dtype == "float16":
+        return float16_sum_op()  # the communicators' own float16 sum
     if wire_dtype not in _ops:
         from mpi4py import MPI
 
-        fn = _sum_float16 if wire_dtype == "float16" else _sum_bfloat16
-        _ops[wire_dtype] = MPI.Op.Create(fn, commute=True)
+        _ops[wire_dtype] = MPI.Op.Create(_sum_bfloat16, commute=True)
     return _ops[wire_dtype]
 
 
 def compress(flat: Any, wire_dtype: str, out: Any = None) -> Any:
-    """The 16-bit wire form of a gradient bucket, as a uint16 host array."""
+    """The 16-bit wire form of a gradient bucket: a uint16 array on ``flat``'s device.
+
+    A device wire buffer stays on the device: the communicator stages it through pinned
+    host memory for the user-defined sum (:mod:`mpidl.comm.device`), without a host
+    synchronisation in the middle of backward for a non-blocking allreduce.
+    """
     xp = get_array_module(flat)
-    if wire_dtype == "bfloat16" and xp is numpy:
+    if wire_dtype == "bfloat16":
         return float32_to_bfloat16(flat, out=out)  # straight into the wire buffer
-    if wire_dtype == "float16":
-        wire = flat.astype(xp.float16).view(xp.uint16)
-    else:
-        wire = float32_to_bfloat16(flat)
-    wire = as_numpy(wire)  # user-defined ops run on host memory
     if out is None:
-        return wire
-    out[...] = wire
+        return flat.astype(xp.float16).view(xp.uint16)
+    halves = out.reshape(-1).view(xp.float16)  # a view: writes into out
+    xp.copyto(halves, flat.reshape(-1), casting="same_kind")
     return out
 
 
 def decompress(wire: Any, wire_dtype: str, flat: Any) -> None:
-    """Write the summed wire buffer back into the bucket (in place, any xp)."""
+    """Write the summed wire buffer back into the bucket (in place, on its device)."""
     if wire_dtype == "float16":
         values = wire.view(numpy.float16)
     else:
         values = bfloat16_to_float32(wire)
-    flat[...] = to_device(values, get_array_module(flat)).astype(flat.dtype)
+    flat[...] = to_device(values, get_array_module(flat)).astype(flat.dtype, copy=False)

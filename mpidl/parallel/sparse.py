@@ -11,13 +11,17 @@ allgathered row counts): sparse when the bytes each rank receives, weighted by
 ``SPARSE_BYTE_COST``, are fewer than a ring allreduce of the dense table moves, else
 the dense allreduce. A rank whose table gradient is dense this step (the table is also
 used outside an embedding lookup) sends no count, and every rank goes dense.
+
+The touched rows are a boolean ``(vocab,)`` mask (``weight.grad_row_mask``), unioned
+with ``|`` on the device; on a GPU the one host synchronisation per table and step is
+the count the decision needs, and the row ids are then compacted on the device.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from mpidl.autograd import current_backward_pass
-from mpidl.backend import get_array_module
+from mpidl.backend import get_array_module, is_cupy
 
 
 # A gathered byte costs more than an allreduced one: the rows are gathered out of the
@@ -44,18 +48,35 @@ def sparse_is_cheaper(row_counts: list[int], vocab: int, row_bytes: int, size: i
     return SPARSE_BYTE_COST * sparse < dense
 
 
-def allreduce_rows_(comm: Any, grad: Any, rows: Any, piece_bytes: int | None = None) -> bool:
-    """Sum ``grad`` over all ranks in place, sending only ``rows`` if that is cheaper.
+def row_ids(touched: Any, count: int) -> Any:
+    """The sorted ids of the True rows of the boolean mask ``touched`` (``count`` of them).
 
-    Collective. ``grad`` is a dense ``(vocab, dim)`` gradient that is zero outside
-    ``rows`` (a sorted array of unique row ids) on this rank, or ``rows`` is None: the
-    gradient may be nonzero anywhere, and every rank takes the dense allreduce. Returns
-    True if the sparse exchange was used, False if it fell back to the dense allreduce
-    (sent in messages of at most ``piece_bytes`` when given: large allreduces are slower
-    per byte).
+    On the host ``flatnonzero``; on a device a prefix sum and a scatter, since
+    ``flatnonzero`` there must read its output size back to the host (a sync), which
+    ``count`` already is.
+    """
+    xp = get_array_module(touched)
+    if not is_cupy(xp):
+        return xp.flatnonzero(touched)
+    slot = xp.cumsum(touched, dtype=xp.int64) - 1  # each touched row's place among them
+    ids = xp.empty(count + 1, dtype=xp.int64)
+    ids[xp.where(touched, slot, count)] = xp.arange(touched.shape[0], dtype=xp.int64)
+    return ids[:count]  # the spare last slot took every untouched row's write
+
+
+def allreduce_rows_(comm: Any, grad: Any, touched: Any, piece_bytes: int | None = None) -> bool:
+    """Sum ``grad`` over all ranks in place, sending only the touched rows if cheaper.
+
+    Collective. ``grad`` is a dense ``(vocab, dim)`` gradient that is zero outside the
+    rows where the boolean ``(vocab,)`` mask ``touched`` is True on this rank, or
+    ``touched`` is None: the gradient may be nonzero anywhere, and every rank takes the
+    dense allreduce. Returns True if the sparse exchange was used, False if it fell back
+    to the dense allreduce (sent in messages of at most ``piece_bytes`` when given:
+    large allreduces are slower per byte).
     """
     xp = get_array_module(grad)
-    counts = [int(n) for n in comm.allgather_obj(-1 if rows is None else int(rows.shape[0]))]
+    mine = -1 if touched is None else int(touched.sum())  # on a GPU the step's one sync here
+    counts = [int(n) for n in comm.allgather_obj(mine)]
     row_bytes = grad.itemsize * (grad.size // grad.shape[0])
     if min(counts) < 0 or not sparse_is_cheaper(counts, grad.shape[0], row_bytes, comm.size):
         flat = grad.reshape(-1)
@@ -63,6 +84,7 @@ def allreduce_rows_(comm: Any, grad: Any, rows: Any, piece_bytes: int | None = N
         for i in range(0, flat.size, step):
             comm.allreduce_(flat[i:i + step])
         return False
+    rows = row_ids(touched, mine)
     ids = comm.allgatherv(xp.ascontiguousarray(rows, dtype=xp.int64))
     values = comm.allgatherv(xp.ascontiguousarray(grad[rows]))
     # Sum in place, touching only the gathered rows (not the whole table): clear ours,
@@ -89,7 +111,7 @@ class SparseTables:
 
     def __init__(self, tables: list[Any]) -> None:
         self.tables = tables
-        self._rows: dict[int, Any] = {}  # id(table) -> rows touched since the sync
+        self._rows: dict[int, Any] = {}  # id(table) -> mask of rows touched since the sync
         self._dense: set[int] = set()  # tables with a dense gradient since the sync
 
     def record(self) -> None:
@@ -102,13 +124,13 @@ class SparseTables:
                 # tied output projection, a weight penalty in the loss): its rows alone
                 # are not the gradient, so this table goes dense until the next sync.
                 self._dense.add(id(p))
-            rows = getattr(p, "grad_rows", None)
-            if rows is None:
+            touched = getattr(p, "grad_row_mask", None)
+            if touched is None:
                 continue
-            p.grad_rows = None  # consumed: a later pass that skips the table adds no rows
+            p.grad_row_mask = None  # consumed: a later pass that skips the table adds none
             xp = xp or get_array_module(p.data)
             seen = self._rows.get(id(p))
-            self._rows[id(p)] = rows if seen is None else xp.union1d(seen, rows)
+            self._rows[id(p)] = touched if seen is None else xp.logical_or(seen, touched)
 
     def sync(self, comm: Any, piece_bytes: int | None = None) -> bool:
         """Sum every table's gradient over ``comm``; True if any went by rows. Collective."""
@@ -121,7 +143,7 @@ class SparseTables:
             if id(p) in self._dense:
                 rows = None  # dense here: allreduce_rows_ then runs dense on every rank
             elif rows is None:
-                rows = xp.zeros(0, dtype=xp.int64)
+                rows = xp.zeros(p.data.shape[0], dtype=bool)
             if comm.size > 1:
                 used = allreduce_rows_(comm, p.grad, rows, piece_bytes) or used
         self._dense.clear()

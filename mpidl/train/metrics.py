@@ -14,8 +14,11 @@ Non-finite floats (a diverged loss) are written as ``null``: strict JSON has no 
 The time split of a step (:class:`StepTimer`): *input* is time blocked waiting for the
 next batch, *comm* is time blocked waiting for communication (the allreduce handles of
 the gradient buckets, any blocking collective), and *compute* is the rest of the step:
-forward, backward, optimizer, copies. On a GPU, synchronise before a measurement ends
-(``StepTimer(sync=mpidl.backend.synchronize)``) or the times are launch times.
+forward, backward, optimizer, copies. On a GPU the host runs ahead of the device, so
+host clocks measure launch times: there the timer marks each step's start and end with
+CUDA events (``StepTimer(clock=mpidl.backend.device_clock(cupy))``) and reads them
+once the GPU has passed them (at the latest a step later), so timing adds no host
+synchronisation to a step; :attr:`StepTimer.last` may then be the previous step's.
 """
 from __future__ import annotations
 
@@ -163,17 +166,29 @@ class StepTimer:
         timeline: a :class:`mpidl.train.timeline.Timeline` that receives every measured
             span (and the step itself on the compute track), or None.
         sync: called before each clock reading (e.g. ``mpidl.backend.synchronize``) so
-            that GPU work is counted where it runs; None on the CPU.
+            that GPU work is counted where it runs; None on the CPU. A host sync per
+            reading: prefer ``clock``.
+        clock: a :class:`mpidl.backend.DeviceClock`: a step's total is the GPU's time
+            between marks at its start and end (plus the input wait before its start),
+            known once the GPU reaches the end mark, which is asked without waiting. A
+            step whose mark is not reached yet is recorded at the end of the next step
+            (waiting then if need be, rarely: the next step synchronises on its own),
+            so :attr:`last` may be the previous step's, or None after the first;
+            :meth:`mean` and :meth:`flush` record every step. The comm and input waits
+            are the host's, as without a clock.
     """
 
-    def __init__(self, timeline: Any = None, sync: Callable[[], Any] | None = None) -> None:
+    def __init__(self, timeline: Any = None, sync: Callable[[], Any] | None = None,
+                 clock: Any = None) -> None:
         self.timeline = timeline
         self.sync = sync
+        self.clock = clock
         self.last: StepTimes | None = None
         self.totals = dict.fromkeys(("total",) + CATEGORIES, 0.0)
         self.steps = 0
         self._open: dict[str, float] | None = None
         self._step_index = 0
+        self._pending: list[tuple] = []  # clock steps whose end mark may not be reached
 
     def _now(self) -> float:
         if self.sync is not None:
@@ -189,21 +204,45 @@ class StepTimer:
         """
         self._open = {"comm": 0.0, "input": 0.0}
         start = self._now() if start is None else start
+        if self.clock is not None:
+            before = time.perf_counter() - start  # the input wait ahead of the first mark
+            first = self.clock.mark()
         try:
             yield
         finally:
-            end = self._now()
             waits = self._open
             self._open = None
-            total = end - start
-            compute = max(0.0, total - waits["comm"] - waits["input"])
-            self.last = StepTimes(total, compute, waits["comm"], waits["input"])
-            for key, value in zip(("total",) + CATEGORIES, self.last):
-                self.totals[key] += value
-            self.steps += 1
-            if self.timeline is not None:
-                self.timeline.add(name or f"step {self._step_index}", "compute", start, total)
+            label = name or f"step {self._step_index}"
             self._step_index += 1
+            if self.clock is None:
+                self._record(label, start, self._now() - start, waits)
+            else:
+                self._pending.append((label, start, before, first, self.clock.mark(), waits))
+                self._resolve(keep=1)
+
+    def _record(self, label: str, start: float, total: float, waits: dict) -> None:
+        compute = max(0.0, total - waits["comm"] - waits["input"])
+        self.last = StepTimes(total, compute, waits["comm"], waits["input"])
+        for key, value in zip(("total",) + CATEGORIES, self.last):
+            self.totals[key] += value
+        self.steps += 1
+        if self.timeline is not None:
+            self.timeline.add(label, "compute", start, total)
+
+    def _resolve(self, keep: int = 0) -> None:
+        """Record the clock steps whose end marks are reached, and all but the newest
+        ``keep`` in any case (waiting for their marks if need be), oldest first."""
+        while self._pending:
+            label, start, before, first, last, waits = self._pending[0]
+            if len(self._pending) <= keep and not self.clock.reached(last):
+                return
+            self._pending.pop(0)
+            self._record(label, start, before + self.clock.seconds(first, last), waits)
+
+    def flush(self) -> None:
+        """Record every step still waiting for its device marks (may wait for the GPU)."""
+        if self.clock is not None:
+            self._resolve()
 
     @contextlib.contextmanager
     def measure(self, category: str, name: str | None = None) -> Iterator[None]:
@@ -229,11 +268,13 @@ class StepTimer:
 
     def mean(self) -> StepTimes:
         """Mean :class:`StepTimes` over all timed steps (zeros before the first)."""
+        self.flush()
         n = max(self.steps, 1)
         return StepTimes(*(self.totals[k] / n for k in ("total",) + CATEGORIES))
 
     def reset(self) -> None:
         """Forget the totals (e.g. after warm-up steps)."""
+        self.flush()
         self.totals = dict.fromkeys(self.totals, 0.0)
         self.steps = 0
 

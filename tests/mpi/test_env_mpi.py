@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy
 import pytest
 
 from hpc import cuda_aware, env, gpu
@@ -75,3 +76,37 @@ def test_probe_child_is_a_singleton_even_when_started_by_a_rank(comm):
     # process trying to join this launch.
     verdict = cuda_aware.run_probe_child(cuda_aware.probe_command(None), timeout=60)
     assert_all_ranks(comm, verdict.aware, verdict.reason)
+
+
+def test_node_local_exchange_gives_every_rank_the_same_answer(comm):
+    if comm.mpi_comm is None:
+        pytest.skip("no MPI communicator (size-1 world without a launcher)")
+    result = cuda_aware.node_local_exchange(comm.mpi_comm, numpy, timeout=30)
+    everyone = comm.allgather_obj(result)
+    shares = comm.local_size > 1
+    expected = "ok: ranks 0/1 on" if shares else "skipped: no two ranks share a node"
+    assert_all_ranks(comm, all(r == everyone[0] for r in everyone) and
+                     result.startswith(expected), f"{everyone}")
+
+
+def test_node_local_exchange_fails_a_pair_without_cupy(comm):
+    if comm.mpi_comm is None or comm.local_size < 2:
+        pytest.skip("needs two ranks on one node")
+    result = cuda_aware.node_local_exchange(comm.mpi_comm, None, timeout=30)
+    assert_all_ranks(comm, result.startswith("FAILED: rank 0 on") and
+                     "CuPy cannot be imported" in result, result)
+
+
+def test_an_aware_verdict_is_confirmed_between_ranks_of_a_node(comm, monkeypatch):
+    # The child's cases passed (faked here); the node-local exchange then runs in the
+    # job, on numpy buffers standing in for device ones.
+    if comm.mpi_comm is None:
+        pytest.skip("no MPI communicator (size-1 world without a launcher)")
+    passed = {"sendrecv": "ok", "allreduce": "ok", "iallreduce": "ok"}
+    monkeypatch.setattr(cuda_aware, "_decide",
+                        lambda *a: gpu.Verdict(True, "probe passed", "functional", passed))
+    monkeypatch.setattr(gpu, "cupy_module", lambda: numpy)
+    verdict = gpu.cuda_aware_mpi(comm=comm, environ={})
+    local = verdict.cases.get(cuda_aware.NODE_LOCAL, "")
+    ok = verdict.aware and local.startswith("ok" if comm.local_size > 1 else "skipped")
+    assert_all_ranks(comm, ok and "node-local sendrecv" in verdict.reason, f"{verdict}")

@@ -119,12 +119,10 @@ def test_zeros_add_at_adds_repeats_and_sums_float16_in_float32(xp, dtype):
 
 def test_as_numpy_copies_a_device_array_not_its_memory_pointer():
     # A CuPy array's own .data is a MemoryPointer; only Tensors are unwrapped by .data.
-    class FakeDeviceArray:
-        data = object()  # like cupy.ndarray.data: not an array
+    from mpidl.testing.fakedevice import fake_cupy
 
-        def get(self):
-            return numpy.arange(3)
-
-    FakeDeviceArray.__module__ = "cupy._core.core"
-    assert numpy.array_equal(backend.as_numpy(FakeDeviceArray()), numpy.arange(3))
+    with fake_cupy() as cp:
+        x = cp.asarray(numpy.arange(3))
+        assert backend.get_array_module(x) is cp
+        assert numpy.array_equal(backend.as_numpy(x), numpy.arange(3))
     assert numpy.array_equal(backend.as_numpy(Tensor(numpy.arange(2))), numpy.arange(2))

@@ -21,6 +21,11 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(embedding_module, "_GATHER_BLOCK", 50)
 
 
+def touched(w):
+    """The sorted ids of the rows ``w.grad_row_mask`` marks as touched."""
+    return numpy.flatnonzero(w.grad_row_mask).tolist()
+
+
 def _ids(kind, shape, vocab, seed):
     rng = numpy.random.default_rng(seed)
     if kind == "uniform":  # every id at most a few times: rounds only
@@ -44,7 +49,7 @@ def test_embedding_bag_forward_and_backward_match_reference(small_chunks, kind, 
     numpy.add.at(ref, ids.reshape(-1), numpy.repeat(g / length, length, axis=0))
     numpy.testing.assert_allclose(w.grad, ref, rtol=1e-5, atol=1e-6)
     assert w.grad.dtype == dtype
-    assert w.grad_rows.tolist() == numpy.unique(ids).tolist()
+    assert touched(w) == numpy.unique(ids).tolist()
 
 
 @pytest.mark.parametrize("kind", ["uniform", "zipf"])
@@ -61,7 +66,7 @@ def test_embedding_backward_matches_reference(small_chunks, kind, padding_idx):
     ref = numpy.zeros((vocab, dim))
     numpy.add.at(ref, flat[keep], rows[keep])
     numpy.testing.assert_allclose(w.grad, ref, rtol=1e-12, atol=1e-12)
-    assert w.grad_rows.tolist() == numpy.unique(flat[keep]).tolist()
+    assert touched(w) == numpy.unique(flat[keep]).tolist()
 
 
 def test_frequent_ids_without_the_count_matrix(monkeypatch):
@@ -71,11 +76,11 @@ def test_frequent_ids_without_the_count_matrix(monkeypatch):
     rng = numpy.random.default_rng(5)
     ids = rng.integers(0, vocab, size=200)
     rows = rng.standard_normal((200, dim))
-    grad, unique = embedding_module.segment_sum(numpy, ids, rows, None, vocab)
+    grad, mask = embedding_module.segment_sum(numpy, ids, rows, None, vocab)
     ref = numpy.zeros((vocab, dim))
     numpy.add.at(ref, ids, rows)
     numpy.testing.assert_allclose(grad, ref, rtol=1e-12, atol=1e-12)
-    assert unique.tolist() == numpy.unique(ids).tolist()
+    assert numpy.flatnonzero(mask).tolist() == numpy.unique(ids).tolist()
 
 
 def test_table_gradient_is_adopted_then_accumulated_in_place():
@@ -85,3 +90,51 @@ def test_table_gradient_is_adopted_then_accumulated_in_place():
     y = F.embedding_bag(numpy.array([[1, 2]]), w) + F.embedding(numpy.array([2]), w)
     F.sum(y).backward()
     numpy.testing.assert_allclose(w.grad, [[0, 0], [0.5, 0.5], [1.5, 1.5], [0, 0], [0, 0]])
+
+
+@pytest.mark.parametrize("bag", [False, True])
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_the_device_forms_give_the_host_gradients_without_size_dependent_ops(
+        monkeypatch, bag, padding_idx):
+    # On CuPy, unique/flatnonzero and boolean-mask writes read a size back to the host
+    # (a sync per step). The device forms run here on NumPy (is_cupy patched), with
+    # those functions forbidden, and must give the host path's numbers and rows.
+    vocab, dim = 20, 3
+    rng = numpy.random.default_rng(7)
+    ids = rng.integers(0, vocab, size=(5, 6))
+    ids[:, -2:] = 0  # padding tokens when padding_idx=0
+    g = rng.standard_normal((5, dim) if bag else (5, 6, dim))
+    table = rng.standard_normal((vocab, dim))
+    lookup = F.embedding_bag if bag else F.embedding
+
+    def run():
+        w = Tensor(table.copy(), requires_grad=True)
+        y = lookup(ids, w, padding_idx=padding_idx)
+        y.backward(g)
+        return y.data, w.grad, w.grad_row_mask
+
+    host = run()
+
+    def forbidden(*a, **k):
+        raise AssertionError("a size-dependent op in a device form")
+
+    monkeypatch.setattr(embedding_module, "is_cupy", lambda xp: True)
+    for name in ("unique", "flatnonzero", "nonzero"):
+        monkeypatch.setattr(numpy, name, forbidden)
+    device = run()
+    monkeypatch.undo()
+    numpy.testing.assert_allclose(device[0], host[0], rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(device[1], host[1], rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_array_equal(device[2], host[2])
+    assert padding_idx is None or not host[2][padding_idx]
+
+
+def test_row_ids_are_compacted_on_the_device_from_the_count(monkeypatch):
+    from mpidl.parallel import sparse
+
+    mask = numpy.zeros(30, dtype=bool)
+    mask[[0, 3, 4, 17, 29]] = True
+    assert sparse.row_ids(mask, 5).tolist() == [0, 3, 4, 17, 29]
+    monkeypatch.setattr(sparse, "is_cupy", lambda xp: True)
+    assert sparse.row_ids(mask, 5).tolist() == [0, 3, 4, 17, 29]
+    assert sparse.row_ids(numpy.zeros(4, dtype=bool), 0).tolist() == []

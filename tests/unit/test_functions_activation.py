@@ -147,3 +147,38 @@ def test_dropout_gradient(xp):
     a = _randn(xp, 4, 3, seed=10)
     # The same seed each call: the same mask in every finite-difference evaluation.
     assert gradcheck(lambda t: F.dropout(t, 0.3, rng=7), [a])
+
+
+def test_a_host_generator_gives_one_seed_per_dropout_call_whatever_the_shape(xp):
+    # The checkpointed host state advances by one draw per call, so the mask can be
+    # drawn on the device (from that seed) and a resume still continues exactly.
+    small, large = numpy.random.default_rng(4), numpy.random.default_rng(4)
+    F.dropout(Tensor(xp.ones(3)), 0.5, rng=small)
+    F.dropout(Tensor(xp.ones((64, 100))), 0.5, rng=large)
+    assert small.bit_generator.state == large.bit_generator.state
+
+
+def test_the_dropout_mask_comes_from_the_calls_seed(xp):
+    from mpidl.backend import uniform_from_seed
+    from mpidl.functions.dropout import call_seed
+
+    rng = numpy.random.default_rng(11)
+    twin = numpy.random.default_rng(11)
+    y = F.dropout(Tensor(xp.ones((8, 9), dtype=numpy.float32)), 0.4, rng=rng)
+    keep = as_numpy(uniform_from_seed(xp, call_seed(twin), (8, 9))) >= 0.4
+    numpy.testing.assert_array_equal(as_numpy(y.data) != 0, keep)
+
+
+def test_dropout_resumes_exactly_from_the_checkpointed_host_state(xp):
+    from mpidl.nn import Dropout
+
+    x = Tensor(xp.ones((16, 16), dtype=numpy.float32))
+    run = Dropout(0.5, seed=3)
+    for _ in range(2):
+        run(x)
+    saved = run.rng.bit_generator.state  # what Trainer._rng_states checkpoints
+    after = [as_numpy(run(x).data) for _ in range(2)]
+    resumed = Dropout(0.5, seed=99)
+    resumed.rng.bit_generator.state = saved
+    for expected in after:
+        numpy.testing.assert_array_equal(as_numpy(resumed(x).data), expected)

@@ -104,3 +104,28 @@ def test_attention_checks_shapes_and_mask_dtype():
         F.scaled_dot_product_attention(q, Tensor(numpy.zeros((1, 1, 2, 3))), q)
     with pytest.raises(TypeError, match="boolean"):
         F.scaled_dot_product_attention(q, q, q, mask=numpy.ones((2, 2)))
+
+
+def test_a_host_mask_is_moved_to_the_device_of_q_k_v(monkeypatch):
+    # CuPy's logical_and takes no NumPy arrays; ids and labels move, so must the mask.
+    # A fake device array stands in for CuPy; the Function sees what it would compute on.
+    from mpidl.functions import attention
+    from mpidl.testing.fakedevice import FakeDeviceArray, fake_cupy
+
+    seen = {}
+    monkeypatch.setattr(attention.ScaledDotProductAttention, "apply",
+                        classmethod(lambda cls, q, k, v, mask, causal: seen.update(mask=mask)))
+    with fake_cupy() as cp:
+        q, k, v = (cp.asarray(a) for a in _qkv(numpy))
+        keep = numpy.ones((2, 1, 1, 4), dtype=bool)
+        F.scaled_dot_product_attention(q, k, v, mask=keep)
+    assert isinstance(seen["mask"], FakeDeviceArray)
+    numpy.testing.assert_array_equal(seen["mask"].get(), keep)
+
+
+def test_a_host_mask_gives_the_same_attention_on_every_backend(xp):
+    q, k, v = _qkv(xp, seed=7)
+    keep = numpy.array([True, True, False, True])[None, None, None, :]  # on the host
+    y = F.scaled_dot_product_attention(Tensor(q), Tensor(k), Tensor(v), mask=keep)
+    ref = _reference(*(as_numpy(a) for a in (q, k, v)), keep=keep)
+    assert allclose(y.data, ref)

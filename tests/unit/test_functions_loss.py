@@ -89,3 +89,26 @@ def test_mean_squared_error(xp):
     y = F.mean_squared_error(Tensor(a), Tensor(b))
     assert allclose(y.data, ((as_numpy(a) - as_numpy(b)) ** 2).mean())
     assert gradcheck(F.mean_squared_error, [a, b])
+
+
+def test_host_labels_are_checked_on_the_host_before_they_move_to_the_device():
+    # On a GPU an out-of-range label is no error but a wrong loss (CuPy's take wraps
+    # indices), so the check runs on the host labels before the transfer. A fake device
+    # array stands in for CuPy: the error must come before any device work.
+    from mpidl.testing.fakedevice import fake_cupy
+
+    with fake_cupy() as cp:
+        logits = Tensor(cp.asarray(numpy.zeros((3, 4))))
+        with pytest.raises(ValueError, match="label 4 is out of range for 4 classes"):
+            F.softmax_cross_entropy(logits, numpy.array([0, 4, 1]))
+        with pytest.raises(ValueError, match="label -2 is out of range"):
+            F.softmax_cross_entropy(logits, numpy.array([[-2], [0], [1]]).reshape(3),
+                                    ignore_index=-100)
+        assert cp.copies() == []  # nothing reached the device
+
+
+def test_host_labels_equal_to_ignore_index_pass_the_check(xp):
+    logits = Tensor(_randn(xp, 3, 4, seed=4))
+    y = F.softmax_cross_entropy(logits, numpy.array([1, -100, 3]), ignore_index=-100)
+    ref = _reference(as_numpy(logits.data), numpy.array([1, -100, 3]), ignore_index=-100)
+    assert allclose(y.data, ref)

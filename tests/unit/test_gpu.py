@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 from hpc import cuda_aware, gpu
@@ -115,8 +116,9 @@ def test_cache_lives_under_the_user_cache_directory():
 
 def test_cached_verdict_round_trips_and_says_it_came_from_the_cache(tmp_path):
     path = tmp_path / "mpidl" / "cuda-aware-x.json"
-    cuda_aware.save_verdict(path, Verdict(True, "probe passed", "functional"))
-    assert cuda_aware.load_verdict(path) == Verdict(True, "probe passed", "cache")
+    cases = {"sendrecv": "ok", "allreduce": "ok", "iallreduce": "FAILED: died of SIGSEGV"}
+    cuda_aware.save_verdict(path, Verdict(True, "probe passed", "functional", cases))
+    assert cuda_aware.load_verdict(path) == Verdict(True, "probe passed", "cache", cases)
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
 
 
@@ -136,6 +138,46 @@ def test_probe_child_on_host_buffers_passes():
     verdict = cuda_aware.run_probe_child(cuda_aware.probe_command(None), timeout=60)
     assert verdict.aware and verdict.method == "functional", verdict.reason
     assert "numpy buffers" in verdict.reason
+
+
+def test_probe_child_tests_what_mpidl_hands_mpi_and_names_each_case():
+    verdict = cuda_aware.run_probe_child(cuda_aware.probe_command(None), timeout=60)
+    assert verdict.cases == {"sendrecv": "ok", "allreduce": "ok", "iallreduce": "ok"}
+
+
+def _child(lines, then="import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"):
+    """A probe child that reports ``lines`` (JSON) and then runs ``then``."""
+    prints = "".join(f"print({line!r}, flush=True); " for line in lines)
+    return [sys.executable, "-c", prints + then]
+
+
+def test_a_crash_in_the_non_blocking_case_keeps_the_blocking_verdict():
+    # mpidl stages non-blocking reductions anyway; the crash is named, not fatal.
+    child = _child(['{"case": "sendrecv", "ok": true, "detail": ""}',
+                    '{"case": "allreduce", "ok": true, "detail": ""}'])
+    verdict = cuda_aware.run_probe_child(child, timeout=30)
+    assert verdict.aware, verdict.reason
+    assert verdict.cases["sendrecv"] == verdict.cases["allreduce"] == "ok"
+    assert verdict.cases["iallreduce"].startswith("FAILED: the probe child died of SIGSEGV")
+
+
+def test_a_crash_in_a_blocking_case_means_not_aware_and_names_the_case():
+    child = _child(['{"case": "sendrecv", "ok": true, "detail": ""}'])
+    verdict = cuda_aware.run_probe_child(child, timeout=30)
+    assert not verdict.aware
+    assert verdict.cases["allreduce"].startswith("FAILED: the probe child died of SIGSEGV")
+    assert verdict.cases["iallreduce"].startswith("skipped")
+    assert "allreduce FAILED" in verdict.reason
+
+
+def test_a_wrong_result_fails_its_case():
+    child = _child(['{"case": "sendrecv", "ok": false, "detail": "16 float64 came back wrong"}',
+                    '{"case": "allreduce", "ok": true, "detail": ""}',
+                    '{"case": "iallreduce", "ok": true, "detail": ""}',
+                    '{"ok": false, "reason": "sendrecv: 16 float64 came back wrong"}'], then="")
+    verdict = cuda_aware.run_probe_child(child, timeout=30)
+    assert not verdict.aware
+    assert verdict.cases["sendrecv"] == "FAILED: 16 float64 came back wrong"
 
 
 def test_probe_child_runs_as_a_singleton_even_inside_a_launch():
@@ -197,10 +239,21 @@ def test_functional_probe_on_device_buffers_gives_a_definite_verdict():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs CuPy and a CUDA GPU")
 def test_bind_sets_the_current_cupy_device():
+    # This rank's own device (the launcher's local rank), and the previous device back
+    # afterwards: binding every rank to device 0 here moved all of them there for the
+    # rest of the test session under mpiexec.
+    from hpc import env
+
     cp = gpu.cupy_module()
-    device = gpu.bind(local_rank=0)
-    assert device == 0 and cp.cuda.runtime.getDevice() == 0
-    assert gpu.describe_device(device)["name"]
+    previous = cp.cuda.runtime.getDevice()
+    try:
+        local_rank = env.detect().local_rank
+        expected = gpu.choose_device(local_rank, gpu.visible_devices(), gpu.device_count())
+        device = gpu.bind()
+        assert device == expected and cp.cuda.runtime.getDevice() == device
+        assert gpu.describe_device(device)["name"]
+    finally:
+        cp.cuda.Device(previous).use()
 
 
 def test_importing_hpc_initialises_nothing_and_never_imports_mpidl():
@@ -223,3 +276,54 @@ def test_gpu_check_without_a_gpu_skips_with_exit_0_unless_required():
                               timeout=60, env=env)
     assert required.returncode == 1
     assert "FAIL gpu: no GPU on ranks [0]" in required.stdout
+
+
+def test_sync_counter_counts_each_host_wait_once_by_call_site(monkeypatch):
+    # CuPy stand-ins: a fake cupy module (streams, events) and its syncdetect hook,
+    # which ndarray.get calls before it synchronises its stream (one wait).
+    import types
+
+    from hpc.gpu_check import SyncCounter
+    from mpidl.testing.fakedevice import FakeCupy
+
+    cp = FakeCupy()
+    syncdetect = types.ModuleType("cupy._core.syncdetect")
+    syncdetect._declare_synchronize = lambda: None
+    monkeypatch.setitem(sys.modules, "cupy._core.syncdetect", syncdetect)
+
+    def get_like():  # what ndarray.get does: declare, then synchronise the stream
+        syncdetect._declare_synchronize()
+        cp.cuda.get_current_stream().synchronize()
+
+    with SyncCounter(cp) as counter:
+        cp.cuda.get_current_stream().synchronize()
+        event = cp.cuda.Event()
+        event.record()
+        event.synchronize()
+        get_like()
+        assert event.done  # asking is not waiting
+    assert len(counter.sites) == 3, counter.sites
+    assert all("test_gpu.py" in site for site in counter.sites), counter.sites
+    assert counter.summary(3).startswith("1 per step (unit/test_gpu.py:")
+    cp.cuda.get_current_stream().synchronize()  # unwrapped again after the block
+    assert len(counter.sites) == 3
+
+
+def test_gpu_check_counts_the_host_syncs_of_each_phase_of_the_step(monkeypatch, capsys):
+    # The plumbing of the GPU check's last checks, on the host: the step module's
+    # phases run on NumPy (nothing to wait for), counted with a fake cupy's streams.
+    import functools
+
+    from hpc import gpu_check
+    from mpidl.testing import device_step
+    from mpidl.testing.fakedevice import FakeCupy
+
+    monkeypatch.setattr(device_step, "build", functools.partial(device_step.build, numpy))
+    checks = gpu_check._Checks(None)
+    gpu_check._sync_checks(checks, FakeCupy(), "mpidl.testing.device_step:build", 1)
+    out = capsys.readouterr().out
+    assert not checks.failed, out
+    assert "ok   host syncs (forward+backward): 0 per step; at most 0 expected" in out
+    assert "ok   host syncs (step): 0 per step" in out
+    gpu_check._sync_checks(checks, FakeCupy(), "no_such_module:build", 1)
+    assert "skip host syncs: no_such_module does not import" in capsys.readouterr().out

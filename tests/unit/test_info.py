@@ -21,7 +21,10 @@ REPORT = {
     "mpi": {"library": "Open MPI v5.0.11", "standard": "3.1", "in_use": True},
     "ranks": 3, "nodes": 2, "ranks_per_node": {"n01": 2, "n02": 1},
     "job": {"id": "4242", "launcher": "slurm", "seconds_left": 3725.0, "nodes": "2"},
-    "cuda_aware": {"aware": True, "reason": "probe passed", "method": "functional"},
+    "cuda_aware": {"aware": True, "reason": "probe passed", "method": "functional",
+                   "cases": {"sendrecv": "ok", "allreduce": "ok",
+                             "iallreduce": "FAILED: the probe child died of SIGSEGV",
+                             "node-local sendrecv": "ok: ranks 0/1 on n01"}},
     "versions": {"numpy": "2.4.6", "cupy": "13.3.0", "h5py": "3.16.0", "mpi4py": "4.1.2",
                  "hdf5": "2.0.0"},
     "blas": [{"name": "openblas", "version": "0.3.31", "threading": "pthreads", "threads": 1}],
@@ -41,6 +44,8 @@ def test_text_report_shows_placement_job_and_binding():
     assert "slurm job: 4242, nodes 2, time left 1:02:05, launcher slurm" in text
     assert "rank 1 on n01: local 1/2, device 1 NVIDIA H200 [0000:01:00.0]" in text
     assert "CUDA-aware MPI: yes (probe passed)" in text
+    assert "  iallreduce: FAILED: the probe child died of SIGSEGV" in text.splitlines()
+    assert "  node-local sendrecv: ok: ranks 0/1 on n01" in text.splitlines()
     assert "BLAS: openblas 0.3.31, pthreads threading, 1 threads" in text
     assert "threads per rank: OMP_NUM_THREADS=1" in text
 

@@ -119,3 +119,44 @@ def test_appending_after_a_torn_last_line_starts_a_new_line(tmp_path):
     w.write(kind="train", step=1)
     w.close()
     assert [r["step"] for r in read_metrics(path)] == [1, 1]  # ours intact, the torn one not
+
+
+def test_a_device_clock_times_steps_from_events_without_host_waits():
+    # CUDA events stand-in: each event records the fake device time (ms) it is
+    # reached at. A step's total is the device time between its marks (plus the input
+    # wait before its first mark).
+    from mpidl.backend import DeviceClock
+    from mpidl.testing.fakedevice import FakeCupy
+
+    cp = FakeCupy()
+    timer = StepTimer(clock=DeviceClock(cp))
+    seen = []
+    for span in (40.0, 25.0, 10.0):  # ms of device work per step
+        with timer.step():
+            timer.add("comm", 0.004)
+            cp.clock += span  # the device works through the step
+        seen.append(timer.last)
+    assert seen[0].total == pytest.approx(0.040, abs=2e-3)
+    assert seen[0].comm == 0.004 and seen[0].compute == pytest.approx(0.036, abs=2e-3)
+    assert [t.total for t in seen[1:]] == [pytest.approx(0.025, abs=2e-3),
+                                           pytest.approx(0.010, abs=2e-3)]
+    assert cp.host_waits() == 0  # a timed step never waited for the device
+    assert timer.mean().total == pytest.approx(0.075 / 3, abs=2e-3)
+
+
+def test_a_device_clock_behind_the_host_reports_a_step_late_and_waits_only_then():
+    from mpidl.backend import DeviceClock
+    from mpidl.testing.fakedevice import FakeCupy
+
+    cp = FakeCupy()
+    timer = StepTimer(clock=DeviceClock(cp))
+    cp.hold_events = True  # the device is behind the host: marks not reached yet
+    lags = []
+    for _ in range(3):
+        with timer.step():
+            pass
+        lags.append(timer.steps)
+    assert lags == [0, 1, 2] and timer.last is not None  # the previous step's times
+    assert cp.host_waits() == 2  # one wait per step older than the newest, none mid-step
+    timer.flush()
+    assert timer.steps == 3

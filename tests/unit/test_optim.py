@@ -274,3 +274,42 @@ def test_unscale_divides_every_gradient_in_place():
     view = p.grad
     unscale_([p, Parameter(numpy.ones(2))], DynamicLossScale(init=512.0))
     assert p.grad is view and numpy.array_equal(p.grad, numpy.full(3, 2.0, numpy.float16))
+
+
+@pytest.mark.parametrize("make", [lambda ps: Adam(ps, lr=1e-3),
+                                  lambda ps: AdamW(ps, lr=1e-3, weight_decay=0.1)],
+                         ids=["Adam", "AdamW"])
+def test_float16_parameters_take_the_float32_step_rounded_once(make):
+    # In float16, eps=1e-8 is 0 and m = v = 0 gave 0/0: [nan, -inf, nan, 0.999].
+    grads = [[0, 1e-3, 0, 1], [0.5, -2e-3, 0, 1], [1e-4, 0.25, -3.0, 0]]
+    half = Parameter(numpy.ones(4, dtype=numpy.float16))
+    opt = make([half])
+    ref = Parameter(numpy.ones(4, dtype=numpy.float32))  # float32 state, float32 step
+    ref_opt = make([ref])
+    for g in grads:
+        half.grad = numpy.array(g, dtype=numpy.float16)
+        opt.step()
+        ref.grad = half.grad.astype(numpy.float32)
+        ref_opt.step()
+        expected = ref.data.astype(numpy.float16)
+        ref.data[...] = expected  # the float16 parameter holds the rounded value
+        assert half.data.dtype == numpy.float16 and numpy.isfinite(half.data).all()
+        numpy.testing.assert_array_equal(half.data, expected)
+    assert opt.state[0]["exp_avg"].dtype == opt.state[0]["exp_avg_sq"].dtype == numpy.float32
+
+
+def test_float16_adam_state_reloads_as_float32_and_continues_alike():
+    grads = [numpy.array(g, dtype=numpy.float16) for g in ([0, 1e-3, 1], [2, -1e-2, 0])]
+    p = Parameter(numpy.ones(3, dtype=numpy.float16))
+    opt = Adam([p], lr=1e-2)
+    p.grad = grads[0]
+    opt.step()
+    saved = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in opt.state_dict().items()}
+    q = Parameter(p.data.copy())
+    fresh = Adam([q], lr=1e-2)
+    fresh.load_state_dict(saved)
+    assert fresh.state[0]["exp_avg"].dtype == numpy.float32
+    p.grad, q.grad = grads[1], grads[1].copy()
+    opt.step()
+    fresh.step()
+    numpy.testing.assert_array_equal(q.data, p.data)
