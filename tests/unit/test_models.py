@@ -219,3 +219,27 @@ def test_model_moved_to_cupy_gives_the_numpy_logits():
     expected = model(ids).data
     model.to(cp)
     assert allclose(model(cp.asarray(ids)).data, expected, scale=10)
+
+
+def test_the_bag_of_words_with_a_pad_id_averages_real_tokens_only():
+    bow = models.bow(vocab=30, dim=4, hidden=5, classes=2, pad_id=0, seed=1)
+    short = numpy.array([[5, 7, 0, 0, 0, 0]])
+    assert numpy.allclose(bow(short).data, bow(numpy.array([[5, 7]])).data)
+    reference = models.bow(vocab=30, dim=4, hidden=5, classes=2, seed=1)  # padding counts
+    assert not numpy.allclose(reference(short).data, reference(numpy.array([[5, 7]])).data)
+
+
+def test_a_language_models_loss_gives_padded_targets_nothing():
+    gpt = models.gpt(vocab=20, seq_len=8, dim=8, layers=1, heads=2, pad_id=0, seed=2,
+                     dtype="float64")
+    ids = numpy.array([[3, 4, 5, 6, 0, 0, 0, 0]])
+    assert gpt.count_targets(ids) == 3  # 4, 5, 6 are predicted; the padding is not
+    padded = gpt.loss(ids, reduction="sum")
+    real = gpt.loss(ids[:, :4], reduction="sum")
+    assert numpy.isclose(float(padded.data), float(real.data))
+    padded.backward()
+    grad = gpt.tok.weight.grad.copy()
+    for p in gpt.parameters():
+        p.grad = None
+    gpt.loss(ids[:, :4], reduction="sum").backward()
+    assert numpy.allclose(grad, gpt.tok.weight.grad)
