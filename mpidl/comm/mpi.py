@@ -406,6 +406,33 @@ class MpiCommunicator(Communicator):
         release()
         return out
 
+    def isendrecv(self, x: Any, dest: int, source: int) -> MpiRequest:
+        """Start sending ``x`` to ``dest`` and receiving an array like it from ``source``.
+
+        Returns a handle whose ``wait()`` returns the received array. Point-to-point in
+        pairs, as :meth:`sendrecv`; ``x`` may be read but not written until then (ring
+        attention computes on the block it is passing on). Several exchanges in flight
+        between the same ranks match in the order they were started (MPI's
+        non-overtaking rule), so every rank must start them in the same order.
+        """
+        xp = get_array_module(x)
+        x = _same_shape_contiguous(xp, x)
+        out = xp.empty_like(x)
+        src, release = self._device(x, "in")
+        dst, finish = self._device(out, "out")
+        fs, fd = src.reshape(-1), dst.reshape(-1)
+        entry = self.ledger.begin("isendrecv")  # point-to-point: not compared in check mode
+        reqs = []
+        for tag, (i, j) in enumerate(self._chunks(fs.size, fs.itemsize)):
+            reqs.append(self.mpi_comm.Irecv(fd[i:j], source=source, tag=tag))
+            reqs.append(self.mpi_comm.Isend(fs[i:j], dest=dest, tag=tag))
+
+        def done() -> None:
+            finish()
+            release()
+
+        return MpiRequest(reqs, out, done, self.ledger, entry)
+
     def barrier(self) -> None:
         """Wait until every rank has called barrier. Collective."""
         with self.ledger.waiting(self._begin("barrier")):
