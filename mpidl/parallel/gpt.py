@@ -36,7 +36,7 @@ from mpidl.nn.container import ModuleList
 from mpidl.nn.linear import linear
 from mpidl.nn.module import Module, as_input
 from mpidl.parallel.grid import ProcessGrid
-from mpidl.parallel.mappings import copy_to_region, gather_sequence
+from mpidl.parallel.mappings import copy_to_region, gathered_linear
 from mpidl.parallel.sequence import SequenceLayout
 from mpidl.parallel.tensor import (ColumnParallelLinear, Shard, VocabParallelEmbedding,
                                    check_same_layer, full_state_dict, load_full_state_dict,
@@ -124,10 +124,8 @@ class ParallelGPT(Module):
         if not self.tie_weights:
             return self.head(x, length=layout.shard_length)
         if self.sequence_parallel:
-            x = gather_sequence(tensor, x, layout.shard_length, axis=1)
-        else:
-            x = copy_to_region(tensor, x)
-        return linear(x, self.tok.weight)  # (B, T_r, V_r)
+            return gathered_linear(tensor, x, self.tok.weight, None, layout.shard_length)
+        return linear(copy_to_region(tensor, x), self.tok.weight)  # (B, T_r, V_r)
 
     def loss(self, ids: Any, reduction: str = "sum") -> Tensor:
         """This rank's share of the next-token cross-entropy of full ids ``(B, T + 1)``.

@@ -50,7 +50,7 @@ from mpidl.comm.base import Communicator, split_counts
 from mpidl.nn.embedding import Embedding
 from mpidl.nn.linear import Linear, linear
 from mpidl.nn.module import Module, Parameter, as_input
-from mpidl.parallel.mappings import (copy_to_region, gather_sequence, reduce_from_region,
+from mpidl.parallel.mappings import (copy_to_region, gathered_linear, reduce_from_region,
                                      scatter_sequence)
 
 
@@ -132,8 +132,9 @@ class ColumnParallelLinear(Module):
     """``y_r = x W_r^T + b_r``: the output features of ``linear`` split over ``comm``.
 
     Forward takes the replicated input ``(..., in)`` (or, with ``sequence_parallel``,
-    this rank's sequence shard ``(B, T_r, in)``, gathered first) and returns this rank's
-    output features ``(..., out_r)``. Collective over ``comm`` in forward
+    this rank's sequence shard ``(B, T_r, in)``, gathered first, and again in backward
+    rather than stored: :func:`~mpidl.parallel.mappings.gathered_linear`) and returns
+    this rank's output features ``(..., out_r)``. Collective over ``comm`` in forward
     (sequence-parallel) and backward.
 
     Args:
@@ -165,10 +166,8 @@ class ColumnParallelLinear(Module):
             if length is None:
                 raise ValueError("a sequence-parallel ColumnParallelLinear needs the full "
                                  "sequence length: forward(x, length=T)")
-            x = gather_sequence(self.comm, x, length, axis=1)
-        else:
-            x = copy_to_region(self.comm, x)
-        return linear(x, self.weight, self.bias)
+            return gathered_linear(self.comm, x, self.weight, self.bias, length)
+        return linear(copy_to_region(self.comm, x), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features} of {self.partition}, "

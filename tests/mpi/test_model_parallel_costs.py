@@ -89,17 +89,18 @@ def test_tensor_parallel_sends_two_allreduces_of_btd_per_layer_each_way(comm):
     expect(comm, got, want, "tensor parallel")
 
 
-def test_megatron_sequence_parallelism_swaps_each_allreduce_for_a_gather_and_a_scatter(comm):
+def test_megatron_sequence_parallelism_swaps_each_allreduce_for_gathers_and_a_scatter(comm):
     t, d = comm.size, 8
     got = per_layer(comm, t, 1, {"sequence_parallel": True}, dim=d)
     btd = B * T * d * F8
     shard = btd // t  # T divides every size tested
-    # Backward also sums the replicated LayerNorm weights and biases and the row-parallel
-    # biases over the group: 6 vectors of D per layer.
+    # Backward gathers the two column-parallel inputs again (they are stored as shards),
+    # and sums the replicated LayerNorm weights and biases and the row-parallel biases
+    # over the group: 6 vectors of D per layer.
     want = {} if t == 1 else {
         ("forward", "tensor", "allgather"): (2, 2 * shard),
         ("forward", "tensor", "reduce_scatter"): (2, 2 * btd),
-        ("backward", "tensor", "allgather"): (2, 2 * shard),
+        ("backward", "tensor", "allgather"): (4, 4 * shard),
         ("backward", "tensor", "reduce_scatter"): (2, 2 * btd),
         ("backward", "tensor", "allreduce_"): (6, 6 * d * F8)}
     expect(comm, got, want, "Megatron sequence parallel")
