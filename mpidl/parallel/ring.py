@@ -71,7 +71,8 @@ def _block_forward(q: Any, k: Any, v: Any, scale: Any, keep: Any,
     if keep is not None:
         xp.copyto(s, xp.finfo(s.dtype).min, where=xp.logical_not(keep))
     m = s.max(axis=-1, keepdims=True)
-    p = xp.exp(s - m, out=s)
+    s -= m
+    p = xp.exp(s, out=s)
     total = sum_last_axis(p)  # (B, H, m, 1)
     poll()
     o = xp.matmul(p, v)
@@ -126,6 +127,20 @@ def _no_poll() -> None:
     pass
 
 
+def _poller(*requests: Any) -> Callable[[], None]:
+    """A function that progresses the requests in flight (Open MPI moves a large message
+    only inside MPI calls, so the block compute calls it between its products)."""
+    live = [r for r in requests if r is not None]
+    if not live:
+        return _no_poll
+
+    def poll() -> None:
+        for r in live:
+            r.test()
+
+    return poll
+
+
 class RingAttention(Function):
     def _plans(self) -> list:
         s, me = self.comm.size, self.comm.rank
@@ -156,7 +171,7 @@ class RingAttention(Function):
                 rows, cols, keep = plan
                 o_b, lse_b = _block_forward(qa[:, :, rows], kv[:, :, cols, :dh],
                                             kv[:, :, cols, dh:], self.scale, keep,
-                                            req.test if req is not None else _no_poll)
+                                            _poller(req))
                 _merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             if req is not None:
                 kv = req.wait()
@@ -175,7 +190,7 @@ class RingAttention(Function):
         travelling = None  # the dK/dV buffer on its way round
         for step, plan in enumerate(self.plans):
             req = self._exchange(kv, step)
-            poll = req.test if req is not None else _no_poll
+            poll = _poller(req, travelling)  # both move while this block computes
             mine = xp.zeros(kv.shape, dtype=acc)
             if plan is not None:
                 rows, cols, keep = plan
