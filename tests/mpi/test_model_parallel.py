@@ -40,6 +40,10 @@ LAYOUTS = {
     "data-x-ring": lambda n: (1, even(n), {"attention": "ring"}),
     "data-x-ulysses": lambda n: (1, even(n), {"attention": "ulysses"}),
     "tensor-x-ring": lambda n: (even(n), n // even(n), {"attention": "ring"}),
+    "tensor-x-ulysses": lambda n: (even(n), n // even(n), {"attention": "ulysses"}),
+    "tensor-sequence-parallel-x-ring": lambda n: (even(n), n // even(n),
+                                                  {"attention": "ring",
+                                                   "sequence_parallel": True}),
 }
 
 
