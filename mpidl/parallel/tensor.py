@@ -301,16 +301,18 @@ class VocabParallelCrossEntropy(Function):
             return nll.reshape(labels.shape)
         if self.reduction == "sum":
             return xp.asarray(nll.sum())
-        self.count = max(int(valid.sum()) if valid is not None else t.shape[0], 1)
-        return xp.asarray(nll.sum() / self.count)
+        # On the device: reading the count back would cost a sync per step.
+        self.count = xp.maximum(valid.sum(), 1).astype(x.dtype) if valid is not None \
+            else max(t.shape[0], 1)
+        return xp.asarray(nll.sum() / self.count).astype(x.dtype, copy=False)
 
     def backward(self, gy):
         xp = get_array_module(gy)
         if self.reduction == "none":
             coef = gy.reshape(-1).astype(self.probs.dtype)
         else:
-            scale = 1.0 / self.count if self.reduction == "mean" else 1.0
-            coef = xp.broadcast_to((gy * scale).astype(self.probs.dtype), self.rows.shape)
+            g = gy / self.count if self.reduction == "mean" else gy
+            coef = xp.broadcast_to(xp.asarray(g).astype(self.probs.dtype), self.rows.shape)
         if self.valid is not None:
             coef = coef * self.valid
         g = self.probs * coef[:, None]
