@@ -164,6 +164,9 @@ class Communicator:
     def iallreduce_(self, x: Any, op: str = "sum") -> "Request":
         raise NotImplementedError
 
+    def isendrecv(self, x: Any, dest: int, source: int) -> "Request":
+        raise NotImplementedError
+
     def barrier(self) -> None:
         raise NotImplementedError
 
@@ -184,7 +187,7 @@ class Communicator:
 
 
 class Request:
-    """Handle of a non-blocking collective (returned by ``iallreduce_``).
+    """Handle of a non-blocking operation (returned by ``iallreduce_`` and ``isendrecv``).
 
     Not collective by itself, but every rank must eventually ``wait()`` on its handle.
     """

@@ -33,7 +33,10 @@ collective             Open MPI      other MPI   why
 ``allgather``,                                   transport (smcuda, UCX) handles device
 ``allgatherv``,                                  memory; the probe's sendrecv tested it
 ``alltoall``,
-``sendrecv``
+``sendrecv``,
+``isendrecv``
+``iallgather``         staged        staged      non-blocking: libnbc's schedule copies
+                                                 blocks with host memcpy; not probed
 any reduction with a   staged        staged      MPI calls a user-defined op (the 16-bit
 user-defined op                                  sums) on host memory
 =====================  ============  ==========  =========================================
@@ -63,6 +66,8 @@ PATHS: dict[str, dict[str, str]] = {
     "allgatherv": {OPEN_MPI: DIRECT, OTHER: DIRECT},
     "alltoall": {OPEN_MPI: DIRECT, OTHER: DIRECT},
     "sendrecv": {OPEN_MPI: DIRECT, OTHER: DIRECT},
+    "isendrecv": {OPEN_MPI: DIRECT, OTHER: DIRECT},
+    "iallgather": {OPEN_MPI: STAGED, OTHER: STAGED},
 }
 
 REDUCTIONS = ("allreduce_", "reduce_", "iallreduce_", "reduce_scatter_block", "reduce_scatter")

@@ -487,21 +487,48 @@ class MpiCommunicator(Communicator):
         Point-to-point in pairs: rank ``source`` must send to this rank in the same call,
         with the same shape and dtype (a ring shift is the usual use).
         """
-        xp = get_array_module(x)
-        x = _same_shape_contiguous(xp, x)
-        out = xp.empty_like(x)
-        src, release = self._device(datatypes.bits(x), "in", "sendrecv")
-        dst, finish = self._device(datatypes.bits(out), "out", "sendrecv")
-        fs, fd = src.reshape(-1), dst.reshape(-1)
+        out, fs, fd, done = self._pair_buffers(x, "sendrecv")
         # Point-to-point, so not compared across ranks in check mode; numbered for the
         # watchdog's report.
         with self.ledger.waiting(self.ledger.begin("sendrecv")):
             for tag, (i, j) in enumerate(self._chunks(fs.size, fs.itemsize)):
                 self.mpi_comm.Sendrecv(fs[i:j], dest=dest, sendtag=tag,
                                        recvbuf=fd[i:j], source=source, recvtag=tag)
-        finish()
-        release()
+        done()
         return out
+
+    def isendrecv(self, x: Any, dest: int, source: int) -> MpiRequest:
+        """Start sending ``x`` to ``dest`` and receiving an array like it from ``source``.
+
+        Returns a handle whose ``wait()`` returns the received array. Point-to-point in
+        pairs, as :meth:`sendrecv`; ``x`` may be read but not written until then (ring
+        attention computes on the block it is passing on). Several exchanges in flight
+        between the same ranks match in the order they were started (MPI's
+        non-overtaking rule), so every rank must start them in the same order.
+        """
+        out, fs, fd, done = self._pair_buffers(x, "isendrecv")
+        entry = self.ledger.begin("isendrecv")  # point-to-point: not compared in check mode
+        reqs = []
+        for tag, (i, j) in enumerate(self._chunks(fs.size, fs.itemsize)):
+            reqs.append(self.mpi_comm.Irecv(fd[i:j], source=source, tag=tag))
+            reqs.append(self.mpi_comm.Isend(fs[i:j], dest=dest, tag=tag))
+        return MpiRequest(reqs, out, done, self.ledger, entry)
+
+    def _pair_buffers(self, x: Any, collective: str
+                      ) -> tuple[Any, Any, Any, Callable[[], None]]:
+        """For a send of ``x`` and a receive like it: the result array, the flat send
+        and receive buffers to hand MPI, and what to call when MPI is done."""
+        xp = get_array_module(x)
+        x = _same_shape_contiguous(xp, x)
+        out = xp.empty_like(x)
+        src, release = self._device(datatypes.bits(x), "in", collective)
+        dst, finish = self._device(datatypes.bits(out), "out", collective)
+
+        def done() -> None:
+            finish()
+            release()
+
+        return out, src.reshape(-1), dst.reshape(-1), done
 
     def barrier(self) -> None:
         """Wait until every rank has called barrier. Collective."""

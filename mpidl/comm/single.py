@@ -64,6 +64,10 @@ class SingleCommunicator(Communicator):
         self._check_peer(source, "source")
         return x.copy()
 
+    def isendrecv(self, x: Any, dest: int, source: int) -> Request:
+        """Non-blocking :meth:`sendrecv` with rank 0 itself; complete at once (a copy)."""
+        return CompletedRequest(self.sendrecv(x, dest, source))
+
     def iallreduce_(self, x: Any, op: str = "sum") -> Request:
         """Non-blocking in-place reduction; already complete on one rank."""
         check_op(op)

@@ -1,4 +1,10 @@
-"""Parallel training: data parallelism over MPI (later: ZeRO, tensor and sequence parallel)."""
+"""Parallel training: data parallelism over MPI, and tensor and sequence parallelism on a
+process grid (:mod:`mpidl.parallel.grid`, :mod:`~mpidl.parallel.tensor`,
+:mod:`~mpidl.parallel.sequence`, :mod:`~mpidl.parallel.ring`, :mod:`~mpidl.parallel.gpt`;
+docs/model-parallel.md says when to use which).
+"""
 from mpidl.parallel.data import DataParallel
+from mpidl.parallel.gpt import ParallelGPT, parallel_gpt
+from mpidl.parallel.grid import ProcessGrid
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "ProcessGrid", "ParallelGPT", "parallel_gpt"]

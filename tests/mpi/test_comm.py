@@ -107,6 +107,24 @@ def test_sendrecv_shifts_around_a_ring(comm, xp, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_isendrecv_passes_two_rings_at_once_while_the_caller_works(comm, xp, dtype):
+    # Ring attention's backward: K/V go right while the gradient buffer follows them,
+    # both in flight during the block's compute; they must match in the order started.
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    x, y = ranked(xp, (5,), dtype, comm.rank), ranked(xp, (2, 3), dtype, 2 * comm.rank + 1)
+    first = comm.isendrecv(x, dest=right, source=left)
+    second = comm.isendrecv(y, dest=right, source=left)
+    work = float(xp.sum(x))  # the sent arrays may be read meanwhile
+    first.test()
+    got_y, got_x = second.wait(), first.wait()
+    assert_all_ranks(comm, first.test() and second.test() and work == float(xp.sum(x)),
+                     "the handles did not complete, or the sent array changed")
+    assert_allclose_all_ranks(comm, got_x, ranked(numpy, (5,), dtype, left), what="first")
+    assert_allclose_all_ranks(comm, got_y, ranked(numpy, (2, 3), dtype, 2 * left + 1),
+                              what="second")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_iallreduce_completes_on_wait(comm, xp, dtype):
     x = ranked(xp, (6,), dtype, comm.rank)
     req = comm.iallreduce_(x)
@@ -137,6 +155,9 @@ def test_large_messages_are_chunked(comm, xp):
                              dest=(comm.rank + 1) % comm.size, source=(comm.rank - 1) % comm.size)
         req = comm.iallreduce_(ranked(xp, (40,), "float32", comm.rank))
         ir = req.wait()
+        iring = comm.isendrecv(ranked(xp, (35,), "int64", comm.rank),
+                               dest=(comm.rank + 1) % comm.size,
+                               source=(comm.rank - 1) % comm.size).wait()
     finally:
         comm.max_message_bytes = old
     assert_allclose_all_ranks(comm, x, total, what="chunked allreduce_")
@@ -147,6 +168,8 @@ def test_large_messages_are_chunked(comm, xp):
     left = (comm.rank - 1) % comm.size
     assert_allclose_all_ranks(comm, ring, ranked(numpy, (33,), "int32", left),
                               what="chunked sendrecv")
+    assert_allclose_all_ranks(comm, iring, ranked(numpy, (35,), "int64", left),
+                              what="chunked isendrecv")
     assert_allclose_all_ranks(
         comm, ir, sum(ranked(numpy, (40,), "float32", r) for r in range(comm.size)),
         what="chunked iallreduce_")

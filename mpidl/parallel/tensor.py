@@ -1,0 +1,471 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): weights split across a group.
+
+A transformer block's two halves each become one column-parallel layer followed by one
+row-parallel layer::
+
+    attention:  x -> f -> in_proj (columns: this rank's heads) -> attention on those heads
+                  -> out_proj (rows: the same heads) -> g -> + bias
+    MLP:        x -> f -> linear1 (columns: this rank's hidden units) -> GELU
+                  -> linear2 (rows: the same units) -> g -> + bias
+
+``f`` is the identity in forward and an allreduce in backward, ``g`` the reverse
+(:mod:`mpidl.parallel.mappings`): one allreduce of ``B x T x D`` per block in forward
+and one in backward. The vocabulary is split the same way: :class:`VocabParallelEmbedding`
+looks up the ids its rows hold (zeros elsewhere) and sums over the group, the tied
+output projection is then column-parallel over the same rows, and
+:func:`vocab_parallel_cross_entropy` normalises over the split vocabulary with two small
+allreduces per call (the row max, then the sum of exponentials and the target's logit),
+never gathering the logits.
+
+With ``sequence_parallel=True`` (Korthikanti et al. 2022) the activations outside the
+column/row pairs are split along the sequence instead of replicated: ``f`` becomes an
+allgather and ``g`` a reduce-scatter. The LayerNorms and dropouts there then see
+``1/t`` of the tokens, and their replicated parameters' gradients are partial sums; they
+go through ``f`` on the way in, so backward sums them over the group (the pitfall
+Megatron's ``_allreduce_layernorm_grads`` exists for).
+
+Every layer is built from the full (single-rank) layer, the same on every rank, and
+keeps this rank's shard: a layer built from a seed has exactly the single-rank model's
+parameters. A sharded parameter carries a :class:`Shard` (``param.shard``) that says how
+to cut it out of the full array and put it back together; :func:`full_state_dict` and
+:func:`load_full_state_dict` use it, so a checkpoint holds full parameters under the
+single-rank model's names and loads into any layout.
+
+Shards follow :func:`mpidl.comm.split_counts`: the sizes need not divide (7 hidden units
+over 3 ranks are 3, 2, 2), but every rank needs at least one head, unit and vocabulary
+row.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy
+
+from mpidl import functions as F
+from mpidl.autograd import Function, Tensor
+from mpidl.backend import as_numpy, get_array_module, to_device
+from mpidl.comm.base import Communicator, split_counts
+from mpidl.nn.embedding import Embedding
+from mpidl.nn.linear import Linear, linear
+from mpidl.nn.module import Module, Parameter, as_input
+from mpidl.parallel.mappings import (copy_to_region, gathered_linear, reduce_from_region,
+                                     scatter_sequence)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one rank's parameter is cut from the full array.
+
+    Along ``axis`` the full array is ``groups`` equal parts (3 for a fused q/k/v
+    projection); each part is split over the ranks of ``comm`` by ``counts``, and this
+    rank holds its piece of every part, concatenated.
+    """
+
+    axis: int
+    counts: tuple[int, ...]
+    comm: Communicator
+    groups: int = 1
+
+    @property
+    def start(self) -> int:
+        return sum(self.counts[: self.comm.rank])
+
+    def take(self, full: Any) -> Any:
+        """This rank's piece of the full array ``full`` (a new contiguous array)."""
+        xp = get_array_module(full)
+        n, c = sum(self.counts), self.counts[self.comm.rank]
+        if full.shape[self.axis] != self.groups * n:
+            raise ValueError(f"a full parameter of shape {tuple(full.shape)} has "
+                             f"{full.shape[self.axis]} rows along axis {self.axis}; this "
+                             f"layer's shards add up to {self.groups} x {n}")
+        x = xp.moveaxis(full, self.axis, 0)
+        x = x.reshape((self.groups, n) + x.shape[1:])[:, self.start:self.start + c]
+        x = x.reshape((self.groups * c,) + x.shape[2:])
+        return xp.ascontiguousarray(xp.moveaxis(x, 0, self.axis))
+
+    def gather(self, local: Any) -> Any:
+        """The full array from every rank's ``local`` piece. Collective over ``comm``."""
+        xp = get_array_module(local)
+        if self.comm.size == 1:
+            return local.copy()
+        c = self.counts[self.comm.rank]
+        x = xp.moveaxis(local, self.axis, 0)
+        rest = x.shape[1:]
+        x = xp.ascontiguousarray(x.reshape((self.groups, c) + rest).swapaxes(0, 1))
+        full = self.comm.allgatherv(x)  # (n, groups, ...), rank-major
+        full = full.swapaxes(0, 1).reshape((self.groups * sum(self.counts),) + rest)
+        return xp.ascontiguousarray(xp.moveaxis(full, 0, self.axis))
+
+
+def _sharded(full: Any, shard: Shard) -> Parameter:
+    p = Parameter(shard.take(full))
+    p.shard = shard
+    return p
+
+
+def check_same_layer(comm: Communicator, what: str, *arrays: Any) -> None:
+    """Raise DistributedError on every rank unless all ranks passed the same arrays.
+
+    Collective. Compares shapes, dtypes and a CRC-32 of the bytes: a layer built from
+    another seed on one rank would otherwise train as a silently different model.
+    """
+    mine = [(tuple(a.shape), str(a.dtype), zlib.crc32(numpy.ascontiguousarray(as_numpy(a))))
+            for a in arrays if a is not None]
+    everyone = comm.allgather_obj(mine)
+    comm.check(everyone[comm.rank] == everyone[0],
+               f"{what}: this rank's full weights differ from rank 0's (shapes, dtypes, "
+               "CRC-32 " f"{mine} vs {everyone[0]}); build the full layer with the same "
+               "seed and sizes on every rank")
+
+
+def shard_counts(n: int, comm: Communicator, what: str) -> tuple[int, ...]:
+    """``split_counts(n, comm.size)``, or a ValueError naming ``what`` when a rank gets none."""
+    if n < comm.size:
+        raise ValueError(f"{what}={n} cannot be split over {comm.size} tensor-parallel "
+                         f"ranks (each needs at least one); use at most {n} ranks")
+    return tuple(split_counts(n, comm.size))
+
+
+class ColumnParallelLinear(Module):
+    """``y_r = x W_r^T + b_r``: the output features of ``linear`` split over ``comm``.
+
+    Forward takes the replicated input ``(..., in)`` (or, with ``sequence_parallel``,
+    this rank's sequence shard ``(B, T_r, in)``, gathered first, and again in backward
+    rather than stored: :func:`~mpidl.parallel.mappings.gathered_linear`) and returns
+    this rank's output features ``(..., out_r)``. Collective over ``comm`` in forward
+    (sequence-parallel) and backward.
+
+    Args:
+        linear: the full layer, the same on every rank (compared at construction).
+        comm: the tensor-parallel group.
+        partition: output features per rank, per group (default: ``split_counts``).
+        groups: the output axis is ``groups`` equal parts split alike (3 for q, k, v).
+        sequence_parallel: the input is split along axis 1 (Megatron's sequence
+            parallelism); forward then needs the full length.
+    """
+
+    def __init__(self, linear: Linear, comm: Communicator, *, partition: Sequence[int] = None,
+                 groups: int = 1, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        bias = linear.bias.data if linear.bias is not None else None
+        check_same_layer(comm, "ColumnParallelLinear", linear.weight.data, bias)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.partition = tuple(partition) if partition is not None else \
+            shard_counts(linear.out_features // groups, comm, "output features")
+        shard = Shard(0, self.partition, comm, groups)
+        self.in_features = linear.in_features
+        self.out_features = groups * self.partition[comm.rank]
+        self.weight = _sharded(linear.weight.data, shard)
+        self.bias = _sharded(bias, shard) if bias is not None else None
+
+    def forward(self, x: Any, length: int | None = None) -> Tensor:
+        """``x`` replicated, or this rank's sequence shard of a ``length``-long sequence."""
+        if self.sequence_parallel:
+            if length is None:
+                raise ValueError("a sequence-parallel ColumnParallelLinear needs the full "
+                                 "sequence length: forward(x, length=T)")
+            return gathered_linear(self.comm, x, self.weight, self.bias, length)
+        return linear(copy_to_region(self.comm, x), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}, {self.out_features} of {self.partition}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(Module):
+    """``y = sum_r x_r W_r^T + b``: the input features of ``linear`` split over ``comm``.
+
+    Forward takes this rank's input features ``(..., in_r)`` (a column-parallel layer's
+    output) and returns the full output, replicated (or, with ``sequence_parallel``,
+    reduce-scattered to this rank's sequence shard). The bias is replicated and added
+    after the sum. Collective over ``comm`` in forward (and backward, sequence-parallel).
+
+    Args:
+        linear, comm, partition: as :class:`ColumnParallelLinear`, for input features.
+        sequence_parallel: return this rank's sequence shard (axis 1).
+    """
+
+    def __init__(self, linear: Linear, comm: Communicator, *, partition: Sequence[int] = None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        bias = linear.bias.data if linear.bias is not None else None
+        check_same_layer(comm, "RowParallelLinear", linear.weight.data, bias)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.partition = tuple(partition) if partition is not None else \
+            shard_counts(linear.in_features, comm, "input features")
+        self.in_features = self.partition[comm.rank]
+        self.out_features = linear.out_features
+        self.weight = _sharded(linear.weight.data, Shard(1, self.partition, comm))
+        self.bias = linear.bias  # replicated: the very Parameter of the full layer
+
+    def forward(self, x: Any) -> Tensor:
+        y = linear(x, self.weight)  # this rank's partial sum
+        if self.sequence_parallel:
+            y = scatter_sequence(self.comm, y, axis=1)
+        else:
+            y = reduce_from_region(self.comm, y)
+        if self.bias is None:
+            return y
+        # Sequence-parallel: each rank adds the bias to its own tokens only, so its
+        # gradient is a partial sum that backward must add up over the group.
+        b = copy_to_region(self.comm, self.bias) if self.sequence_parallel else self.bias
+        return F.add(y, b)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features} of {self.partition}, {self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(Module):
+    """An embedding table whose rows (the vocabulary) are split over ``comm``.
+
+    Each rank looks up the ids in its row range (zeros for the others) and the group
+    sums: ids ``(B, T)`` replicated -> ``(B, T, D)`` replicated, or with
+    ``sequence_parallel`` reduce-scattered to this rank's sequence shard. Collective
+    over ``comm`` in forward (and backward, sequence-parallel). Its ``weight`` is also
+    the column-parallel output projection of a model that ties the two
+    (:func:`vocab_parallel_cross_entropy` takes those logits).
+    """
+
+    def __init__(self, embedding: Embedding, comm: Communicator, *,
+                 partition: Sequence[int] = None, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        check_same_layer(comm, "VocabParallelEmbedding", embedding.weight.data)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.num_embeddings, self.dim = embedding.num_embeddings, embedding.dim
+        self.partition = tuple(partition) if partition is not None else \
+            shard_counts(self.num_embeddings, comm, "vocabulary")
+        shard = Shard(0, self.partition, comm)
+        self.vocab_start = shard.start
+        self.weight = _sharded(embedding.weight.data, shard)
+
+    def forward(self, ids: Any) -> Tensor:
+        ids = as_input(ids)
+        if self.comm.size == 1:
+            e = F.embedding(ids, self.weight)
+        else:
+            xp = get_array_module(ids)
+            local = ids - self.vocab_start
+            mine = (local >= 0) & (local < self.partition[self.comm.rank])
+            e = F.embedding(xp.where(mine, local, 0), self.weight)
+            e = F.mul(e, mine[..., None].astype(self.weight.dtype))
+        if self.sequence_parallel:
+            return scatter_sequence(self.comm, e, axis=1)
+        return reduce_from_region(self.comm, e)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} of {self.partition}, {self.dim}"
+
+
+class VocabParallelCrossEntropy(Function):
+    def forward(self, logits, labels):
+        xp = get_array_module(logits)
+        comm = self.comm
+        n_local = logits.shape[-1]
+        x = logits.reshape(-1, n_local)  # (N, V_r)
+        t = labels.reshape(-1)
+        valid = t != self.ignore_index if self.ignore_index is not None else None
+        if xp is numpy:  # a device check would cost a sync, as in softmax_cross_entropy
+            bad = (t < 0) | (t >= self.vocab)
+            if valid is not None:
+                bad &= valid
+        if xp is numpy and bad.any():
+            raise ValueError(f"vocab_parallel_cross_entropy: label {t[bad][0]} is out of "
+                             f"range for {self.vocab} classes (ignore_index="
+                             f"{self.ignore_index})")
+        m = x.max(axis=1)  # (N,)
+        if comm.size > 1:
+            comm.allreduce_(m, op="max")
+        e = x - m[:, None]
+        local = t - self.vocab_start
+        mine = (local >= 0) & (local < n_local)
+        if valid is not None:
+            mine &= valid
+        local = xp.where(mine, local, 0)
+        rows = xp.arange(t.shape[0])
+        both = xp.empty((2, t.shape[0]), dtype=x.dtype)
+        both[1] = xp.where(mine, e[rows, local], 0)  # the target's shifted logit, or 0
+        xp.exp(e, out=e)
+        both[0] = e.sum(axis=1)
+        if comm.size > 1:
+            comm.allreduce_(both)  # one call: the sum of exponentials and the target logit
+        total, picked = both[0], both[1]
+        nll = xp.log(total) - picked
+        e /= total[:, None]
+        self.probs, self.local, self.mine, self.valid, self.rows = e, local, mine, valid, rows
+        if valid is not None:
+            nll *= valid
+        if self.reduction == "none":
+            return nll.reshape(labels.shape)
+        if self.reduction == "sum":
+            return xp.asarray(nll.sum())
+        # On the device: reading the count back would cost a sync per step.
+        self.count = xp.maximum(valid.sum(), 1).astype(x.dtype) if valid is not None \
+            else max(t.shape[0], 1)
+        return xp.asarray(nll.sum() / self.count).astype(x.dtype, copy=False)
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        if self.reduction == "none":
+            coef = gy.reshape(-1).astype(self.probs.dtype)
+        else:
+            g = gy / self.count if self.reduction == "mean" else gy
+            coef = xp.broadcast_to(xp.asarray(g).astype(self.probs.dtype), self.rows.shape)
+        if self.valid is not None:
+            coef = coef * self.valid
+        g = self.probs * coef[:, None]
+        hit = xp.nonzero(self.mine)[0]
+        g[hit, self.local[hit]] -= coef[hit]
+        return g.reshape(self.logits_shape), None
+
+
+def vocab_parallel_cross_entropy(logits: Any, labels: Any, comm: Communicator, vocab_start: int,
+                                 vocab: int, ignore_index: int | None = None,
+                                 reduction: str = "mean") -> Tensor:
+    """Cross-entropy of logits whose class axis is split over ``comm``.
+
+    As :func:`mpidl.functions.softmax_cross_entropy` on the full logits, but each rank
+    holds ``logits`` ``(..., V_r)`` for classes ``[vocab_start, vocab_start + V_r)`` and
+    the full labels; the result (and its gradient's scale) is the same on every rank.
+    Collective over ``comm`` in forward (two allreduces of ``N`` and ``2N`` values).
+
+    Args:
+        logits: this rank's ``(..., V_r)``.
+        labels: class ids in ``[0, vocab)`` of shape ``logits.shape[:-1]``, the same on
+            every rank.
+        comm: the tensor-parallel group.
+        vocab_start: the first class of this rank's logits.
+        vocab: the number of classes over all ranks.
+        ignore_index, reduction: as :func:`~mpidl.functions.softmax_cross_entropy`.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}; use 'mean', 'sum' or 'none'")
+    labels = as_input(labels)
+    xp = get_array_module(logits)
+    if get_array_module(labels) is not xp:
+        labels = to_device(labels, xp)
+    if tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"vocab_parallel_cross_entropy: labels of shape {tuple(labels.shape)} "
+                         f"do not match logits of shape {tuple(logits.shape)}")
+    return VocabParallelCrossEntropy.apply(
+        logits, labels, comm=comm, vocab_start=vocab_start, vocab=vocab,
+        ignore_index=ignore_index, reduction=reduction, logits_shape=tuple(logits.shape))
+
+
+# -- full (unsharded) state ----------------------------------------------------------------
+def full_state_dict(model: Module) -> dict[str, Any]:
+    """``{name: full array}`` of every parameter, under the single-rank model's names.
+
+    Collective over each sharded parameter's group (every rank of the tensor group calls
+    it; the other axes hold replicas and may call it too). Sharded parameters are
+    gathered into new arrays; replicated ones are their live arrays, as
+    :meth:`~mpidl.nn.Module.state_dict` gives them.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        shard = getattr(p, "shard", None)
+        out[name] = shard.gather(p.data) if shard is not None else p.data
+    return out
+
+
+def load_full_state_dict(model: Module, state: dict[str, Any], strict: bool = True) -> None:
+    """Load full (unsharded) arrays, keeping each sharded parameter's piece.
+
+    Not collective: every rank needs the full ``state`` (read from the same checkpoint).
+    Arguments and errors as :meth:`~mpidl.nn.Module.load_state_dict`.
+    """
+    local = {}
+    for name, p in model.named_parameters():
+        shard = getattr(p, "shard", None)
+        if name in state:
+            local[name] = shard.take(state[name]) if shard is not None else state[name]
+    local.update({k: v for k, v in state.items() if k not in local})
+    model.load_state_dict(local, strict=strict)
+
+
+def _shards_by_index(optimizer: Any, model: Module) -> list[Shard | None]:
+    shards = {id(p): getattr(p, "shard", None) for p in model.parameters()}
+    missing = [i for i, p in enumerate(optimizer.params) if id(p) not in shards]
+    if missing:
+        raise ValueError(f"optimizer parameters {missing} are not parameters of the model")
+    return [shards[id(p)] for p in optimizer.params]
+
+
+def full_optimizer_state(optimizer: Any, model: Module) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every per-parameter array of a sharded parameter full.
+
+    With the optimizer built on ``model.parameters()`` (the single-rank model's order),
+    the result is what the single-rank optimizer's state dict would be. Collective as
+    :func:`full_state_dict`.
+    """
+    shards = _shards_by_index(optimizer, model)
+    out = {}
+    for key, value in optimizer.state_dict().items():
+        parts = key.split(".")
+        shard = shards[int(parts[1])] if parts[0] == "state" and len(parts) == 3 else None
+        out[key] = shard.gather(value) if shard is not None and hasattr(value, "shape") \
+            else value
+    return out
+
+
+def load_full_optimizer_state(optimizer: Any, model: Module, state: dict[str, Any]) -> None:
+    """Load a :func:`full_optimizer_state` (from any layout) into this rank's optimizer."""
+    shards = _shards_by_index(optimizer, model)
+    local = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        shard = shards[int(parts[1])] if (parts[0] == "state" and len(parts) == 3
+                                          and parts[1].isdigit()
+                                          and int(parts[1]) < len(shards)) else None
+        local[key] = shard.take(value) if shard is not None and hasattr(value, "shape") \
+            else value
+    optimizer.load_state_dict(local)
+
+
+# -- gradient norm over shards ----------------------------------------------------------
+def grad_norm(params: Iterable[Tensor], comm: Communicator) -> Any:
+    """The 2-norm of the full model's gradient, as a 0-d array, the same on every rank.
+
+    Sharded parameters' squares are summed over ``comm`` (the tensor group), replicated
+    ones counted once: a local norm would be too small, a sum over every rank would
+    count each replica ``t`` times. Collective over ``comm``. Call it after the
+    gradients are averaged over the replicas.
+    """
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return None
+    xp = get_array_module(params[0].grad)
+    dtype = xp.promote_types(params[0].grad.dtype, xp.float32)
+    sq = xp.zeros(2, dtype=dtype)  # [sharded, replicated]
+    for p in params:
+        flat = p.grad.reshape(-1).astype(dtype, copy=False)
+        sq[0 if getattr(p, "shard", None) is not None else 1] += xp.dot(flat, flat)
+    sharded = sq[:1].copy()
+    if comm.size > 1:
+        comm.allreduce_(sharded)
+    return xp.sqrt(sharded[0] + sq[1])
+
+
+def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, comm: Communicator,
+                    eps: float = 1e-6) -> Any:
+    """:func:`mpidl.optim.clip_grad_norm_` with the norm of :func:`grad_norm`. Collective."""
+    params = list(params)
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    norm = grad_norm(params, comm)
+    if norm is not None:
+        coef = get_array_module(norm).minimum(max_norm / (norm + eps), 1.0).astype(norm.dtype)
+        for p in params:
+            if p.grad is not None:
+                p.grad *= coef
+    return norm
+
+
+__all__ = [
+    "Shard", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy", "full_state_dict", "load_full_state_dict",
+    "full_optimizer_state", "load_full_optimizer_state", "grad_norm", "clip_grad_norm_",
+    "check_same_layer",
+]
