@@ -83,6 +83,9 @@ class Tensor:
         # may exchange only the touched rows of a table only while this is not the pass.
         self.dense_grad_pass = 0
         self.requires_grad = requires_grad
+        # True for a parameter whose array is dropped between its forward and backward
+        # (sharded data parallelism, stage 3): Functions then refer to it by the tensor.
+        self.releasable = False
         self.creator: Function | None = None
         self.name = name
         self._post_accumulate_hooks: list[Callable[[Tensor], None]] = []
@@ -332,7 +335,30 @@ class Function:
             for i, y in enumerate(outputs):
                 y.creator = f
                 y._output_index = i
+            if any(isinstance(x, Tensor) and x.releasable for x in inputs):
+                f._refer_to_released_inputs()
         return outputs[0] if single else outputs
+
+    def _refer_to_released_inputs(self) -> None:
+        """Keep a releasable input's array by reference to the input, not as the array.
+
+        Sharded data parallelism (stage 3) drops a parameter's full array after its
+        forward and gathers it again before its backward: a saved copy of the array
+        would keep it in memory all along. Saved attributes that *are* such an input's
+        ``.data`` are set to None now and read from the input again just before
+        backward (:meth:`_restore_released_inputs`).
+        """
+        arrays = {id(x.data): i for i, x in enumerate(self.inputs)
+                  if isinstance(x, Tensor) and x.releasable}
+        by_input = {name: arrays[id(value)] for name, value in self.__dict__.items()
+                    if id(value) in arrays and name != "inputs"}
+        for name in by_input:
+            self.__dict__[name] = None
+        self._by_input = by_input
+
+    def _restore_released_inputs(self) -> None:
+        for name, i in getattr(self, "_by_input", {}).items():
+            self.__dict__[name] = self.inputs[i].data
 
     def release(self) -> None:
         """Drop the inputs and anything saved for backward (after backward has run)."""
@@ -413,6 +439,8 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
                 "backward through a graph that was already freed; "
                 "pass retain_graph=True to the first backward()"
             )
+        if "_by_input" in f.__dict__:
+            f._restore_released_inputs()
         gxs = f.backward(*gys) if len(gys) > 1 else f.backward(gys[0])
         if not isinstance(gxs, tuple):
             gxs = (gxs,)

@@ -167,6 +167,9 @@ class Communicator:
     def isendrecv(self, x: Any, dest: int, source: int) -> "Request":
         raise NotImplementedError
 
+    def iallgather(self, x: Any) -> "Request":
+        raise NotImplementedError
+
     def barrier(self) -> None:
         raise NotImplementedError
 

@@ -33,8 +33,9 @@ collective             Open MPI      other MPI   why
 ``allgather``,                                   transport (smcuda, UCX) handles device
 ``allgatherv``,                                  memory; the probe's sendrecv tested it
 ``alltoall``,
-``sendrecv``,
-``isendrecv``
+``sendrecv``
+``isendrecv``          direct        staged      non-blocking point-to-point: the same
+                                                 transport in Open MPI; not probed elsewhere
 ``iallgather``         staged        staged      non-blocking: libnbc's schedule copies
                                                  blocks with host memcpy; not probed
 any reduction with a   staged        staged      MPI calls a user-defined op (the 16-bit
@@ -66,7 +67,7 @@ PATHS: dict[str, dict[str, str]] = {
     "allgatherv": {OPEN_MPI: DIRECT, OTHER: DIRECT},
     "alltoall": {OPEN_MPI: DIRECT, OTHER: DIRECT},
     "sendrecv": {OPEN_MPI: DIRECT, OTHER: DIRECT},
-    "isendrecv": {OPEN_MPI: DIRECT, OTHER: DIRECT},
+    "isendrecv": {OPEN_MPI: DIRECT, OTHER: STAGED},
     "iallgather": {OPEN_MPI: STAGED, OTHER: STAGED},
 }
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from mpidl.backend import get_array_module, is_cupy, synchronize
 from mpidl.comm import datatypes
-from mpidl.comm.base import (Communicator, DistributedError, Request, check_op,
+from mpidl.comm.base import (Communicator, CompletedRequest, DistributedError, Request, check_op,
                              check_reducible, split_counts)
 from mpidl.comm.device import DIRECT
 from mpidl.comm.ledger import Entry, Ledger
@@ -371,6 +371,27 @@ class MpiCommunicator(Communicator):
         finish()
         release()
         return out
+
+    def iallgather(self, x: Any) -> Any:
+        """Start :meth:`allgather`; ``wait()`` on the handle returns the ``(size, *shape)``
+        result. Collective as allgather; ``x`` must not be written until then (sharded
+        data parallelism gathers the next unit's parameters while this one computes).
+        """
+        xp = get_array_module(x)
+        x = _same_shape_contiguous(xp, x)
+        out = xp.empty((self.size,) + x.shape, dtype=x.dtype)
+        if out.nbytes > self.max_message_bytes:  # beyond one message: the blocking path
+            return CompletedRequest(self.allgather(x))
+        entry = self._begin("iallgather", x)
+        src, release = self._device(datatypes.bits(x), "in", "iallgather")
+        dst, finish = self._device(datatypes.bits(out), "out", "iallgather")
+
+        def done() -> None:
+            finish()
+            release()
+
+        req = self.mpi_comm.Iallgather(src.reshape(-1), dst.reshape(self.size, -1))
+        return MpiRequest([req], out, done, self.ledger, entry)
 
     def allgatherv(self, x: Any) -> Any:
         """Concatenate every rank's ``x`` along axis 0, in rank order.

@@ -68,6 +68,10 @@ class SingleCommunicator(Communicator):
         """Non-blocking :meth:`sendrecv` with rank 0 itself; complete at once (a copy)."""
         return CompletedRequest(self.sendrecv(x, dest, source))
 
+    def iallgather(self, x: Any) -> Request:
+        """Non-blocking :meth:`allgather`; complete at once."""
+        return CompletedRequest(self.allgather(x))
+
     def iallreduce_(self, x: Any, op: str = "sum") -> Request:
         """Non-blocking in-place reduction; already complete on one rank."""
         check_op(op)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import numpy
 
-from mpidl.autograd import Tensor
+from mpidl.autograd import HookHandle, Tensor
 from mpidl.backend import get_array_module, to_device
 
 
@@ -234,7 +234,34 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not implement forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        hooks = self.__dict__.get("_forward_hooks")
+        if not hooks:
+            return self.forward(*args, **kwargs)
+        for hook in list(hooks["pre"]):
+            hook(self, args)
+        out = self.forward(*args, **kwargs)
+        for hook in list(hooks["post"]):
+            replaced = hook(self, args, out)
+            if replaced is not None:
+                out = replaced
+        return out
+
+    def register_forward_pre_hook(self, hook: Any) -> "HookHandle":
+        """Call ``hook(module, args)`` before every ``forward`` (as PyTorch's)."""
+        return self._add_forward_hook("pre", hook)
+
+    def register_forward_hook(self, hook: Any) -> "HookHandle":
+        """Call ``hook(module, args, output)`` after every ``forward``; a return value
+        other than None replaces the output (as PyTorch's)."""
+        return self._add_forward_hook("post", hook)
+
+    def _add_forward_hook(self, kind: str, hook: Any) -> "HookHandle":
+        hooks = self.__dict__.get("_forward_hooks")
+        if hooks is None:
+            hooks = {"pre": [], "post": []}
+            object.__setattr__(self, "_forward_hooks", hooks)
+        hooks[kind].append(hook)
+        return HookHandle(hooks[kind], hook)
 
     def extra_repr(self) -> str:
         """The text inside this module's parentheses in ``repr`` (override)."""

@@ -40,7 +40,6 @@ What happens inside:
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
 from typing import Any, Iterator
@@ -51,9 +50,11 @@ from mpidl import backend
 from mpidl.autograd import Tensor
 from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator
+from mpidl.parallel import agreement
 from mpidl.parallel.buckets import Bucket, build_buckets
 from mpidl.parallel.sparse import SparseTables
 from mpidl.parallel import compression as wire
+from mpidl.parallel.transport import WindowTransport, choose_transport
 
 
 class DataParallel:
@@ -113,10 +114,10 @@ class DataParallel:
         # First the agreement (collective), then the values: an option that only some
         # ranks got wrong is a DistributedError everywhere, not an error on those ranks
         # while the others wait; one that all got wrong is the same ValueError everywhere.
-        self._check_same_options(bucket_mb=bucket_mb, compression=compression,
-                                 hierarchical=hierarchical, sparse_embeddings=sparse_embeddings,
-                                 broadcast=broadcast, overlap=overlap,
-                                 shared_memory=shared_memory)
+        agreement.check_same_options(comm, "DataParallel", bucket_mb=bucket_mb,
+                                     compression=compression, hierarchical=hierarchical,
+                                     sparse_embeddings=sparse_embeddings, broadcast=broadcast,
+                                     overlap=overlap, shared_memory=shared_memory)
         if compression is not None and compression not in wire.WIRE_DTYPES:
             raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
         if not bucket_mb > 0:
@@ -127,7 +128,7 @@ class DataParallel:
         self.bucket_mb = bucket_mb
         self.compression = compression if comm.size > 1 else None
         self.named = list(model.named_parameters())
-        self._check_same_parameters()
+        agreement.check_same_parameters(comm, self.named)
         # Wrapping a model again replaces its wrapper, which would otherwise keep its
         # hooks and buckets on the same parameters. Collective like this constructor.
         previous = _WRAPPERS.get(id(model))
@@ -145,24 +146,15 @@ class DataParallel:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.sparse_tables = SparseTables(self.sparse)
 
-        self.reducer: Any = comm
-        if hierarchical and comm.size > 1:
-            from mpidl.comm.hierarchical import HierarchicalCommunicator
-
-            per_node = None if hierarchical is True else int(hierarchical)
-            self.reducer = HierarchicalCommunicator(comm, ranks_per_node=per_node)
-
         # local_size < size on every rank exactly when some rank is on another node.
         self.overlap = overlap if overlap is not None else comm.local_size < comm.size
-        self.node_sum = None  # the buckets' shared window (mpidl.comm.shared), if any
-        why_not = self._shared_memory_excluded(hierarchical)
-        if shared_memory and why_not:
-            raise ValueError(f"DataParallel(shared_memory=True): {why_not}")
-        if shared_memory is not False and not why_not:
-            from mpidl.comm.shared import NodeSharedArrays
-
-            self.node_sum = NodeSharedArrays(comm, [b.flat for b in self.buckets])
-            for b, flat in zip(self.buckets, self.node_sum.local):
+        # How the buckets travel, chosen once (mpidl.parallel.transport).
+        flats = [b.flat for b in self.buckets]
+        self.transport = choose_transport(
+            comm, flats, piece_bytes=self._piece_bytes, compression=self.compression,
+            hierarchical=hierarchical, overlap=self.overlap, shared_memory=shared_memory)
+        for b, flat in zip(self.buckets, self.transport.bind(flats)):
+            if flat is not b.flat:
                 b.rebind(flat)
         self._syncing = True
         self._next_launch = 0
@@ -173,73 +165,6 @@ class DataParallel:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
                          for _, p in self.named]
         _WRAPPERS[id(model)] = self  # only once complete: a failed construction is not one
-
-    def _shared_memory_excluded(self, hierarchical: bool | int) -> str:
-        """Why the buckets cannot live in shared memory ("" when they can).
-
-        Depends only on the group and the options, so every rank decides alike.
-        """
-        if self.comm.size == 1 or not self.buckets:
-            return "one rank (or no dense gradients): nothing to exchange"
-        if self.comm.local_size != self.comm.size or not hasattr(self.comm, "node_comm"):
-            return "the ranks do not all share one node (an MPI communicator)"
-        if self.compression is not None or hierarchical or self.overlap:
-            return "compression, hierarchical and overlap use MPI's allreduce"
-        if get_array_module(self.buckets[0].flat) is not numpy:
-            return "gradients on a device (CuPy) are exchanged through MPI"
-        # Open MPI backs the window with a file in /dev/shm; a full tmpfs (containers
-        # default to 64 MiB) would kill the job with SIGBUS on first touch. Collective:
-        # every rank reaches it (the conditions above are the same on all).
-        need = self.comm.local_size * sum(b.flat.nbytes for b in self.buckets)
-        free = _shm_free_bytes()
-        short = self.comm.allgather_obj(free is not None and free < 2 * need)
-        if any(short):
-            ranks = [r for r, s in enumerate(short) if s]
-            return (f"/dev/shm has {(free or 0) >> 20} MiB free on rank(s) {ranks}, the "
-                    f"buckets need {need >> 20} MiB twice over (Docker: --shm-size)")
-        return ""
-
-    # -- construction-time agreement ------------------------------------------------------
-    def _check_same_options(self, **options: Any) -> None:
-        """Raise DistributedError on every rank unless all ranks passed the same options.
-
-        They decide which collectives run (and how many, in what order); ranks that
-        disagree would wait for each other forever.
-        """
-        everyone = self.comm.allgather_obj(sorted(options.items()))
-        # True == 1 in Python, but hierarchical=True (the real nodes) and hierarchical=1
-        # (one rank per node) differ; 4 and 4.0 MiB do not.
-        differing = sorted({name for theirs in everyone
-                            for (name, value), (_, ref) in zip(theirs, everyone[0])
-                            if (isinstance(value, bool), value) != (isinstance(ref, bool), ref)})
-        detail = "; ".join(f"{name}: " + ", ".join(
-            f"rank {r} {dict(theirs)[name]!r}" for r, theirs in enumerate(everyone))
-            for name in differing)
-        self.comm.check(not differing, "DataParallel options differ between ranks: "
-                        f"{detail}. Pass the same options on every rank.")
-
-    def _check_same_parameters(self) -> None:
-        """Raise DistributedError on every rank unless all ranks built the same parameters."""
-        mine = [(n, tuple(p.data.shape), str(p.data.dtype)) for n, p in self.named]
-        everyone = self.comm.allgather_obj(mine)
-        reference = everyone[0]
-        problems = []
-        for r, theirs in enumerate(everyone[1:], start=1):
-            if theirs == reference:
-                continue
-            for k, (a, b) in enumerate(zip(theirs, reference)):
-                if a != b:
-                    problems.append(
-                        f"parameter #{k}: rank {r} has {a[0]!r} shape {a[1]} {a[2]}, "
-                        f"rank 0 has {b[0]!r} shape {b[1]} {b[2]}")
-                    break
-            else:
-                problems.append(
-                    f"rank {r} has {len(theirs)} parameters, rank 0 has {len(reference)}")
-        bad = self.comm.rank != 0 and everyone[self.comm.rank] != reference
-        detail = "; ".join(problems)
-        self.comm.check(not bad, "the model differs between ranks: " + detail +
-                        ". Build the same model (same code, sizes and dtype) on every rank.")
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Overwrite every rank's parameters with root's. Collective."""
@@ -355,8 +280,8 @@ class DataParallel:
         rank whose batch never reached some parameter (an unused branch) never fires its
         hook, and starts that bucket only here.
         """
-        if self.node_sum is not None:
-            self.node_sum.allreduce_()
+        if self.transport.sums_all_at_once:
+            self.transport.allreduce_all_()
             return
         for b in self.buckets[self._next_launch:]:
             self._start(b, blocking=not self.overlap)
@@ -375,38 +300,15 @@ class DataParallel:
 
     def _start(self, b: Bucket, blocking: bool = False) -> None:
         """Allreduce bucket ``b``: start it (``b.request``), or run it to the end."""
-        if self.comm.size == 1:
-            return
-        if self.compression is None:
-            if blocking:
-                _allreduce_pieces(self.reducer, b.flat, self._piece_bytes)
-            else:
-                b.request = self.reducer.iallreduce_(b.flat)
-            return
-        if self.reducer is not self.comm:  # hierarchical: 16 bits between nodes only
-            self.reducer.allreduce_(b.flat, between_nodes=lambda leaders, flat: (
-                # One node: its sum is the result; rounding it would only lose precision.
-                self._wire_allreduce(leaders, b) if leaders.size > 1 else None))
-        elif blocking:
-            self._wire_allreduce(self.comm, b)
+        if blocking:
+            self.transport.allreduce_(b.flat)
         else:
-            b.wire = wire.compress(b.flat, self.compression, out=b.wire)
-            b.request = self.comm.iallreduce_(b.wire, op=wire.wire_sum_op(self.compression))
-
-    def _wire_allreduce(self, comm: Any, b: Bucket) -> None:
-        """Blocking allreduce of bucket ``b`` over ``comm`` in the 16-bit wire dtype."""
-        b.wire = wire.compress(b.flat, self.compression, out=b.wire)
-        op = wire.wire_sum_op(self.compression)
-        _allreduce_pieces(comm, b.wire, self._piece_bytes, op=op)
-        wire.decompress(b.wire, self.compression, b.flat)
+            b.request = self.transport.iallreduce_(b.flat)
 
     def _finish(self, b: Bucket) -> None:
-        if b.request is None:
-            return
-        b.request.wait()
-        b.request = None
-        if self.compression is not None:
-            wire.decompress(b.wire, self.compression, b.flat)
+        if b.request is not None:
+            b.request.wait()
+            b.request = None
 
     # -- sparse embedding rows --------------------------------------------------------------
     def _sync_sparse(self) -> None:
@@ -433,15 +335,15 @@ class DataParallel:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self.node_sum is not None:
+        if isinstance(self.transport, WindowTransport) and self.transport.window is not None:
             for b in self.buckets:
                 b.rebind(numpy.empty_like(b.flat))  # rebind copies the values over
-            self._retired_window, self.node_sum = self.node_sum, None
+            self.transport.retire()  # still mapped: .grad arrays kept earlier view it
+        elif not isinstance(self.transport, WindowTransport):
+            self.transport.close()
         for b in self.buckets:
             for p in b.params:
                 p.grad_buffer = None
-        if self.reducer is not self.comm:
-            self.reducer.free()
         if _WRAPPERS.get(id(self.module)) is self:
             del _WRAPPERS[id(self.module)]
 
@@ -452,35 +354,12 @@ class DataParallel:
         afterwards: on one node they point into the window, which is unmapped here.
         """
         self.remove_hooks()
-        window = getattr(self, "_retired_window", None)
-        if window is not None:
-            window.free()
-            self._retired_window = None
+        self.transport.close()
 
 
 # id(model) -> its DataParallel; an entry lives as long as that wrapper (which holds the
 # model, so the id cannot be reused meanwhile).
 _WRAPPERS: "weakref.WeakValueDictionary[int, DataParallel]" = weakref.WeakValueDictionary()
-
-
-def _shm_free_bytes() -> int | None:
-    """Free bytes in /dev/shm, or None where there is none to ask."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def _allreduce_pieces(comm: Any, flat: Any, piece_bytes: int, op: Any = "sum") -> None:
-    """Blocking in-place allreduce of a 1-D array, in messages of at most ``piece_bytes``.
-
-    A parameter larger than a bucket gets a bucket of its own; sending it in bucket-sized
-    pieces keeps every message in the size range where the allreduce is fastest.
-    """
-    step = max(1, piece_bytes // flat.itemsize)
-    for i in range(0, flat.size, step):
-        comm.allreduce_(flat[i:i + step], op=op)
 
 
 def _is_row_sparse(model: Any, p: Tensor) -> bool:

@@ -18,6 +18,7 @@ from mpidl.models import bow, mlp, transformer
 from mpidl.nn import Linear, Module, Parameter
 from mpidl.optim import SGD, AdamW
 from mpidl.parallel import DataParallel
+from mpidl.parallel.transport import WindowTransport
 from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks, raises_all_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -151,8 +152,9 @@ def test_shared_memory_buckets_train_like_mpi_allreduce(comm):
     for shared in (None, False):
         model = small_mlp()
         dp = DataParallel(model, comm, shared_memory=shared)
-        assert_all_ranks(comm, (dp.node_sum is not None) == (shared is None and comm.size > 1),
-                         f"shared_memory={shared}: node_sum {dp.node_sum}")
+        windowed = isinstance(dp.transport, WindowTransport)
+        assert_all_ranks(comm, windowed == (shared is None and comm.size > 1),
+                         f"shared_memory={shared}: transport {dp.transport.name}")
         train_parallel(comm, dp, SGD(model.parameters(), lr=0.1, momentum=0.9),
                        batches("mlp", 3, 4 * comm.size))
         x, y = next(batches("mlp", 1, 4 * comm.size, seed=9))
@@ -161,8 +163,10 @@ def test_shared_memory_buckets_train_like_mpi_allreduce(comm):
         grads = [p.grad.copy() for p in model.parameters()]
         dp.remove_hooks()
         kept = all(numpy.array_equal(p.grad, g) for p, g in zip(model.parameters(), grads))
-        assert_all_ranks(comm, dp.node_sum is None and kept,
-                         f"after remove_hooks: node_sum {dp.node_sum}, gradients kept {kept}")
+        summing = dp.transport.sums_all_at_once
+        assert_all_ranks(comm, not summing and kept,
+                         f"after remove_hooks: window still summing {summing}, gradients "
+                         f"kept {kept}")
         runs[shared] = model
     assert_same_parameters(comm, runs[None], runs[False])
 
@@ -171,7 +175,7 @@ def test_grads_kept_across_remove_hooks_stay_readable_until_close(comm):
     # The .grad arrays a user took point into the shared window; remove_hooks() keeps
     # it mapped (reading them after the window was unmapped killed the process), and
     # close() releases its memory.
-    import mpidl.parallel.data as data_module
+    import mpidl.parallel.transport as transport_module
 
     model = Linear(512, 1024, seed=3, dtype="float64")  # 4 MiB of gradients
     dp = DataParallel(model, comm)
@@ -185,13 +189,13 @@ def test_grads_kept_across_remove_hooks_stay_readable_until_close(comm):
     ok &= all(numpy.array_equal(p.grad, e) for p, e in zip(model.parameters(), expected))
     with raises_all_ranks(comm, RuntimeError, match="after remove_hooks"):
         dp.backward(F.sum(dp(x)), global_count=2 * comm.size)
-    shared = getattr(dp, "_retired_window", None) is not None
+    shared = getattr(dp.transport, "retired", None) is not None
     assert_all_ranks(comm, ok and shared == (comm.size > 1 and comm.local_size == comm.size),
                      f"kept grads intact and window retired: {ok}, {shared}")
-    free_before = data_module._shm_free_bytes()
+    free_before = transport_module._shm_free_bytes()
     dp.close()
     comm.barrier()
-    free_after = data_module._shm_free_bytes()
+    free_after = transport_module._shm_free_bytes()
     if shared and free_before is not None:
         released = free_after - free_before  # the window holds every rank's 4 MiB copy
         assert_all_ranks(comm, released >= 0.9 * comm.size * 4 * 2**20,
@@ -216,13 +220,13 @@ def test_shared_memory_that_cannot_be_used_is_an_error_on_every_rank(comm):
 
 def test_a_full_dev_shm_falls_back_to_allreduce(comm, monkeypatch):
     # A container's 64 MiB /dev/shm would SIGBUS a window that does not fit in it.
-    import mpidl.parallel.data as data_module
+    import mpidl.parallel.transport as transport_module
 
     if comm.size == 1 or comm.local_size != comm.size:
         pytest.skip("needs several ranks on one node")
-    monkeypatch.setattr(data_module, "_shm_free_bytes", lambda: 1024)
+    monkeypatch.setattr(transport_module, "_shm_free_bytes", lambda: 1024)
     dp = DataParallel(small_mlp(), comm)
-    assert_all_ranks(comm, dp.node_sum is None)
+    assert_all_ranks(comm, not isinstance(dp.transport, WindowTransport))
     with raises_all_ranks(comm, ValueError, match="/dev/shm has 0 MiB free"):
         DataParallel(small_mlp(), comm, shared_memory=True)
 
