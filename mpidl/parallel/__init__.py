@@ -6,5 +6,6 @@ docs/model-parallel.md says when to use which).
 from mpidl.parallel.data import DataParallel
 from mpidl.parallel.gpt import ParallelGPT, parallel_gpt
 from mpidl.parallel.grid import ProcessGrid
+from mpidl.parallel.zero import ShardedDataParallel
 
-__all__ = ["DataParallel", "ProcessGrid", "ParallelGPT", "parallel_gpt"]
+__all__ = ["DataParallel", "ShardedDataParallel", "ProcessGrid", "ParallelGPT", "parallel_gpt"]

@@ -1,0 +1,456 @@
+"""Sharded data parallelism (ZeRO, Rajbhandari et al. 2020): model state split over ranks.
+
+Data parallelism keeps the parameters, the gradients and the optimizer state whole on
+every rank: with Adam in float32, 16 bytes per parameter. :class:`ShardedDataParallel`
+splits them over the ``N`` ranks of the group, exactly (the same numbers as data
+parallelism, up to the order of float sums)::
+
+    sdp = ShardedDataParallel(model, comm, stage=2)
+    opt = AdamW(sdp.parameters(), lr=1e-3)       # the optimizer sees this rank's shards
+    for x, y, n in loader:
+        loss = softmax_cross_entropy(sdp(x), y, reduction="sum")
+        sdp.backward(loss, global_count=n)       # gradients: this rank's shard of the mean
+        sdp.clip_grad_norm_(1.0)                 # the global norm, over every shard
+        opt.step()                               # updates this rank's shard only
+        opt.zero_grad()
+
+The parameters are grouped into *units*, each one flat buffer padded to a multiple of
+``N`` elements; rank ``r`` owns block ``r`` of every unit, and :meth:`parameters`
+returns one Parameter per unit viewing that block (elementwise optimizers, SGD, Adam,
+AdamW, update it as they would any parameter):
+
+- **stage 1**: optimizer state sharded. The gradients are reduce-scattered after backward
+  (each rank gets the sum of its block; the full buffer stays allocated), the optimizer
+  updates the block, and the next forward allgathers the updated blocks.
+  Communication: reduce-scatter + allgather = one allreduce's volume.
+- **stage 2**: also the gradients: the full gradient buffers are dropped once reduced, so
+  no rank holds the full gradient after backward.
+- **stage 3**: also the parameters. Units are the model's repeated blocks (the items of
+  every ``ModuleList``) and the rest of the model; each unit's parameters are allgathered
+  just before its forward, released after it, gathered again just before its backward
+  (the next unit's gather is started early, non-blocking, to overlap compute), and its
+  gradient is reduce-scattered and released as soon as backward has finished it.
+  Tied parameters (GPT's embedding and output projection) sit in the model's own unit,
+  gathered for the whole forward and backward. Communication: 1.5x data parallelism.
+
+Stage 3 asks the static graph FSDP asks: every rank's backward reaches the same
+parameters in the same order (the gathers and reduce-scatters of backward are
+collectives in that order). Gradient accumulation (:meth:`no_sync`) keeps full
+gradients at stage 1 and reduce-scatters every micro-batch into the shards at stages 2
+and 3 (which hold no full gradient). Embedding gradients are exchanged dense.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import numpy
+
+from mpidl import backend
+from mpidl.autograd import Function, Tensor
+from mpidl.backend import get_array_module
+from mpidl.comm.base import Communicator
+from mpidl.nn.module import Module, Parameter
+from mpidl.parallel import agreement
+from mpidl.parallel.buckets import plan_buckets
+from mpidl.parallel.transport import choose_transport
+
+STAGES = (1, 2, 3)
+
+
+class Unit:
+    """Parameters gathered, reduced and sharded together: one flat buffer.
+
+    Attributes:
+        index: position in the unit order (the same on every rank).
+        params: the member parameters, in flat order.
+        size: their elements in all; ``padded`` rounds it up to a multiple of the ranks.
+        shard: this rank's block of the flat parameters, the optimizer's Parameter.
+        module: the module whose forward gathers it (stage 3), else None.
+    """
+
+    def __init__(self, index: int, params: list[Parameter], ranks: int, rank: int,
+                 module: Module | None = None) -> None:
+        self.index, self.params, self.module = index, params, module
+        self.size = sum(int(p.data.size) for p in params)
+        self.block = -(-self.size // ranks) if self.size else 0
+        self.padded = self.block * ranks
+        self.start = rank * self.block  # this rank's block: [start, start + block)
+        self.shapes = [tuple(p.data.shape) for p in params]
+        first = params[0].data
+        self.xp, self.dtype = get_array_module(first), first.dtype
+        self.offsets = numpy.cumsum([0] + [int(p.data.size) for p in params]).tolist()
+        self.flat: Any = None        # the full padded parameters, when held
+        self.grad_flat: Any = None   # the full padded gradient, while backward fills it
+        self.shard: Parameter | None = None
+        self.pending = 0
+        self.request: Any = None     # an allgather in flight (stage 3 prefetch)
+        self.reduced = False
+
+    # -- the full flat parameters ------------------------------------------------------------
+    def new_flat(self) -> Any:
+        return self.xp.zeros(self.padded, dtype=self.dtype)
+
+    def point_params_at(self, flat: Any) -> None:
+        """Make each member's ``.data`` its view of ``flat`` (the full parameters)."""
+        self.flat = flat
+        for p, a, b, shape in zip(self.params, self.offsets, self.offsets[1:], self.shapes):
+            p.data = flat[a:b].reshape(shape)
+
+    def release_params(self) -> None:
+        """Drop the full parameters (stage 3): members keep an empty placeholder."""
+        self.flat = None
+        empty = self.xp.empty(0, dtype=self.dtype)
+        for p in self.params:
+            p.data = empty
+
+    # -- gradients ---------------------------------------------------------------------------
+    def attach_grads(self, flat: Any) -> None:
+        """Backward writes each member's gradient into its view of ``flat``."""
+        self.grad_flat = flat
+        for p, a, b, shape in zip(self.params, self.offsets, self.offsets[1:], self.shapes):
+            view = flat[a:b].reshape(shape)
+            p.grad_buffer = view
+            if p.grad is not None and p.grad is not view:
+                view[...] = p.grad
+                p.grad = view
+
+    def fill_missing(self) -> None:
+        """Zero the gradient of members that got none (so every rank sums alike)."""
+        for p, a, b, shape in zip(self.params, self.offsets, self.offsets[1:], self.shapes):
+            if p.grad is None:
+                view = self.grad_flat[a:b].reshape(shape)
+                view[...] = 0
+                p.grad = view
+
+    def drop_grads(self) -> None:
+        self.grad_flat = None
+        for p in self.params:
+            p.grad = None
+            p.grad_buffer = None
+
+
+class _GatherForBackward(Function):
+    """Identity in forward; in backward, gathers the unit's parameters first (stage 3)."""
+
+    def forward(self, x):
+        return x
+
+    def backward(self, gy):
+        self.owner._before_backward(self.unit)
+        return gy
+
+
+class ShardedDataParallel:
+    """Replicate ``model`` over ``comm`` with its state sharded: ZeRO ``stage`` 1, 2 or 3.
+
+    Construction is collective: every rank builds the same model and passes the same
+    options (checked, as :class:`~mpidl.parallel.DataParallel` does); rank 0's
+    parameters are broadcast. Then :meth:`parameters` are this rank's shards: build the
+    optimizer over them.
+
+    Args:
+        model: an :class:`mpidl.nn.Module`, built identically on every rank.
+        comm: the replicas' communicator.
+        stage: 1 (optimizer state), 2 (and gradients) or 3 (and parameters).
+        bucket_mb: stages 1 and 2 group parameters into units of about this many MiB
+            (the messages of the reduce-scatter and allgather), as DataParallel's buckets.
+        compression: None, "float16" or "bfloat16": the dtype gradients travel in (the
+            reduce-scatter); parameters always travel in full precision.
+        broadcast: copy rank 0's parameters to every rank first.
+        keep_freed_memory: as DataParallel's (glibc keeps freed memory for reuse).
+    """
+
+    def __init__(self, model: Module, comm: Communicator, stage: int = 1,
+                 bucket_mb: float = 4.0, compression: str | None = None,
+                 broadcast: bool = True, keep_freed_memory: bool = True) -> None:
+        self.comm, self.module = comm, model
+        agreement.check_same_options(comm, "ShardedDataParallel", stage=stage,
+                                     bucket_mb=bucket_mb, compression=compression,
+                                     broadcast=broadcast)
+        if stage not in STAGES:
+            raise ValueError(f"stage={stage!r}: ZeRO stages are 1, 2 and 3")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be > 0 (MiB per unit)")
+        if keep_freed_memory:
+            backend.keep_freed_memory()
+        self.stage = stage
+        self.named = list(model.named_parameters())
+        agreement.check_same_parameters(comm, self.named)
+        if broadcast:
+            for _, p in self.named:
+                comm.bcast_(p.data, root=0)
+        self.piece_bytes = int(bucket_mb * 2**20)
+        self.transport = choose_transport(comm, [], piece_bytes=self.piece_bytes,
+                                          compression=compression if comm.size > 1 else None,
+                                          shared_memory=False, owner="ShardedDataParallel")
+        self.units = self._make_units(model)
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        for u in self.units:
+            self._shard(u)
+        self._stale = False       # shards updated since the last gather (stages 1, 2)
+        self._syncing = True
+        self._in_backward = False
+        self._order: list[Unit] = []   # stage 3: the units in forward order, as seen
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
+                         for _, p in self.named]
+        if stage == 3:
+            for u in self.units:
+                self._handles += [u.module.register_forward_pre_hook(self._pre_forward(u)),
+                                  u.module.register_forward_hook(self._post_forward(u))]
+        self.comm_wait_seconds = 0.0
+        self.comm_wait_start = 0.0
+
+    # -- units and shards --------------------------------------------------------------------
+    def _make_units(self, model: Module) -> list[Unit]:
+        params = [p for _, p in self.named]
+        if self.stage < 3:
+            groups = [[params[i] for i in g] for g in plan_buckets(params, self.piece_bytes)]
+            return [Unit(i, g, self.comm.size, self.comm.rank) for i, g in enumerate(groups)]
+        # Stage 3: every ModuleList item is a unit; the model's own unit holds the rest.
+        from mpidl.nn.container import ModuleList
+
+        blocks = [m for _, container in model.named_modules()
+                  if isinstance(container, ModuleList) for m in container]
+        taken: set[int] = set()
+        units = []
+        for m in blocks:
+            mine = [p for _, p in m.named_parameters() if id(p) not in taken]
+            if mine:
+                taken.update(id(p) for p in mine)
+                units.append((m, mine))
+        rest = [p for p in params if id(p) not in taken]
+        if rest:
+            units.insert(0, (model, rest))
+        return [Unit(i, ps, self.comm.size, self.comm.rank, module=m)
+                for i, (m, ps) in enumerate(units)]
+
+    def _shard(self, u: Unit) -> None:
+        """Move ``u``'s parameters into its flat buffer; make this rank's block its shard."""
+        flat = u.new_flat()
+        for p, a, b in zip(u.params, u.offsets, u.offsets[1:]):
+            flat[a:b] = p.data.reshape(-1)
+        u.shard = Parameter(flat[u.start:u.start + u.block].copy() if self.stage == 3
+                            else flat[u.start:u.start + u.block],
+                            name=f"zero.unit{u.index}")
+        if self.stage == 3:
+            for p in u.params:
+                p.releasable = True  # the graph refers to it, not to its array
+            u.release_params()
+        else:
+            u.point_params_at(flat)
+
+    def parameters(self) -> list[Parameter]:
+        """This rank's shards, one Parameter per unit: what the optimizer updates."""
+        return [u.shard for u in self.units if u.block]
+
+    # -- gathering parameters ----------------------------------------------------------------
+    def _gather(self, u: Unit) -> None:
+        """The unit's full parameters from every rank's shard (collective)."""
+        if u.request is not None:
+            flat = self._finish_gather(u)
+        else:
+            flat = self.transport.allgather(u.shard.data, u.flat if u.flat is not None
+                                            else u.new_flat())
+        u.point_params_at(flat)
+
+    def _start_gather(self, u: Unit) -> None:
+        """Start the unit's allgather without waiting for it (stage 3 prefetch)."""
+        if u.request is None and u.flat is None:
+            u.request = self.comm.iallgather(u.shard.data)
+
+    def _finish_gather(self, u: Unit) -> Any:
+        blocks = u.request.wait()
+        u.request = None
+        return blocks.reshape(-1)
+
+    def gather_parameters(self) -> None:
+        """Bring the model's parameters up to date with the shards (stages 1 and 2: after
+        an optimizer step). Collective; done by the next forward by itself."""
+        if self.stage < 3 and self._stale:
+            for u in self.units:
+                self.transport.allgather(u.shard.data, u.flat)
+            self._stale = False
+
+    # -- stage 3 hooks -----------------------------------------------------------------------
+    def _pre_forward(self, u: Unit) -> Any:
+        def hook(module: Module, args: tuple) -> None:
+            if u not in self._order:
+                self._order.append(u)
+            self._gather(u)
+            nxt = self._next_in(self._order, u, +1)
+            if nxt is not None and nxt is not self.units[0]:
+                self._start_gather(nxt)
+        return hook
+
+    def _post_forward(self, u: Unit) -> Any:
+        def hook(module: Module, args: tuple, out: Any) -> Any:
+            if u.module is not self.module:
+                u.release_params()
+            if not isinstance(out, Tensor) or not out.requires_grad:
+                return None
+            return _GatherForBackward.apply(out, owner=self, unit=u)
+        return hook
+
+    def _next_in(self, order: list[Unit], u: Unit, step: int) -> Unit | None:
+        i = order.index(u) + step if u in order else -1
+        return order[i] if 0 <= i < len(order) else None
+
+    def _before_backward(self, u: Unit) -> None:
+        if u.flat is None:
+            self._gather(u)
+        if u.grad_flat is None:
+            u.attach_grads(u.new_flat())
+        prev = self._next_in(self._order, u, -1)
+        if prev is not None and prev.flat is None:
+            self._start_gather(prev)
+
+    # -- backward ----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.gather_parameters()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate over micro-batches: pass the total sample count to every backward.
+
+        Stage 1 keeps full gradients and reduces at the last backward; stages 2 and 3
+        reduce-scatter every micro-batch into the shards (they hold no full gradient).
+        """
+        previous = self._syncing
+        self._syncing = self.stage > 1  # stages 2-3 always reduce into the shards
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def backward(self, loss: Tensor, global_count: int | None = None,
+                 scale: float = 1.0) -> None:
+        """Backward of this rank's summed ``loss``; each shard's ``.grad`` becomes this
+        rank's block of the global mean (``global_count`` samples in all). Collective."""
+        import time
+
+        xp = loss.xp
+        seed = (scale / global_count) if global_count else scale
+        for u in self.units:
+            # Stage 3 allocates a unit's full gradient only when backward reaches it
+            # (_before_backward); the model's own unit is reached first and last.
+            if u.grad_flat is None and (self.stage < 3 or u.module is self.module):
+                u.attach_grads(u.new_flat())
+            u.pending, u.reduced = len(u.params), False
+        self._in_backward = True
+        try:
+            loss.backward(xp.full(loss.shape, seed, dtype=loss.dtype))
+        finally:
+            self._in_backward = False
+        t0 = time.perf_counter()
+        if self._syncing:
+            for u in self.units:  # the fixed order: units backward did not finish
+                if not u.reduced:
+                    self._reduce(u)
+            if not global_count and self.comm.size > 1:
+                for s in self.parameters():
+                    s.grad *= 1.0 / self.comm.size
+            self._stale = self.stage < 3
+        self.comm_wait_start = t0
+        self.comm_wait_seconds = time.perf_counter() - t0
+
+    def _on_grad_final(self, p: Tensor) -> None:
+        if not (self._in_backward and self._syncing and self.stage == 3):
+            return
+        u = self._unit_of.get(id(p))
+        if u is None:
+            return
+        u.pending -= 1
+        if u.pending == 0 and u.module is not self.module:
+            self._reduce(u)
+
+    def _reduce(self, u: Unit) -> None:
+        """Reduce-scatter the unit's gradient into its shard's ``.grad`` (collective);
+        stages 2 and 3 then drop the full gradient, stage 3 the full parameters too."""
+        if u.grad_flat is None:  # backward never reached it: zeros, summed like the rest
+            u.attach_grads(u.new_flat())
+        u.fill_missing()
+        block = self.transport.reduce_scatter(u.grad_flat)
+        if u.shard.grad is None:  # as autograd: gradients add up until zero_grad()
+            u.shard.grad = block
+        else:
+            u.shard.grad += block
+        u.reduced = True
+        if self.stage >= 2:
+            u.drop_grads()
+        else:
+            for p in u.params:  # the full buffer stays; the next backward overwrites it
+                p.grad = None
+            u.attach_grads(u.grad_flat)
+        if self.stage == 3:
+            u.release_params()
+
+    # -- gradient norm -----------------------------------------------------------------------
+    def grad_norm(self) -> Any:
+        """The 2-norm of the whole (averaged) gradient, from every rank's shard. Collective."""
+        total = numpy.zeros(1, dtype=numpy.float64)
+        for s in self.parameters():
+            if s.grad is not None:
+                g = s.grad.astype(numpy.float64, copy=False) if s.grad.dtype != numpy.float64 \
+                    else s.grad
+                total[0] += float((g * g).sum())
+        self.comm.allreduce_(total)
+        return float(numpy.sqrt(total[0]))
+
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
+        """Scale the shards' gradients so the global norm is at most ``max_norm``
+        (as ``torch.nn.utils.clip_grad_norm_`` on the whole model). Collective."""
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        norm = self.grad_norm()
+        coef = min(max_norm / (norm + eps), 1.0)
+        if coef < 1.0:
+            for s in self.parameters():
+                if s.grad is not None:
+                    s.grad *= coef
+        return norm
+
+    # -- memory ------------------------------------------------------------------------------
+    def state_bytes(self, optimizer: Any = None) -> dict[str, int]:
+        """Bytes this rank holds now in parameters, gradients and optimizer state."""
+        seen: set[int] = set()
+
+        def size(a: Any) -> int:
+            if a is None:
+                return 0
+            base = a.base if getattr(a, "base", None) is not None else a
+            if id(base) in seen:
+                return 0
+            seen.add(id(base))
+            return int(base.nbytes)
+
+        params = sum(size(u.flat) for u in self.units) + sum(
+            size(u.shard.data) for u in self.units if u.shard is not None)
+        grads = sum(size(u.grad_flat) for u in self.units) + sum(
+            size(u.shard.grad) for u in self.units if u.shard is not None)
+        state = 0
+        if optimizer is not None:
+            for value in optimizer.state_dict().values():
+                if hasattr(value, "nbytes"):
+                    state += int(value.nbytes)
+        return {"parameters": params, "gradients": grads, "optimizer": state}
+
+    def close(self) -> None:
+        """Detach the hooks and release the transport. Collective."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.transport.close()
+
+
+def unit_layout(sdp: ShardedDataParallel) -> list[dict[str, Any]]:
+    """Where each parameter's elements lie: per unit, the members' names and offsets and
+    this rank's block (what a sharded checkpoint records)."""
+    names = {id(p): n for n, p in sdp.named}
+    return [{"unit": u.index, "size": u.size, "block": u.block, "start": u.start,
+             "params": [names[id(p)] for p in u.params], "offsets": u.offsets,
+             "shapes": [list(s) for s in u.shapes]} for u in sdp.units]
+
+
+__all__ = ["ShardedDataParallel", "STAGES", "unit_layout"]

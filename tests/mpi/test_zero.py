@@ -1,0 +1,189 @@
+"""Sharded data parallelism (ZeRO 1-3) equals data parallelism and the single-rank model.
+
+float64, several optimizer steps, uneven per-rank batches (13 samples), a tied GPT and
+sizes not divisible by the rank count; plus the state each rank holds, which must
+shrink as 1/N at stage 3.
+"""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from mpidl.comm import split_counts
+from mpidl.functions import softmax_cross_entropy
+from mpidl.models import gpt, mlp
+from mpidl.optim import SGD, AdamW, clip_grad_norm_
+from mpidl.parallel import DataParallel, ShardedDataParallel
+from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+BATCH, STEPS = 13, 3
+
+
+def small_gpt():
+    # vocabulary 23, width 6: no parameter count divides 2 or 3 ranks evenly
+    return gpt(vocab=23, seq_len=8, dim=6, layers=2, heads=2, seed=3, dtype="float64")
+
+
+def small_mlp():
+    return mlp(sizes=(7, 11, 5), seed=4, dtype="float64")
+
+
+def data(kind, steps=STEPS, seed=0):
+    rng = numpy.random.default_rng(seed)
+    for _ in range(steps):
+        if kind == "gpt":
+            ids = rng.integers(0, 23, size=(BATCH, 8))
+            yield ids[:, :-1], ids[:, 1:]
+        else:
+            yield rng.standard_normal((BATCH, 7)), rng.integers(0, 5, size=BATCH)
+
+
+def share(comm, x, y):
+    counts = split_counts(len(x), comm.size)
+    start = sum(counts[:comm.rank])
+    return x[start:start + counts[comm.rank]], y[start:start + counts[comm.rank]]
+
+
+def targets(y):
+    return int(numpy.prod(y.shape))
+
+
+def reference(kind, make_opt, clip=None):
+    model = small_gpt() if kind == "gpt" else small_mlp()
+    opt = make_opt(model.parameters())
+    for x, y in data(kind):
+        loss = softmax_cross_entropy(model(x), y, reduction="sum") * (1.0 / targets(y))
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def sharded(comm, kind, stage, make_opt, clip=None, **options):
+    model = small_gpt() if kind == "gpt" else small_mlp()
+    sdp = ShardedDataParallel(model, comm, stage=stage, **options)
+    opt = make_opt(sdp.parameters())
+    for x, y in data(kind):
+        xs, ys = share(comm, x, y)
+        sdp.backward(softmax_cross_entropy(sdp(xs), ys, reduction="sum"),
+                     global_count=targets(y))
+        if clip:
+            sdp.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    full = full_parameters(sdp)
+    sdp.close()
+    return model, full
+
+
+def full_parameters(sdp):
+    """The model's full parameters after the last step (gathered, for comparison)."""
+    sdp.gather_parameters()
+    out = []
+    for u in sdp.units:
+        if u.flat is None:
+            sdp._gather(u)
+        out += [p.data.copy() for p in u.params]
+        if sdp.stage == 3:
+            u.release_params()
+    names = {id(p): n for n, p in sdp.named}
+    order = [names[id(p)] for u in sdp.units for p in u.params]
+    by_name = dict(zip(order, out))
+    return [by_name[n] for n, _ in sdp.named]
+
+
+def adamw(params):
+    return AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def sgd(params):
+    return SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_each_stage_equals_the_single_rank_model(comm, stage, kind):
+    ref = reference(kind, adamw)
+    _, params = sharded(comm, kind, stage, adamw, bucket_mb=0.0005)
+    for (name, q), p in zip(ref.named_parameters(), params):
+        assert_allclose_all_ranks(comm, p, q.data, scale=10.0, what=f"stage {stage} {name}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_equals_data_parallel_with_sgd_momentum_and_clipping(comm, stage):
+    model = small_gpt()
+    dp = DataParallel(model, comm)
+    opt = sgd(model.parameters())
+    for x, y in data("gpt"):
+        xs, ys = share(comm, x, y)
+        dp.backward(softmax_cross_entropy(dp(xs), ys, reduction="sum"),
+                    global_count=targets(y))
+        clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    dp.close()
+    _, params = sharded(comm, "gpt", stage, sgd, clip=0.5)
+    for (name, q), p in zip(model.named_parameters(), params):
+        assert_allclose_all_ranks(comm, p, q.data, scale=10.0, what=f"stage {stage} {name}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulating_over_micro_batches_equals_one_big_batch(comm, stage):
+    ref = reference("mlp", adamw)
+    model = small_mlp()
+    sdp = ShardedDataParallel(model, comm, stage=stage)
+    opt = adamw(sdp.parameters())
+    for x, y in data("mlp"):
+        xs, ys = share(comm, x, y)
+        half = len(xs) // 2
+        with sdp.no_sync():  # the first micro-batch: no step
+            sdp.backward(softmax_cross_entropy(sdp(xs[:half]), ys[:half], reduction="sum"),
+                         global_count=len(x))
+        sdp.backward(softmax_cross_entropy(sdp(xs[half:]), ys[half:], reduction="sum"),
+                     global_count=len(x))
+        opt.step()
+        opt.zero_grad()
+    params = full_parameters(sdp)
+    sdp.close()
+    for (name, q), p in zip(ref.named_parameters(), params):
+        assert_allclose_all_ranks(comm, p, q.data, scale=10.0, what=f"stage {stage} {name}")
+
+
+def test_compressed_reduce_scatter_stays_close_to_the_exact_one(comm):
+    ref = reference("mlp", sgd)
+    _, params = sharded(comm, "mlp", 2, sgd, compression="bfloat16")
+    for (name, q), p in zip(ref.named_parameters(), params):
+        assert_allclose_all_ranks(comm, p, q.data, dtype="bfloat16", what=name)
+
+
+def test_stage_3_holds_a_1_over_n_share_of_the_model_state(comm):
+    model = small_gpt()
+    full = sum(p.data.nbytes for p in model.parameters())
+    sdp = ShardedDataParallel(model, comm, stage=3)
+    opt = adamw(sdp.parameters())
+    for x, y in data("gpt", steps=1):
+        xs, ys = share(comm, x, y)
+        sdp.backward(softmax_cross_entropy(sdp(xs), ys, reduction="sum"),
+                     global_count=targets(y))
+        opt.step()
+    held = sdp.state_bytes(opt)
+    sdp.close()
+    # Blocks are padded to a multiple of N elements: at most N - 1 elements per unit more.
+    slack = len(sdp.units) * comm.size * 8
+    share_ = full / comm.size
+    ok = (held["parameters"] <= share_ + slack and held["gradients"] <= share_ + slack
+          and held["optimizer"] <= 2 * share_ + 2 * slack)
+    assert_all_ranks(comm, ok, f"held {held}, 1/N of the model is {share_:.0f} bytes")
+
+
+def test_the_same_options_are_checked_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("one rank cannot disagree")
+    from mpidl.testing import raises_all_ranks
+
+    with raises_all_ranks(comm, Exception, match="options differ between ranks"):
+        ShardedDataParallel(small_mlp(), comm, stage=1 + (comm.rank == 1))
