@@ -130,10 +130,10 @@ class DataParallel:
         self.named = list(model.named_parameters())
         agreement.check_same_parameters(comm, self.named)
         # Wrapping a model again replaces its wrapper, which would otherwise keep its
-        # hooks and buckets on the same parameters. Collective like this constructor.
+        # hooks and buckets on the same parameters: once this one is complete (a
+        # construction that fails leaves the old wrapper working), the old one is
+        # closed, its shared window freed. Collective like this constructor.
         previous = _WRAPPERS.get(id(model))
-        if previous is not None and previous.module is model:
-            previous.remove_hooks()
         self._detached = False
         if broadcast:
             self.broadcast_parameters()
@@ -162,6 +162,10 @@ class DataParallel:
         self.comm_wait_seconds = 0.0  # time the last backward blocked on communication
         self.comm_wait_start = 0.0  # its time.perf_counter() start (for timelines)
         self.sparse_used = False  # whether the last sync used the sparse row exchange
+        if previous is not None and previous.module is model:
+            previous.close()  # detaches its hooks and buckets from the parameters ...
+            for b in self.buckets:
+                b.attach()  # ... which are this wrapper's again
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
                          for _, p in self.named]
         _WRAPPERS[id(model)] = self  # only once complete: a failed construction is not one
@@ -197,7 +201,16 @@ class DataParallel:
         return self.module(*args, **kwargs)
 
     def parameters(self) -> list:
+        """The model's parameters: what the optimizer updates (ShardedDataParallel's
+        are this rank's shards instead)."""
         return self.module.parameters()
+
+    def clip_grad_norm_(self, max_norm: float) -> Any:
+        """Clip the averaged gradients to a global 2-norm of ``max_norm``; returns the
+        norm before. Not collective: every rank holds the same gradients already."""
+        from mpidl.optim import clip_grad_norm_
+
+        return clip_grad_norm_(self.parameters(), max_norm)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -80,6 +80,7 @@ class Unit:
         first = params[0].data
         self.xp, self.dtype = get_array_module(first), first.dtype
         self.offsets = numpy.cumsum([0] + [int(p.data.size) for p in params]).tolist()
+        self.flat_itemsize = first.itemsize
         self.flat: Any = None        # the full padded parameters, when held
         self.grad_flat: Any = None   # the full padded gradient, while backward fills it
         self.shard: Parameter | None = None
@@ -253,11 +254,24 @@ class ShardedDataParallel:
             flat = self.transport.allgather(u.shard.data, u.flat if u.flat is not None
                                             else u.new_flat())
         u.point_params_at(flat)
+        self._track()
+
+    def _track(self) -> None:
+        """Keep :attr:`peak_gathered_bytes`: the most full parameters, gradients and
+        prefetches held at once (stage 3's transient memory on top of the shards)."""
+        held = sum((0 if u.flat is None else u.flat.nbytes)
+                   + (0 if u.grad_flat is None else u.grad_flat.nbytes)
+                   + (0 if u.request is None else u.padded * u.flat_itemsize)
+                   for u in self.units)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+
+    peak_gathered_bytes = 0
 
     def _start_gather(self, u: Unit) -> None:
         """Start the unit's allgather without waiting for it (stage 3 prefetch)."""
         if u.request is None and u.flat is None:
             u.request = self.comm.iallgather(u.shard.data)
+            self._track()
 
     def _finish_gather(self, u: Unit) -> Any:
         blocks = u.request.wait()
@@ -301,6 +315,7 @@ class ShardedDataParallel:
             self._gather(u)
         if u.grad_flat is None:
             u.attach_grads(u.new_flat())
+            self._track()
         prev = self._next_in(self._order, u, -1)
         if prev is not None and prev.flat is None:
             self._start_gather(prev)
@@ -454,3 +469,164 @@ def unit_layout(sdp: ShardedDataParallel) -> list[dict[str, Any]]:
 
 
 __all__ = ["ShardedDataParallel", "STAGES", "unit_layout"]
+
+
+# -- checkpoints: every rank's pieces of every parameter ------------------------------------
+
+def _pieces_of(u: Unit, names: dict[int, str], block: Any) -> list[tuple[str, int, Any]]:
+    """(parameter name, first element, values) of each member's part of ``block`` (this
+    rank's block of unit ``u``, or an optimizer array shaped like it)."""
+    out = []
+    lo, hi = u.start, min(u.start + u.block, u.size)
+    for p, a, b in zip(u.params, u.offsets, u.offsets[1:]):
+        x, y = max(lo, a), min(hi, b)
+        if x < y:
+            out.append((names[id(p)], x - a, block[x - u.start:y - u.start]))
+    return out
+
+
+def state_pieces(sdp: "ShardedDataParallel", optimizer: Any) -> tuple[dict, dict]:
+    """This rank's part of the model and optimizer state, keyed by parameter name.
+
+    ``model[name] = {"start": e, "shape": full shape, "data": elements e..}`` for every
+    parameter this rank's blocks touch; ``optimizer`` has ``step``, ``lr`` and
+    ``state[name][array]`` pieces alike (and the per-parameter ints). Not collective:
+    each rank writes its own (:mod:`mpidl.train.checkpoint` companions), nobody gathers.
+    """
+    names = {id(p): n for n, p in sdp.named}
+    shapes = {names[id(p)]: list(s) for u in sdp.units for p, s in zip(u.params, u.shapes)}
+    model: dict[str, Any] = {}
+    opt_state: dict[str, Any] = {}
+    full = optimizer.state_dict()
+    index = {id(s): i for i, s in enumerate(optimizer.params)}
+    for u in sdp.units:
+        if not u.block:
+            continue
+        for name, start, data in _pieces_of(u, names, u.shard.data):
+            model[name] = {"start": start, "shape": shapes[name], "data": data}
+        i = index[id(u.shard)]
+        for array in getattr(optimizer, "state_arrays", ()):
+            key = f"state.{i}.{array}"
+            if key in full:
+                for name, start, data in _pieces_of(u, names, full[key]):
+                    opt_state.setdefault(name, {})[array] = {
+                        "start": start, "shape": shapes[name], "data": data}
+        for integer in getattr(optimizer, "state_ints", ()):
+            key = f"state.{i}.{integer}"
+            if key in full:
+                for name, _, _ in _pieces_of(u, names, u.shard.data):
+                    opt_state.setdefault(name, {})[integer] = int(full[key])
+    return model, {"step": full["step"], "lr": full["lr"], "state": opt_state}
+
+
+def load_full_state(sdp: "ShardedDataParallel", model: dict[str, Any],
+                    optimizer_state: dict[str, Any] | None, optimizer: Any) -> None:
+    """Set this rank's shards (and its optimizer's state) from full, data-parallel state:
+    ``model`` by parameter name, ``optimizer_state`` in the optimizer's own layout over
+    the model's parameters (``state.<i>.<name>``, ``i`` in ``model.named_parameters()``
+    order), as :func:`mpidl.train.checkpoint.load_checkpoint` returns both for any
+    checkpoint. Not collective. Stages 1-2 also refresh the full parameters."""
+    xp = sdp.units[0].xp if sdp.units else numpy
+    order = {n: i for i, (n, _) in enumerate(sdp.named)}
+    names = {id(p): n for n, p in sdp.named}
+    missing = [n for n, _ in sdp.named if n not in model]
+    unexpected = [n for n in model if n not in order]
+    if missing or unexpected:
+        raise KeyError(f"the state lacks parameters {missing[:5]} and has others "
+                       f"{unexpected[:5]}" if unexpected else
+                       f"the state lacks parameters {missing[:5]}")
+    new_opt: dict[str, Any] = {"step": 0, "lr": optimizer.lr}
+    if optimizer_state is not None:
+        new_opt.update(step=optimizer_state["step"], lr=optimizer_state["lr"])
+    index = {id(s): i for i, s in enumerate(optimizer.params)}
+
+    def unit_block(u: Unit, values: dict[str, Any]) -> Any:
+        flat = numpy.zeros(u.padded, dtype=u.dtype)
+        for p, a, b, shape in zip(u.params, u.offsets, u.offsets[1:], u.shapes):
+            v = numpy.asarray(backend.as_numpy(values[names[id(p)]]))
+            if tuple(v.shape) != tuple(shape):
+                raise ValueError(f"parameter {names[id(p)]!r} has shape {tuple(v.shape)} in "
+                                 f"the state, {tuple(shape)} in the model")
+            flat[a:b] = v.reshape(-1)
+        return flat[u.start:u.start + u.block]
+
+    for u in sdp.units:
+        if not u.block:
+            continue
+        u.shard.data[...] = xp.asarray(unit_block(u, model))
+        if optimizer_state is None:
+            continue
+        i = index[id(u.shard)]
+        first = order[names[id(u.params[0])]]
+        for array in getattr(optimizer, "state_arrays", ()):
+            per_param = {n: optimizer_state.get(f"state.{order[n]}.{array}")
+                         for n in (names[id(p)] for p in u.params)}
+            if all(v is not None for v in per_param.values()):
+                new_opt[f"state.{i}.{array}"] = xp.asarray(unit_block(u, per_param))
+        for integer in getattr(optimizer, "state_ints", ()):
+            value = optimizer_state.get(f"state.{first}.{integer}")
+            if value is not None:
+                new_opt[f"state.{i}.{integer}"] = int(value)
+    optimizer.load_state_dict(new_opt)
+    if sdp.stage < 3:
+        for u in sdp.units:  # every rank holds all blocks: its full parameters from them
+            u.flat[...] = xp.asarray(_full_flat(u, model, names))
+        sdp._stale = False
+
+
+def _full_flat(u: Unit, model: dict[str, Any], names: dict[int, str]) -> Any:
+    flat = numpy.zeros(u.padded, dtype=u.dtype)
+    for p, a, b in zip(u.params, u.offsets, u.offsets[1:]):
+        flat[a:b] = numpy.asarray(backend.as_numpy(model[names[id(p)]])).reshape(-1)
+    return flat
+
+
+def assemble(pieces: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
+    """Full arrays by name from every rank's pieces (``{name: {start, shape, data}}``)."""
+    out: dict[str, Any] = {}
+    for name in order:
+        parts = [p[name] for p in pieces if name in p]
+        if not parts:
+            raise KeyError(f"no piece of parameter {name!r} in any file")
+        shape = tuple(parts[0]["shape"])
+        flat = numpy.empty(int(numpy.prod(shape, dtype=numpy.int64)),
+                           dtype=parts[0]["data"].dtype)
+        covered = 0
+        for part in parts:
+            data = numpy.asarray(part["data"]).reshape(-1)
+            flat[part["start"]:part["start"] + data.size] = data
+            covered += data.size
+        if covered != flat.size:
+            raise ValueError(f"the pieces of {name!r} cover {covered} of {flat.size} elements")
+        out[name] = flat.reshape(shape)
+    return out
+
+
+def pieces_to_full(model_pieces: list[dict[str, Any]], optimizer_pieces: list[dict[str, Any]],
+                   order: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every rank's pieces (as :func:`state_pieces` wrote them) back into full state:
+    the model by name, the optimizer in its data-parallel layout (``state.<i>.<name>``
+    with ``i`` in ``order``), so that data parallelism, evaluation and any stage at any
+    rank count load a sharded checkpoint alike."""
+    model = assemble(model_pieces, order)
+    first = next((o for o in optimizer_pieces if o), {"step": 0, "lr": 0.0})
+    optimizer: dict[str, Any] = {"step": first["step"], "lr": first["lr"]}
+    states = [o.get("state", {}) for o in optimizer_pieces]
+    kinds: dict[str, bool] = {}  # name of a state entry -> is it an array
+    for st in states:
+        for entries in st.values():
+            for key, value in entries.items():
+                kinds[key] = isinstance(value, dict)
+    for i, name in enumerate(order):
+        for key, is_array in kinds.items():
+            if is_array:
+                parts = [{name: st[name][key]} for st in states
+                         if name in st and key in st[name]]
+                if parts:
+                    optimizer[f"state.{i}.{key}"] = assemble(parts, [name])[name]
+            else:
+                value = next((st[name][key] for st in states
+                              if name in st and key in st[name]), None)
+                if value is not None:
+                    optimizer[f"state.{i}.{key}"] = int(value)
+    return model, optimizer

@@ -177,10 +177,41 @@ def save_checkpoint(directory: str | os.PathLike, step: int, *, model: Mapping[s
         epoch: the epoch the run is in (for listings; the sampler state is what resumes).
         extra: anything else, same rules as the other trees.
     """
-    h5py = _h5py()
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, checkpoint_name(step))
+    _write_file(path, step, epoch, config, {"model": model, "optimizer": optimizer,
+                                            "rng": rng, "sampler": sampler,
+                                            "extra": extra or {}})
+    _fsync_dir(directory)
+    return path
+
+
+def companion_name(step: int, rank: int) -> str:
+    """The file of rank ``rank``'s part of a sharded checkpoint of ``step``."""
+    return f"{checkpoint_name(step)}.rank-{int(rank):05d}"
+
+
+def save_companion(directory: str | os.PathLike, step: int, rank: int, *,
+                   model: Mapping[str, Any], optimizer: Mapping[str, Any]) -> str:
+    """Write rank ``rank``'s part of a sharded checkpoint (its pieces of the model and
+    optimizer state), atomically; return its path. Not collective: every rank but 0
+    writes its own before rank 0 writes the checkpoint itself (:func:`save_checkpoint`
+    with ``extra["layout"]`` naming the parts), so a checkpoint file that exists has
+    all its parts. Nobody gathers the model."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, companion_name(step, rank))
+    trees = {"model": model, "optimizer": optimizer, "rng": {}, "sampler": {},
+             "extra": {"rank": int(rank)}}
+    _write_file(path, step, 0, "", trees)
+    return path
+
+
+def _write_file(path: str, step: int, epoch: int, config: str,
+                trees: Mapping[str, Mapping[str, Any]]) -> None:
+    """One checkpoint-format file, atomically: ``PATH.tmp``, fsync, rename."""
+    h5py = _h5py()
     tmp = path + ".tmp"
     try:
         with h5py.File(tmp, "w") as f:
@@ -191,8 +222,6 @@ def save_checkpoint(directory: str | os.PathLike, step: int, *, model: Mapping[s
             f.attrs["created"] = time.time()
             f.attrs["mpidl_version"] = _mpidl_version()
             f.attrs[_CRC_ATTR] = _root_crc(step, epoch, config)
-            trees = {"model": model, "optimizer": optimizer, "rng": rng, "sampler": sampler,
-                     "extra": extra or {}}
             for name, tree in trees.items():
                 _write_tree(f.create_group(name), tree, name)
             f.flush()
@@ -206,8 +235,6 @@ def save_checkpoint(directory: str | os.PathLike, step: int, *, model: Mapping[s
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync_dir(directory)
-    return path
 
 
 def _mpidl_version() -> str:
@@ -289,8 +316,56 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path} lacks a group ({e})") from None
         except (OSError, _Corrupt, ValueError, TypeError) as e:
             raise CheckpointError(f"checkpoint {path} is corrupt: {e}") from None
-        return Checkpoint(path=path, step=step, epoch=epoch, config=config,
-                          format_version=int(version), **trees)
+        state = Checkpoint(path=path, step=step, epoch=epoch, config=config,
+                           format_version=int(version), **trees)
+    layout = state.extra.get("layout")
+    if isinstance(layout, dict) and layout.get("kind") == "pieces":
+        _assemble_pieces(state, layout)
+    return state
+
+
+def _assemble_pieces(state: Checkpoint, layout: dict[str, Any]) -> None:
+    """Read a sharded checkpoint's other parts and put the full state in ``state``
+    (the model by name, the optimizer in its data-parallel layout)."""
+    from mpidl.parallel.zero import pieces_to_full
+
+    directory, step = os.path.dirname(state.path), state.step
+    models, optimizers = [state.model], [state.optimizer]
+    for rank in range(1, int(layout["ranks"])):
+        part = os.path.join(directory, companion_name(step, rank))
+        if not os.path.isfile(part):
+            raise CheckpointError(f"checkpoint {state.path} lacks the part of rank {rank}, "
+                                  f"{part}; restore it, or resume from an earlier checkpoint")
+        try:
+            piece = load_checkpoint(part)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {state.path}: its part of rank {rank} is "
+                                  f"unreadable: {e}") from None
+        models.append(piece.model)
+        optimizers.append(piece.optimizer)
+    try:
+        state.model, state.optimizer = pieces_to_full(models, optimizers, layout["order"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {state.path}: its parts do not fit together "
+                              f"({e}); resume from an earlier checkpoint") from None
+
+
+def companions(path: str) -> list[str]:
+    """The other ranks' parts of the checkpoint at ``path`` (a sharded one), existing."""
+    directory, name = os.path.split(path)
+    if not os.path.isdir(directory or "."):
+        return []
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory or ".")
+                  if n.startswith(name + ".rank-") and not n.endswith(".tmp"))
+
+
+def _move(path: str, target_dir: str, suffix: str = "") -> str:
+    """Move a checkpoint and its parts into ``target_dir``; return the new path."""
+    target = os.path.join(target_dir, os.path.basename(path) + suffix)
+    for part in companions(path):
+        os.replace(part, os.path.join(target_dir, os.path.basename(part) + suffix))
+    os.replace(path, target)
+    return target
 
 
 def listed_checkpoints(directory: str | os.PathLike) -> list[str]:
@@ -349,29 +424,31 @@ def set_aside_corrupt(paths: list[str]) -> list[str]:
     for path in paths:
         directory = os.path.join(os.path.dirname(path), CORRUPT_DIR)
         os.makedirs(directory, exist_ok=True)
-        target = os.path.join(directory, os.path.basename(path))
-        if os.path.exists(target):
-            target += f".{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(path, target)
-        moved.append(target)
+        suffix = ""
+        if os.path.exists(os.path.join(directory, os.path.basename(path))):
+            suffix = f".{time.strftime('%Y%m%d-%H%M%S')}"
+        moved.append(_move(path, directory, suffix))
     if moved:
         _fsync_dir(os.path.dirname(paths[0]))
     return moved
 
 
 def keep_last(directory: str | os.PathLike, k: int) -> list[str]:
-    """Delete all but the ``k`` newest checkpoints (and stale ``.tmp`` files); return them.
-
-    Call it on the writing rank, after :func:`save_checkpoint`.
+    """Delete all but the ``k`` newest checkpoints (with their parts), stale ``.tmp``
+    files and parts whose checkpoint was never written (a job killed between the two);
+    return them. Call it on the writing rank, after :func:`save_checkpoint`.
     """
     if k < 1:
         raise ValueError(f"keep_last: k must be >= 1, got {k}")
     directory = os.fspath(directory)
     listed = _listed(directory)
     removed = [path for _, path in listed[: max(0, len(listed) - k)]]
+    removed += [part for path in list(removed) for part in companions(path)]
     if os.path.isdir(directory):
-        removed += [os.path.join(directory, n) for n in os.listdir(directory)
-                    if _NAME_RE.match(n[:-4]) and n.endswith(".tmp")]
+        names = set(os.listdir(directory))
+        removed += [os.path.join(directory, n) for n in names
+                    if (n.endswith(".tmp") and _NAME_RE.match(n.split(".h5")[0] + ".h5"))
+                    or (".h5.rank-" in n and n.split(".rank-")[0] not in names)]
     for path in removed:
         try:
             os.remove(path)
@@ -396,7 +473,7 @@ def set_aside_after(directory: str | os.PathLike, step: int) -> str | None:
                                     f"{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(aside, exist_ok=True)
     for path in newer:
-        os.replace(path, os.path.join(aside, os.path.basename(path)))
+        _move(path, aside)
     _fsync_dir(directory)
     return aside
 

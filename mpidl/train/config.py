@@ -107,7 +107,9 @@ class Config:
     (:meth:`warmup_for`) and then the ``schedule`` decay to ``min_lr_ratio * lr``.
     """
 
-    task: str = choices("reviews", "custom", default="reviews")
+    # reviews: classify the generated reviews; gpt: a language model on the generated
+    # language corpus; custom: a dataset given with --data (classification)
+    task: str = choices("reviews", "gpt", "custom", default="reviews")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"main": "name"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"main": "path"})
     # -- optimisation
@@ -136,6 +138,9 @@ class Config:
     seed: int = 0                            # model init and dropout; data order uses it too
     # -- distribution
     backend: str = choices("numpy", "cupy", default="numpy")
+    # 0: data parallelism; 1, 2, 3: ZeRO stages (sharded optimizer state, gradients,
+    # parameters; mpidl.parallel.ShardedDataParallel)
+    zero: int = 0
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
     keep_freed_memory: bool = True           # glibc keeps freed memory (no page faults
     #                                          re-fetching each step's activations)
@@ -186,6 +191,9 @@ def _validate(config: Config) -> None:
         if getattr(config, key) is not None and getattr(config, key) < 1:
             raise ConfigError(f"config key {key!r} must be >= 1 or none, "
                               f"got {getattr(config, key)}")
+    if config.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"config key 'zero' must be 0 (data parallelism) or a ZeRO stage 1, 2 "
+                          f"or 3, got {config.zero}")
     if config.bucket_mb is not None and not config.bucket_mb > 0:
         raise ConfigError(f"config key 'bucket_mb' must be > 0 or none, got {config.bucket_mb}")
     if not (config.lr > 0 and math.isfinite(config.lr)):

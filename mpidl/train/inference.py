@@ -101,10 +101,10 @@ def _config_dataset(config: Any) -> str | None:
     """The dataset directory ``config`` trains on, without generating anything."""
     if config.data.path:
         return config.data.path
-    if config.task == "reviews":
-        from mpidl.train.task import reviews_cache_dir
+    if config.task in ("reviews", "gpt"):
+        from mpidl.train.task import corpus_cache_dir
 
-        return reviews_cache_dir(config)
+        return corpus_cache_dir(config)
     return None
 
 

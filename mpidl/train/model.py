@@ -100,3 +100,26 @@ def build_model(config: Config, dataset: Any) -> Any:
     """The configured model, shaped by ``dataset`` (see the module docstring)."""
     factory = check_model(config)
     return factory(seed=config.seed, **model_options(config, dataset))
+
+
+def seed_dropout_per_rank(model: Any, seed: int, rank: int, salt: int = 0) -> int:
+    """Give every rank its own dropout masks; returns how many generators changed.
+
+    The model is built from the same seed on every rank (its parameters must agree), so
+    every dropout module's generator starts alike and sample k of every rank's share
+    would get the same mask: one mask, repeated across the global batch. Rank 0 keeps
+    its generators (a 1-rank run is unchanged); rank r > 0 reseeds each from
+    ``(seed, r, module index, salt)``. The states are checkpointed per rank
+    (:meth:`~mpidl.train.trainer.Trainer._rng_states`), so a resume on as many ranks is
+    exact; on another number, rank r > 0 reseeds with the step as ``salt``.
+    """
+    import numpy
+
+    if rank == 0:
+        return 0
+    changed = 0
+    for index, (_, m) in enumerate(model.named_modules()):
+        if isinstance(getattr(m, "rng", None), numpy.random.Generator):
+            m.rng = numpy.random.default_rng([int(seed), int(rank), index, int(salt)])
+            changed += 1
+    return changed

@@ -1,11 +1,12 @@
-"""Where a run's data comes from: a user's sharded dataset, or the generated reviews corpus.
+"""Where a run's data comes from: a user's sharded dataset, or a generated corpus.
 
 ``mpidl train`` with no arguments trains on 50,000 generated customer reviews
-(:mod:`mpidl.data.synthetic`). They are generated and sharded once, through the same
-writer ``mpidl shard`` uses, into ``<cache_dir>/reviews-<key>/``, where ``key`` is a hash
-of the corpus options; later runs with the same options reuse it. Rank 0 builds it in a
-temporary directory and renames it into place, so concurrent jobs never see half a
-dataset; the other ranks wait at a barrier.
+(:mod:`mpidl.data.synthetic`); ``mpidl train gpt`` on a generated language corpus with
+learnable structure (:mod:`mpidl.data.language`). Each is generated and sharded once,
+through the same writer ``mpidl shard`` uses, into ``<cache_dir>/<task>-<key>/``, where
+``key`` is a hash of the corpus options; later runs with the same options reuse it.
+Rank 0 builds it in a temporary directory and renames it into place, so concurrent jobs
+never see half a dataset; the other ranks wait.
 """
 from __future__ import annotations
 
@@ -20,24 +21,31 @@ from typing import Any
 from mpidl.train.config import Config
 
 
+def _options(config: Config) -> dict:
+    """The options that make a task's corpus (its cache key)."""
+    d = config.data
+    if config.task == "gpt":
+        return {"num_train": d.num_train, "num_test": d.num_test, "seq_len": d.seq_len,
+                "vocab_size": d.vocab_size, "seed": d.seed, "format": 1}
+    return {"num_train": d.num_train, "num_test": d.num_test, "seq_len": d.seq_len,
+            "vocab_size": d.vocab_size, "label_noise": d.label_noise, "seed": d.seed,
+            "format": 1}
+
+
+def corpus_cache_dir(config: Config) -> str:
+    """The directory of the generated corpus of ``config.task`` for its options."""
+    key = hashlib.sha256(json.dumps(_options(config), sort_keys=True).encode()).hexdigest()
+    name = "language" if config.task == "gpt" else "reviews"
+    return os.path.join(config.data.cache_dir, f"{name}-{key[:12]}")
+
+
 def reviews_cache_dir(config: Config) -> str:
-    """The directory of the generated corpus for ``config.data``'s options."""
-    d = config.data
-    options = {"num_train": d.num_train, "num_test": d.num_test, "seq_len": d.seq_len,
-               "vocab_size": d.vocab_size, "label_noise": d.label_noise, "seed": d.seed,
-               "format": 1}
-    key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
-    return os.path.join(d.cache_dir, f"reviews-{key}")
+    """The directory of the generated reviews corpus for ``config.data``'s options."""
+    return corpus_cache_dir(config)
 
 
-def _build_reviews(config: Config, target: str) -> None:
-    from mpidl.data import write_text_shards
-    from mpidl.data.synthetic import generate_reviews
-
-    d = config.data
-    train_texts, train_labels, test_texts, test_labels = generate_reviews(
-        d.num_train, d.num_test, seed=d.seed, label_noise=d.label_noise)
-    names = ("negative", "positive")
+def _build(config: Config, target: str) -> None:
+    """Generate the task's corpus into ``target`` (a temporary sibling, then renamed)."""
     parent = os.path.dirname(os.path.abspath(target)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".reviews-", dir=parent)
@@ -47,10 +55,7 @@ def _build_reviews(config: Config, target: str) -> None:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     try:
-        write_text_shards(tmp, train_texts, [names[i] for i in train_labels],
-                          test_texts=test_texts, test_labels=[names[i] for i in test_labels],
-                          vocab_size=d.vocab_size, length=d.seq_len, classes=names,
-                          source="mpidl.data.synthetic.generate_reviews", seed=d.seed)
+        _write_corpus(config, tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another job got there first: use theirs
@@ -59,6 +64,25 @@ def _build_reviews(config: Config, target: str) -> None:
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_corpus(config: Config, out: str) -> None:
+    d = config.data
+    if config.task == "gpt":
+        from mpidl.data.language import write_language
+
+        write_language(out, d.num_train, d.num_test, d.seq_len, d.vocab_size, d.seed)
+        return
+    from mpidl.data import write_text_shards
+    from mpidl.data.synthetic import generate_reviews
+
+    train_texts, train_labels, test_texts, test_labels = generate_reviews(
+        d.num_train, d.num_test, seed=d.seed, label_noise=d.label_noise)
+    names = ("negative", "positive")
+    write_text_shards(out, train_texts, [names[i] for i in train_labels],
+                      test_texts=test_texts, test_labels=[names[i] for i in test_labels],
+                      vocab_size=d.vocab_size, length=d.seq_len, classes=names,
+                      source="mpidl.data.synthetic.generate_reviews", seed=d.seed)
 
 
 def _complete(target: str) -> bool:
@@ -75,10 +99,10 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
     """
     if config.data.path:
         return config.data.path
-    if config.task != "reviews":
+    if config.task not in ("reviews", "gpt"):
         raise ValueError(f"task {config.task!r} needs a dataset: pass --data=DIR "
                          "(a directory written by `mpidl shard`)")
-    target = reviews_cache_dir(config)
+    target = corpus_cache_dir(config)
     error = None
     if comm.rank == 0 and os.path.isdir(target) and not _complete(target):
         # Damaged (a scratch purge took files, kept directories): set it aside, rebuild.
@@ -86,14 +110,15 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
         log.info(f"the cached corpus {target} is incomplete; moved to {aside}, rebuilding")
         os.rename(target, aside)
     if comm.rank == 0 and not os.path.isdir(target):
-        log.info(f"generating the reviews corpus ({config.data.num_train} train + "
+        what = "language" if config.task == "gpt" else "reviews"
+        log.info(f"generating the {what} corpus ({config.data.num_train} train + "
                  f"{config.data.num_test} test) into {target} ...")
         try:
-            _build_reviews(config, target)
+            _build(config, target)
         except Exception as e:  # reported on every rank below
             error = f"{type(e).__name__}: {e}"
     from mpidl.comm.ledger import patience
 
-    with patience("rank 0 generates the reviews corpus"):
-        comm.check(error is None, f"could not build the reviews corpus in {target}: {error}")
+    with patience("rank 0 generates the corpus"):
+        comm.check(error is None, f"could not build the corpus in {target}: {error}")
     return target

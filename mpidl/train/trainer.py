@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy
 
-from mpidl import functions as F
 from hpc.files import write_text
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.config import Config, ConfigError, to_toml
@@ -54,15 +53,17 @@ class Diverged(RuntimeError):
     """The run cannot go on: too many non-finite steps in a row, or non-finite parameters."""
 
 
-def _check_splits(train: Any, test: Any) -> None:
-    """What the trainer reads: features ``x`` (inputs) and ``y`` (labels), some samples."""
+def _check_splits(train: Any, test: Any, needed: tuple[str, ...] = ("x", "y")) -> None:
+    """What the trainer reads: features ``x`` (inputs) and ``y`` (labels; a language
+    model reads ``x`` only), some samples."""
     for split in (train, test):
-        missing = [name for name in ("x", "y") if name not in split.features]
+        missing = [name for name in needed if name not in split.features]
         if missing:
+            what = " and ".join(f"{n!r}" for n in needed)
             raise ValueError(
                 f"dataset {split.path} has features {sorted(split.features)}, but the "
-                f"trainer reads 'x' (inputs) and 'y' (labels): write the split with those "
-                f"names (missing: {', '.join(missing)})")
+                f"trainer reads {what}: write the split with those names "
+                f"(missing: {', '.join(missing)})")
     if len(train) == 0:
         raise ValueError(f"dataset {train.path} has no samples: nothing to train on; "
                          f"write a non-empty train split")
@@ -123,7 +124,8 @@ class Trainer:
     def __init__(self, config: Config, comm: Any, run_dir: str, data_dir: str) -> None:
         from mpidl.backend import get_xp
         from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
-        from mpidl.parallel import DataParallel
+        from mpidl.parallel import DataParallel, ShardedDataParallel
+        from mpidl.train.objective import objective_for
 
         self.config, self.comm, self.run_dir = config, comm, run_dir
         self.log = Logger(comm.rank, comm.size)
@@ -137,21 +139,33 @@ class Trainer:
             bind(comm.local_rank)
         self.train_set = ShardedDataset(os.path.join(data_dir, "train"), comm=comm)
         self.test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
-        _check_splits(self.train_set, self.test_set)  # the same files: alike on every rank
+        self.objective = objective_for(config, self.train_set)
+        # The same files: alike on every rank.
+        _check_splits(self.train_set, self.test_set, self.objective.features)
         self._warn_if_one_class_dominates()
         self.model = build_model(config, self.train_set).to(self.xp)
+        from mpidl.train.model import seed_dropout_per_rank
+
+        seed_dropout_per_rank(self.model, config.seed, comm.rank)
         dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
-        self.dp = DataParallel(self.model, comm, overlap=config.overlap,
-                               keep_freed_memory=config.keep_freed_memory, **dp_options)
-        self.optimizer = build_optimizer(config, self.model.parameters())
+        if config.zero:
+            self.dp = ShardedDataParallel(self.model, comm, stage=config.zero,
+                                          keep_freed_memory=config.keep_freed_memory,
+                                          **dp_options)
+        else:
+            self.dp = DataParallel(self.model, comm, overlap=config.overlap,
+                                   keep_freed_memory=config.keep_freed_memory, **dp_options)
+        # What the optimizer updates: the model's parameters, or this rank's shards.
+        self.optimizer = build_optimizer(config, self.dp.parameters())
         sampler = DistributedSampler(len(self.train_set), config.global_batch, comm.rank,
                                      comm.size, seed=config.seed, shuffle=config.data.shuffle,
                                      block_size=config.data.block_size)
-        self.loader = DataLoader(self.train_set, sampler, xp=self.xp,
+        self.loader = DataLoader(self.train_set, sampler, self.objective.features, xp=self.xp,
                                  prefetch=config.data.prefetch)
         eval_sampler = DistributedSampler(len(self.test_set), EVAL_BATCH, comm.rank,
                                           comm.size, seed=0, shuffle="none")
-        self.eval_loader = DataLoader(self.test_set, eval_sampler, xp=self.xp,
+        self.eval_loader = DataLoader(self.test_set, eval_sampler, self.objective.features,
+                                      xp=self.xp,
                                       prefetch=config.data.prefetch)
         steps = config.epochs * len(self.loader)
         self.total_steps = min(steps, config.steps) if config.steps else steps
@@ -166,7 +180,7 @@ class Trainer:
         # float16 parameters (--model.dtype=float16) train with a dynamic loss scale.
         from mpidl.optim import DynamicLossScale
 
-        half = any(p.data.dtype == numpy.float16 for p in self.model.parameters())
+        half = any(p.data.dtype == numpy.float16 for p in self.dp.parameters())
         self.loss_scale = DynamicLossScale() if half else None
         self.timeline = Timeline(comm.rank, enabled=config.trace)
         # On a GPU, CUDA events time the steps (read a step later): no host sync per step.
@@ -211,15 +225,21 @@ class Trainer:
             return mine
         return {"per_rank": {str(r): s for r, s in enumerate(everyone)}}
 
-    def _load_rng_states(self, saved: dict[str, Any]) -> None:
+    def _load_rng_states(self, saved: dict[str, Any], step: int = 0) -> None:
         states = saved.get("per_rank")
+        other_count = states is not None and len(states) != self.comm.size
         if states is not None:
             # Another number of ranks splits batches otherwise anyway (equal up to
-            # rounding, not bitwise): rank 0's generators then serve every rank.
-            saved = states[str(self.comm.rank) if len(states) == self.comm.size else "0"]
+            # rounding, not bitwise): rank 0 continues rank 0's generators, the others
+            # get fresh ones of their own (seeded with the step, not reused masks).
+            saved = states["0" if other_count else str(self.comm.rank)]
         for name, m in self.model.named_modules():
             if name in saved:
                 m.rng.bit_generator.state = saved[name]
+        if other_count:
+            from mpidl.train.model import seed_dropout_per_rank
+
+            seed_dropout_per_rank(self.model, self.config.seed, self.comm.rank, salt=step)
 
     def save(self) -> str | None:
         """Rank 0 writes a checkpoint of the current step; every rank waits. Collective.
@@ -232,7 +252,7 @@ class Trainer:
 
         path = None
         error = None
-        if self.comm.agree_each(not bool(params_finite(self.model.parameters())))[0]:
+        if self.comm.agree_each(not bool(params_finite(self.dp.parameters())))[0]:
             self.log.info(f"warning: no checkpoint at step {self.step}: the parameters are not "
                           f"finite; the last good one is kept ({self._last_checkpoint()})")
             return None
@@ -241,23 +261,48 @@ class Trainer:
         # The steps since the last train record, so a resumed run's first record averages
         # as many steps as the uninterrupted run's (all ranks' sums: any rank count).
         window = [float(v) for v in self._window_totals(self.window)]
+        extra = {"ranks": self.comm.size, "total_steps": self.total_steps,
+                 "train_window": window, "skipped_steps": self.skipped_steps,
+                 "loss_scale": self.loss_scale.state_dict() if self.loss_scale else None}
+        if self.config.zero:
+            # Every rank writes its own pieces (nobody gathers the model); rank 0 writes
+            # the checkpoint itself once all parts are on disk.
+            from mpidl.parallel.zero import state_pieces
+
+            model, optimizer = state_pieces(self.dp, self.optimizer)
+            extra["layout"] = {"kind": "pieces", "ranks": self.comm.size,
+                               "zero": self.config.zero,
+                               "order": [n for n, _ in self.model.named_parameters()]}
+            if self.comm.rank != 0:
+                try:
+                    ckpt.save_companion(self.checkpoint_dir, self.step, self.comm.rank,
+                                        model=model, optimizer=optimizer)
+                except OSError as e:
+                    error = f"cannot write a checkpoint part into {self.checkpoint_dir}: {e}"
+            with patience("the ranks write their checkpoint parts"):
+                self.comm.check(error is None, str(error))
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
         if self.comm.rank == 0:
             try:
                 path = ckpt.save_checkpoint(
-                    self.checkpoint_dir, self.step, model=self.model.state_dict(),
-                    optimizer=self.optimizer.state_dict(), rng=rng,
-                    sampler=self.loader.state_dict(), config=to_toml(self.config),
-                    epoch=self.loader.state_dict()["epoch"],
-                    extra={"ranks": self.comm.size, "total_steps": self.total_steps,
-                           "train_window": window, "skipped_steps": self.skipped_steps,
-                           "loss_scale": (self.loss_scale.state_dict()
-                                          if self.loss_scale else None)})
+                    self.checkpoint_dir, self.step, model=model, optimizer=optimizer,
+                    rng=rng, sampler=self.loader.state_dict(), config=to_toml(self.config),
+                    epoch=self.loader.state_dict()["epoch"], extra=extra)
                 ckpt.keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
             except OSError as e:
                 error = f"cannot write a checkpoint into {self.checkpoint_dir}: {e}"
         with patience("rank 0 writes a checkpoint"):
             self.comm.check(error is None, str(error))
         return path
+
+    def _state_bytes(self) -> dict[str, Any]:
+        """Bytes every rank holds in parameters, gradients and optimizer state (lists by
+        rank, for the metrics). Collective."""
+        from mpidl.train.memory import state_bytes
+
+        everyone = self.comm.allgather_obj(state_bytes(self.dp, self.optimizer))
+        return {f"state_bytes_{k}": [e[k] for e in everyone] for k in everyone[0]}
 
     def _check_replicas(self) -> None:
         """Warn if the ranks' parameters are not bit-identical. Collective.
@@ -271,6 +316,8 @@ class Trainer:
 
         from mpidl.backend import as_numpy
 
+        if self.config.zero:
+            return  # each rank holds its own shard by design
         digest = 0
         for p in self.model.parameters():
             digest = zlib.crc32(numpy.ascontiguousarray(as_numpy(p.data)), digest)
@@ -294,15 +341,31 @@ class Trainer:
         another sample order.
         """
         path = state.path
-        load_model_state(self.model, state, self.config, "resume from")
+        if self.config.zero:
+            from mpidl.parallel.zero import load_full_state
+
+            try:  # any checkpoint: data-parallel or sharded at any rank count
+                load_full_state(self.dp, state.model, None, self.optimizer)
+            except (KeyError, ValueError) as e:
+                raise ConfigError(
+                    f"cannot resume from {path}: it holds another model than the configured "
+                    f"{self.config.model.name!r} ({_first_line(e)}); use the model options it "
+                    "was saved with, or another --run-dir for a new model") from None
+        else:
+            load_model_state(self.model, state, self.config, "resume from")
         try:
-            self.optimizer.load_state_dict(state.optimizer)
+            if self.config.zero:
+                from mpidl.parallel.zero import load_full_state
+
+                load_full_state(self.dp, state.model, state.optimizer, self.optimizer)
+            else:
+                self.optimizer.load_state_dict(state.optimizer)
         except (KeyError, ValueError, IndexError) as e:
             raise ConfigError(
                 f"cannot resume from {path}: its optimizer state does not fit the configured "
                 f"optimizer {self.config.optimizer!r} ({_first_line(e)}); resume with the "
                 "optimizer it was saved with, or use another --run-dir") from None
-        self._load_rng_states(state.rng)
+        self._load_rng_states(state.rng, int(state.step))
         try:
             self.loader.load_state_dict(state.sampler)
         except ValueError as e:  # the same on every rank: each reads the same file
@@ -373,11 +436,13 @@ class Trainer:
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self) -> Any:
-        """Exact scores over the whole test split (:class:`~mpidl.data.evaluate.Scores`:
-        loss, accuracy, recall, macro-F1, majority-class accuracy). Collective."""
-        from mpidl.train.evaluation import evaluate_model
-
-        return evaluate_model(self.model, self.eval_loader, self.comm)
+        """Exact scores over the whole test split, the objective's (classification:
+        :class:`~mpidl.data.evaluate.Scores`: loss, accuracy, recall, macro-F1,
+        majority-class accuracy; a language model: loss, perplexity, next-token
+        accuracy), as ``{"record", "line", "scores"}``. Collective."""
+        if self.config.zero:
+            self.dp.gather_parameters()  # stages 1-2: the latest step's parameters
+        return self.objective.evaluate(self.model, self.eval_loader, self.comm)
 
     # -- training -------------------------------------------------------------------------
     def _train_step(self, x: Any, y: Any, n: int, flag: PreemptionFlag
@@ -396,11 +461,12 @@ class Trainer:
         # warnings on every operation they pass through.
         scale = self.loss_scale.scale if self.loss_scale else 1.0
         with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            logits = self.dp(x)
-            loss = F.softmax_cross_entropy(logits, y, reduction="sum")
-            self.dp.backward(loss, global_count=n, scale=scale)
+            logits = self.dp(self.objective.inputs(x))
+            loss, counted, correct = self.objective.loss(logits, x, y, self.xp)
+            count = self.objective.global_count(self.comm, n, counted)
+            self.dp.backward(loss, global_count=count, scale=scale)
         self.timer.add("comm", self.dp.comm_wait_seconds, start=self.dp.comm_wait_start)
-        params = self.model.parameters()
+        params = self.dp.parameters()  # the model's, or this rank's shards (ZeRO)
         loss_finite = bool(self.xp.isfinite(loss.data))
         finite = loss_finite and bool(grads_finite(params))
         preempted, nonfinite, bad_loss = self.comm.agree_each(
@@ -426,14 +492,11 @@ class Trainer:
 
             unscale_(params, self.loss_scale)
         if self.config.clip_grad_norm:
-            from mpidl.optim import clip_grad_norm_
-
-            clip_grad_norm_(params, self.config.clip_grad_norm)
+            self.dp.clip_grad_norm_(self.config.clip_grad_norm)  # the global norm
         self.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
         self.optimizer.step()
         self.optimizer.zero_grad()
-        correct = self.xp.count_nonzero(logits.data.argmax(1) == y) if len(y) else 0
-        return loss.data, correct, len(y), preempted
+        return loss.data, correct, counted, preempted
 
     def _nonfinite_step(self, finite_here: bool) -> None:
         """Handle a step skipped for a non-finite loss or gradient. Collective.
@@ -450,7 +513,7 @@ class Trainer:
                  "is not finite" if ranks else
                  "the averaged gradients are not finite")
         step = self.step + 1
-        if self.comm.agree_each(not bool(params_finite(self.model.parameters())))[0]:
+        if self.comm.agree_each(not bool(params_finite(self.dp.parameters())))[0]:
             raise Diverged(f"step {step}: the parameters are no longer finite (the last update "
                            f"overflowed); the last good checkpoint is {self._last_checkpoint()}. "
                            "Lower --lr, or set --clip-grad-norm")
@@ -490,7 +553,7 @@ class Trainer:
                         batch = next(batches, None)  # waits only if the prefetch fell behind
                         if batch is None:
                             break
-                        x, y, n = batch
+                        x, y, n = batch[0], batch[1] if len(batch) > 2 else None, batch[-1]
                         with self.timer.step(start=start):
                             self.timer.add("input", time.perf_counter() - start, start=start)
                             loss, correct, counted, preempted = self._train_step(x, y, n, flag)
@@ -553,10 +616,9 @@ class Trainer:
 
     def _evaluate_epoch(self, epoch: int, say: Any) -> None:
         """Evaluate on the test split, record it and ``say`` it. Collective."""
-        scores = self.evaluate()
-        self.metrics.write(kind="eval", epoch=epoch, step=self.step, **scores.as_record())
-        say(f"epoch {epoch}: test loss {scores.loss:.4f}, test accuracy {scores.accuracy:.4f}, "
-            f"macro-F1 {scores.macro_f1:.4f} (majority class {scores.majority_accuracy:.4f})")
+        result = self.evaluate()
+        self.metrics.write(kind="eval", epoch=epoch, step=self.step, **result["record"])
+        say(f"epoch {epoch}: {result['line']}")
 
     def _window_totals(self, window: list) -> numpy.ndarray:
         """Loss sum, correct and samples of ``window`` over all ranks. Collective."""
@@ -569,9 +631,11 @@ class Trainer:
         """Write a train record of the steps since the last one. Collective."""
         totals = self._window_totals(window)
         times = self.timer.last.as_record() if self.timer.last else {}
-        record = dict(kind="train", epoch=epoch, step=self.step,
-                      loss=totals[0] / max(totals[2], 1), accuracy=totals[1] / max(totals[2], 1),
+        loss = totals[0] / max(totals[2], 1)
+        record = dict(kind="train", epoch=epoch, step=self.step, loss=loss,
+                      accuracy=totals[1] / max(totals[2], 1), **self.objective.extra(loss),
                       lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
+        record.update(self._state_bytes())
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps  # non-finite steps so far in all
         if self.loss_scale is not None:
@@ -580,6 +644,8 @@ class Trainer:
         return record
 
     def _summary(self, seconds: float, steps: int) -> None:
+        """Rank 0 prints the run's summary. Collective (the ranks' state sizes)."""
+        held = self._state_bytes()
         if self.comm.rank != 0:
             return
         mean = self.timer.mean()
@@ -594,7 +660,18 @@ class Trainer:
             "step time": f"{mean.total * 1e3:.1f} ms (compute {mean.compute * 1e3:.1f}, "
                          f"comm wait {mean.comm * 1e3:.1f}, input wait {mean.input * 1e3:.1f})",
             "final test accuracy": evals[-1]["test_accuracy"] if evals else "-",
+            **({"final test perplexity": evals[-1]["test_perplexity"]}
+               if evals and "test_perplexity" in evals[-1] else {}),
+            "model state per rank": _describe_state(held, self.config.zero),
             **({"non-finite steps skipped": self.skipped_steps} if self.skipped_steps else {}),
             "run directory": self.run_dir,
         }
         print("\n" + format_summary(records, totals), flush=True)
+
+
+def _describe_state(held: dict[str, list[int]], zero: int) -> str:
+    """``0.212 MB parameters, 0 MB gradients, 0.425 MB optimizer state (largest rank; ...)``."""
+    parts = [f"{max(held[f'state_bytes_{k}']) / 1e6:.3g} MB {k}"
+             for k in ("parameters", "gradients", "optimizer")]
+    mode = f"ZeRO stage {zero}" if zero else "data parallel: every rank holds it all"
+    return ", ".join(parts) + f" state (largest rank; {mode})"

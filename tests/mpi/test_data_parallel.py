@@ -213,6 +213,24 @@ def test_wrapping_a_model_again_replaces_the_old_wrapper(comm):
     assert_same_parameters(comm, model, ref)
 
 
+def test_a_rewrap_that_fails_leaves_the_old_wrapper_working_and_a_good_one_frees_its_window(
+        comm):
+    model, ref = small_mlp(), small_mlp()
+    first = DataParallel(model, comm)
+    with raises_all_ranks(comm, ValueError, match="shared_memory=True"):
+        DataParallel(model, comm, shared_memory=True, compression="bfloat16")
+    data = list(batches("mlp", 2, 4 * comm.size))
+    train_parallel(comm, first, SGD(model.parameters(), lr=0.1), data)  # still works
+    train_reference(ref, SGD(ref.parameters(), lr=0.1), data)
+    assert_same_parameters(comm, model, ref)
+    window = first.transport
+    second = DataParallel(model, comm)
+    freed = getattr(window, "window", None) is None and getattr(window, "retired", None) is None
+    assert_all_ranks(comm, first._detached and freed and not second._detached,
+                     f"old wrapper detached {first._detached}, its window freed {freed}")
+    second.close()
+
+
 def test_shared_memory_that_cannot_be_used_is_an_error_on_every_rank(comm):
     with raises_all_ranks(comm, ValueError, match="shared_memory=True"):
         DataParallel(small_mlp(), comm, shared_memory=True, compression="bfloat16")

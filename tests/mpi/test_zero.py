@@ -187,3 +187,51 @@ def test_the_same_options_are_checked_on_every_rank(comm):
 
     with raises_all_ranks(comm, Exception, match="options differ between ranks"):
         ShardedDataParallel(small_mlp(), comm, stage=1 + (comm.rank == 1))
+
+
+def test_a_gpt_2_5_times_the_budget_trains_at_3_ranks_with_stage_3_inside_it(comm):
+    if comm.size != 3:
+        pytest.skip("the budget case is set for 3 ranks")
+    # 12 blocks: each unit is a twelfth of the model, the model's own unit small.
+    def model():
+        return gpt(vocab=32, seq_len=16, dim=16, layers=12, heads=2, seed=5)
+    full = model()
+    params = sum(p.data.size for p in full.parameters())
+    data_parallel_state = 16 * params  # float32: parameters, gradients, two AdamW moments
+    budget = data_parallel_state / 2.5
+    m = model()
+    sdp = ShardedDataParallel(m, comm, stage=3)
+    opt = AdamW(sdp.parameters(), lr=1e-3)
+    rng = numpy.random.default_rng(0)
+    losses = []
+    for _ in range(4):
+        ids = rng.integers(0, 32, size=(6, 16))
+        x, y = share(comm, ids[:, :-1], ids[:, 1:])
+        loss = softmax_cross_entropy(sdp(x), y, reduction="sum")
+        sdp.backward(loss, global_count=targets(ids[:, 1:]))
+        opt.step()
+        held = sdp.state_bytes(opt)  # with the gradient shards, before zero_grad drops them
+        opt.zero_grad()
+        losses.append(float(comm.allreduce(numpy.array([float(loss.data)]))[0]))
+    state = held["parameters"] + held["gradients"] + held["optimizer"]
+    largest = max(8 * u.padded for u in sdp.units)  # a unit's full parameters + gradient
+    sdp.close()
+    ok = state + largest <= budget and losses[-1] < losses[0]
+    assert_all_ranks(comm, ok, f"model state {state} + largest unit {largest} bytes against a "
+                               f"budget of {budget:.0f} (data parallel: {data_parallel_state}); "
+                               f"losses {losses}; peak gathered {sdp.peak_gathered_bytes}")
+
+
+def test_every_rank_draws_its_own_dropout_masks(comm):
+    from mpidl import functions as F
+    from mpidl.models import transformer
+    from mpidl.train.model import seed_dropout_per_rank
+
+    model = transformer(vocab=20, seq_len=4, dim=8, layers=1, heads=2, ffn=16, classes=2,
+                        dropout=0.5, seed=0)
+    seed_dropout_per_rank(model, seed=0, rank=comm.rank)
+    drop = next(m for _, m in model.named_modules() if hasattr(m, "rng") and hasattr(m, "p"))
+    mask = F.dropout(numpy.ones((4, 16)), drop.p, training=True, rng=drop.rng).data != 0
+    masks = comm.allgather_obj(mask.tolist())
+    distinct = len({str(m) for m in masks})
+    assert_all_ranks(comm, distinct == comm.size, f"{distinct} distinct masks on {comm.size} ranks")
