@@ -91,6 +91,10 @@ class CountingCommunicator(Communicator):
         self._count("allgather", x.nbytes)
         return self.inner.allgather(x)
 
+    def iallgather(self, x: Any) -> Request:
+        self._count("iallgather", x.nbytes)
+        return self.inner.iallgather(x)
+
     def allgatherv(self, x: Any) -> Any:
         self._count("allgatherv", x.nbytes)
         return self.inner.allgatherv(x)

@@ -235,3 +235,48 @@ def test_every_rank_draws_its_own_dropout_masks(comm):
     masks = comm.allgather_obj(mask.tolist())
     distinct = len({str(m) for m in masks})
     assert_all_ranks(comm, distinct == comm.size, f"{distinct} distinct masks on {comm.size} ranks")
+
+
+def test_bytes_per_step_match_the_theory(comm):
+    """Bytes through each rank's link per step (the ring algorithms' share of what each
+    call hands over): stages 1-2 send what data parallelism's allreduce sends; stage 3
+    adds the backward's second gather of every unit but the model's own (kept gathered
+    from forward to backward), at most 1.5x."""
+    if comm.size == 1:
+        pytest.skip("one rank sends nothing")
+    from mpidl.testing.counting import CountingCommunicator
+
+    n = comm.size
+    wire = {}
+    for stage in (0, 1, 2, 3):
+        counting = CountingCommunicator(comm)
+        model = small_gpt()
+        if stage:
+            wrapper = ShardedDataParallel(model, counting, stage=stage)
+        else:
+            wrapper = DataParallel(model, counting, shared_memory=False, bucket_mb=64)
+        x, y = next(data("gpt", steps=1))
+        xs, ys = share(comm, x, y)
+        counting.reset()
+        wrapper.backward(softmax_cross_entropy(wrapper(xs), ys, reduction="sum"),
+                         global_count=targets(y))
+        if stage in (1, 2):
+            wrapper.gather_parameters()  # what the next forward does first
+        c = counting.counts
+        sent = (2 * (n - 1) / n * c["allreduce_"].nbytes if "allreduce_" in c else 0.0)
+        sent += (n - 1) / n * c["reduce_scatter"].nbytes if "reduce_scatter" in c else 0.0
+        for op in ("allgather", "iallgather"):
+            if op in c:  # each rank's block goes to the n - 1 others
+                sent += (n - 1) * c[op].nbytes
+        wire[stage] = sent
+        if stage:
+            units = wrapper.units
+            padded = sum(u.padded for u in units) * 8
+            root = sum(u.padded for u in units if u.module is model) * 8
+        wrapper.close()
+    exact = 2 * (n - 1) / n * padded  # reduce-scatter + allgather of the padded units
+    ok = (abs(wire[1] - exact) < 1 and abs(wire[2] - exact) < 1
+          and abs(wire[3] - (exact + (n - 1) / n * (padded - root))) < 1
+          and wire[3] <= 1.5 * wire[0] + 8 * 64 * n)
+    assert_all_ranks(comm, ok, f"bytes per step {wire}; theory: stages 1-2 {exact:.0f}, "
+                               f"stage 3 {exact + (n - 1) / n * (padded - root):.0f}")
