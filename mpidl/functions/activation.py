@@ -1,4 +1,5 @@
-"""Activations and normalised exponentials: relu, tanh, sigmoid, gelu, softmax, log_softmax.
+"""Activations and normalised exponentials: relu, leaky_relu, tanh, sigmoid, gelu, softmax,
+log_softmax.
 
 GELU needs ``erf``, which NumPy lacks (and SciPy is not a dependency). :func:`erf`
 evaluates it with rational approximations, the same code on NumPy and CuPy: for float64
@@ -182,6 +183,21 @@ class ReLU(Function):
         return gy * (self.y > 0)
 
 
+class LeakyReLU(Function):
+    def forward(self, x):
+        xp = get_array_module(x)
+        self.mask = x > 0  # bool: a quarter of a saved float32 input
+        y = x * x.dtype.type(self.slope)
+        xp.copyto(y, x, where=self.mask)
+        return y
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        g = gy * gy.dtype.type(self.slope)
+        xp.copyto(g, gy, where=self.mask)
+        return g
+
+
 class Tanh(Function):
     def forward(self, x):
         self.y = get_array_module(x).tanh(x)
@@ -362,6 +378,11 @@ def _sum(x: Any, axis: int) -> Any:
 def relu(x: Any) -> Tensor:
     """Rectified linear unit, elementwise ``max(x, 0)``."""
     return ReLU.apply(x)
+
+
+def leaky_relu(x: Any, negative_slope: float = 0.01) -> Tensor:
+    """Leaky rectified linear unit: ``x`` where ``x > 0``, else ``negative_slope * x``."""
+    return LeakyReLU.apply(x, slope=float(negative_slope))
 
 
 def tanh(x: Any) -> Tensor:

@@ -147,3 +147,12 @@ def test_dropout_gradient(xp):
     a = _randn(xp, 4, 3, seed=10)
     # The same seed each call: the same mask in every finite-difference evaluation.
     assert gradcheck(lambda t: F.dropout(t, 0.3, rng=7), [a])
+
+
+@pytest.mark.parametrize("slope", [0.01, 0.2, -0.5])
+def test_leaky_relu_forward_and_gradient(xp, slope):
+    a = _randn(xp, 3, 4, 5, seed=11)
+    n = as_numpy(a)
+    assert allclose(F.leaky_relu(Tensor(a), slope).data, numpy.where(n > 0, n, slope * n))
+    assert gradcheck(lambda t: F.leaky_relu(t, slope), [a])
+    assert F.leaky_relu(Tensor(a.astype(numpy.float32))).dtype == numpy.float32
