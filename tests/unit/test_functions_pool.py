@@ -170,3 +170,18 @@ def test_pooling_float32_and_an_empty_batch(xp):
 def test_pooling_errors_name_the_values(call, match):
     with pytest.raises(ValueError, match=match):
         call(numpy.zeros((1, 2, 5, 5)))
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pooling_with_a_different_window_per_axis(xp, kind):
+    # A 1-wide axis with stride 2 (a pass that only subsamples), and one padded 3-wide.
+    x = _randn(xp, 2, 2, 7, 6, seed=9)
+    args = dict(kernel_size=(1, 3), stride=(2, 1), padding=(0, 1))
+    fn = F.max_pool2d if kind == "max" else F.avg_pool2d
+    y = fn(Tensor(x), **args)
+    want = as_numpy(x)[:, :, ::2]
+    pad = numpy.pad(want, [(0, 0)] * 3 + [(1, 1)],
+                    constant_values=-numpy.inf if kind == "max" else 0.0)
+    windows = numpy.stack([pad[..., j:j + 6] for j in range(3)])
+    assert allclose(y.data, windows.max(axis=0) if kind == "max" else windows.mean(axis=0))
+    assert gradcheck(lambda t: fn(t, **args), [x])
