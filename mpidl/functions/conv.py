@@ -6,23 +6,29 @@ deep-learning "convolution".
 
 Forward is im2col + GEMM. The unfolded input ``cols (C, *K, B, *P)`` is filled by one
 strided copy per kernel offset (``prod(K)`` copies whose inner loop runs along the
-output's last axis, never along a kernel axis of 2 or 3 elements), then one GEMM
-``weight (O, C*K) @ cols (C*K, B*P)`` (a batched GEMM over groups) gives ``(O, B*P)``,
-transposed into ``(B, O, *P)``. Measured on this machine (OpenBLAS, 1 thread): the copies
-are 15-30% of the forward, the GEMM the rest; building ``cols`` from
-``sliding_window_view`` + ``ascontiguousarray`` instead is no faster (within noise), and
-``(B*P, C*K)`` rows need copies whose inner loop is a kernel axis (3 elements), slower.
+output's rows, never along a kernel axis of 2 or 3 elements), then one GEMM ``weight
+(O, C*K) @ cols (C*K, B*P)`` (a batched GEMM over groups) gives ``(O, B*P)``, transposed
+into ``(B, O, *P)``. Building ``cols`` from ``sliding_window_view`` +
+``ascontiguousarray`` measured no faster, and ``(B*P, C*K)`` rows need copies whose
+inner loop is a kernel axis (3 elements), slower. 'Same' layers with stride 1 (the
+reference models') copy whole planes instead of rows (:class:`FlatRows`): 2-3x faster
+copies at the cnn's 14x14 and 7x7 maps.
 
-Backward: ``gW = gy (O, B*P) @ cols.T``; ``gcols = W.T @ gy``, folded back into the
-input (col2im) by one strided add per kernel offset; within one offset the output
-positions map to distinct input positions, so ``+=`` on a view needs no scatter-add.
+Backward: ``gW = gy (O, B*P) @ cols.T``; ``gcols = W.T @ gy`` (written over ``cols``),
+folded back into the input (col2im) by one strided add per kernel offset; within one
+offset the output positions map to distinct input positions, so ``+=`` on a view needs
+no scatter-add.
 
 Memory: ``cols`` is ``prod(K)`` times the input, so it is built in chunks of at most
 :data:`COLS_BYTES`: whole samples while they fit, else slabs of output rows of one
 sample (along the first spatial axis; a 128^3 CosmoFlow volume with 32 channels and a
-2^3 kernel is 2 GiB unfolded). When the whole batch fits in one chunk, forward keeps
-``cols`` for backward (saving the rebuild, 15-30% of forward); otherwise backward
-rebuilds each chunk from the padded input.
+2^3 kernel is 2 GiB unfolded). No unfolded array outlives its forward or backward:
+backward unfolds the input (held by the graph anyway) again, chunk by chunk, so a
+network of any depth holds at most one chunk, and the layer saves nothing for backward
+beyond its input. Keeping ``cols`` from forward instead saved the rebuild (2-5% of a
+cnn step) but held 22 MB per cnn step from forward to backward, which glibc's default
+heap policy returns to the kernel and faults back in every step: 10,300 page faults
+and 94 ms per step kept, 6,500 and 86 ms rebuilt.
 """
 from __future__ import annotations
 
@@ -33,8 +39,20 @@ from typing import Any, Sequence
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module
 
+# The weight gradient as (cols @ gy^T)^T rather than gy @ cols^T from this many rows of
+# cols (C*K) up: OpenBLAS ran the cnn's and cosmoflow's (O, C*K) = (64, 288), (128, 576),
+# (64, 256) shapes 3-15% faster that way, and the small first layers (C*K = 9, 27)
+# 15-25% slower.
+_GW_TRANSPOSED_FROM = 64
+
+# Forward as one GEMM per sample written straight into y (B, O, P) from this many output
+# positions P up, instead of one GEMM (O, B*P) and a transposing copy: the cnn's first
+# layer (P = 784) 1.17 -> 0.35 ms, its second (196) 6.2 -> 5.9 ms, cosmoflow's first
+# two (32768, 4096) 4-5% faster; its third layer (P = 49) is 20% slower per sample.
+_PER_SAMPLE_GEMM_FROM = 128
+
 # Largest unfolded chunk (bytes). 64 MiB holds the reference cnn and cosmoflow batches in
-# one chunk; a bigger volume is processed a chunk at a time (and backward rebuilds it).
+# one chunk; a bigger volume is processed a chunk at a time.
 COLS_BYTES = 64 << 20
 
 
@@ -129,6 +147,147 @@ def _chunks(batch: int, out: tuple[int, ...], per_position: int, itemsize: int
             for r in range(0, out[0], rows)]
 
 
+class Windows:
+    """How a chunk of the input is unfolded into ``cols (C, *K, Bc, *Pc)`` and folded back.
+
+    The general geometry: the input is zero-padded on every spatial axis, and each
+    kernel offset is one strided view with the output's shape. NumPy runs such a copy
+    (or add) as one inner loop per output row, so with rows of 7-14 elements its cost
+    is the loop overhead (10 ns a row measured, 7x a contiguous copy of the same bytes).
+    """
+
+    def __init__(self, conv: "Convolution", x_shape: tuple, kernel: tuple) -> None:
+        self.conv, self.x_shape, self.kernel = conv, x_shape, kernel
+        self.offsets = list(itertools.product(*(range(k) for k in kernel)))
+
+    def pad(self, x: Any) -> Any:
+        return pad_input(x, self.conv.pads)
+
+    def zeros(self, dtype: Any, xp: Any) -> Any:
+        """A zero input gradient in the padded layout."""
+        spatial = tuple(s + p + q for s, (p, q) in zip(self.x_shape[2:], self.conv.pads))
+        return xp.zeros(self.x_shape[:2] + spatial, dtype=dtype)
+
+    def unpad(self, gxpad: Any) -> Any:
+        return unpad(gxpad, self.conv.pads)
+
+    def _views(self, padded: Any, chunk: tuple) -> Any:
+        """Per offset: (the offset, its view of the padded array ``(C, Bc, *Pc)``)."""
+        xp = get_array_module(padded)
+        b0, b1, r0, _ = chunk
+        out = self.conv._chunk_out(chunk)
+        t = xp.swapaxes(padded[b0:b1], 0, 1)  # (C, Bc, *Sp), a view
+        for offset in self.offsets:
+            sl = window_slices(offset, self.conv.dilation, self.conv.stride, out, r0)
+            yield offset, t[(slice(None), slice(None)) + sl]
+
+    def im2col(self, xpad: Any, chunk: tuple) -> Any:
+        """``cols (C, *K, Bc, *Pc)`` of one chunk of the padded input."""
+        xp = get_array_module(xpad)
+        c, bc = xpad.shape[1], chunk[1] - chunk[0]
+        cols = xp.empty((c,) + tuple(self.kernel) + (bc,) + self.conv._chunk_out(chunk),
+                        dtype=xpad.dtype)
+        for offset, view in self._views(xpad, chunk):
+            cols[(slice(None),) + offset] = view
+        return cols
+
+    def col2im(self, gxpad: Any, gcols: Any, chunk: tuple) -> None:
+        """Add ``gcols (C, *K, Bc, *Pc)`` back onto the padded input gradient."""
+        for offset, view in self._views(gxpad, chunk):
+            view += gcols[(slice(None),) + offset]
+
+
+class FlatRows(Windows):
+    """The geometry of 'same' convolutions with stride 1 on the last two axes (the
+    reference models' 3x3 and 2^3 'same' layers): the output rows are as wide as the
+    input's, so one kernel offset's view of a (row, column) plane is one contiguous run
+    of the flattened plane, shifted by the column offset. The last axis is not padded;
+    the planes sit in a buffer with a margin before and after each, and the columns
+    that the shift wraps into the neighbouring row (the padding positions) are zeroed
+    in ``cols`` after the copy, and in ``gcols`` before the add. The copies and adds
+    then run along planes instead of rows: for the cnn's 14 x 14 layer, im2col 1.7 ->
+    0.5 ms and col2im 3.7 -> 1 ms.
+    """
+
+    @staticmethod
+    def applies(conv: "Convolution", x_shape: tuple, kernel: tuple) -> bool:
+        d = len(kernel)
+        (lo, hi), dl = conv.pads[-1], conv.dilation[-1]
+        return (d >= 2 and conv.stride[-1] == 1 and conv.stride[-2] == 1
+                and lo + hi == dl * (kernel[-1] - 1) and x_shape[-1] > max(lo, hi))
+
+    def __init__(self, conv: "Convolution", x_shape: tuple, kernel: tuple) -> None:
+        super().__init__(conv, x_shape, kernel)
+        self.w = x_shape[-1]
+        self.lo = conv.pads[-1][0]
+        self.margin = max(conv.pads[-1])
+        # padded sizes of every spatial axis but the last; the last is the plane's width
+        self.outer = tuple(s + p + q for s, (p, q) in zip(x_shape[2:-1], conv.pads[:-1]))
+        self.flat = self.outer[-1] * self.w + 2 * self.margin  # a plane and its margins
+
+    def _planes(self, buf: Any) -> Any:
+        """``buf (B, C, *outer[:-1], flat)`` seen as padded planes ``(B, C, *outer, W)``."""
+        m = self.margin
+        inner = buf[..., m:m + self.outer[-1] * self.w]
+        return inner.reshape(buf.shape[:-1] + (self.outer[-1], self.w))
+
+    def _interior(self) -> tuple:
+        return (slice(None), slice(None)) + tuple(
+            slice(p, p + s) for s, (p, _) in zip(self.x_shape[2:-1], self.conv.pads[:-1]))
+
+    def pad(self, x: Any) -> Any:
+        xp = get_array_module(x)
+        buf = xp.zeros(x.shape[:2] + self.outer[:-1] + (self.flat,), dtype=x.dtype)
+        self._planes(buf)[self._interior()] = x
+        return buf
+
+    def zeros(self, dtype: Any, xp: Any) -> Any:
+        return xp.zeros(self.x_shape[:2] + self.outer[:-1] + (self.flat,), dtype=dtype)
+
+    def unpad(self, gxpad: Any) -> Any:
+        xp = get_array_module(gxpad)
+        return xp.ascontiguousarray(self._planes(gxpad)[self._interior()])
+
+    def _views(self, padded: Any, chunk: tuple) -> Any:
+        """Per offset: (the offset, its runs ``(C, Bc, *Pc[:-2], rows * W)``, the shift)."""
+        xp = get_array_module(padded)
+        conv, w = self.conv, self.w
+        b0, b1, r0, _ = chunk
+        out = conv._chunk_out(chunk)
+        d = len(self.kernel)
+        t = xp.swapaxes(padded[b0:b1], 0, 1)  # (C, Bc, *outer[:-1], flat), a view
+        for offset in self.offsets:
+            sl = list(window_slices(offset[:-2], conv.dilation, conv.stride, out[:-2], r0))
+            row = offset[-2] * conv.dilation[-2] + (r0 if d == 2 else 0)
+            shift = offset[-1] * conv.dilation[-1] - self.lo
+            start = self.margin + row * w + shift
+            sl.append(slice(start, start + out[-2] * w))
+            yield offset, t[(slice(None), slice(None)) + tuple(sl)], shift
+
+    def _wrapped(self, block: Any, shift: int) -> Any:
+        """The columns of ``block (..., W)`` that a ``shift`` took from the next/previous row."""
+        return block[..., :-shift] if shift < 0 else block[..., self.w - shift:]
+
+    def im2col(self, xpad: Any, chunk: tuple) -> Any:
+        xp = get_array_module(xpad)
+        c, bc = xpad.shape[1], chunk[1] - chunk[0]
+        out = self.conv._chunk_out(chunk)
+        cols = xp.empty((c,) + tuple(self.kernel) + (bc,) + out, dtype=xpad.dtype)
+        for offset, runs, shift in self._views(xpad, chunk):
+            block = cols[(slice(None),) + offset]  # (C, Bc, *Pc), contiguous
+            block.reshape(runs.shape)[...] = runs
+            if shift:
+                self._wrapped(block, shift)[...] = 0
+        return cols
+
+    def col2im(self, gxpad: Any, gcols: Any, chunk: tuple) -> None:
+        for offset, runs, shift in self._views(gxpad, chunk):
+            block = gcols[(slice(None),) + offset]
+            if shift:
+                self._wrapped(block, shift)[...] = 0  # padding positions: add nothing
+            runs += block.reshape(runs.shape)
+
+
 class Convolution(Function):
     """``y = x * weight + bias`` (cross-correlation) over ``d = weight.ndim - 2`` axes."""
 
@@ -143,19 +302,31 @@ class Convolution(Function):
                          zip(x.shape[2:], kernel, self.stride, self.pads, self.dilation))
         b, c = x.shape[:2]
         o = weight.shape[0]
-        xpad = pad_input(x, self.pads)
-        chunks = _chunks(b, self.out, c * math.prod(kernel), x.dtype.itemsize)
+        geometry = FlatRows if FlatRows.applies(self, x.shape, kernel) else Windows
+        self.unfold = geometry(self, x.shape, kernel)
+        xpad = self.unfold.pad(x)
+        self.chunks = _chunks(b, self.out, c * math.prod(kernel), x.dtype.itemsize)
         y = xp.empty((b, o) + self.out, dtype=x.dtype)
-        cols = None
-        for chunk in chunks:
-            cols = self._im2col(xpad, kernel, chunk)
+        positions = math.prod(self.out)
+        for chunk in self.chunks:
+            cols = self.unfold.im2col(xpad, chunk)
+            b0, b1, r0, r1 = chunk
+            if self.groups == 1 and positions >= _PER_SAMPLE_GEMM_FROM and \
+                    r1 - r0 == self.out[0]:
+                # One GEMM per sample, (O, C*K) @ cols[:, b] (C*K, P), straight into y.
+                ck = weight[0].size  # C * prod(K)
+                y3 = y[b0:b1].reshape(b1 - b0, o, positions)
+                xp.matmul(weight.reshape(o, ck), xp.swapaxes(
+                    cols.reshape(ck, b1 - b0, positions), 0, 1), out=y3)
+                if bias is not None:
+                    y3 += bias[:, None]
+                continue
             y2 = self._gemm(weight, cols)  # (O, Bc*Pc)
             if bias is not None:
                 y2 += bias[:, None]
             self._put(y, y2, chunk)
-        self.weight, self.chunks = weight, chunks
-        # One chunk: keep it for backward; several: backward rebuilds each from xpad.
-        self.cols, self.xpad = (cols, None) if len(chunks) == 1 else (None, xpad)
+        # Nothing unfolded outlives the call: backward unfolds x again (see the module).
+        self.x, self.weight = x, weight
         return y
 
     def backward(self, gy):
@@ -163,7 +334,6 @@ class Convolution(Function):
         nx, nw, nb = self.needs_input_grad
         weight, g = self.weight, self.groups
         o = weight.shape[0]
-        kernel = weight.shape[2:]
         b, c = self.x_shape[:2]
         gb = gw = gx = gxpad = None
         if nb:
@@ -171,70 +341,65 @@ class Convolution(Function):
             gb = xp.matmul(gy3, xp.ones(gy3.shape[2], dtype=gy.dtype)).sum(axis=0)  # (O,)
         if not (nx or nw):
             return None, None, gb
+        xpad = self.unfold.pad(self.x) if nw else None
         if nx:
-            spatial = tuple(s + p + q for s, (p, q) in zip(self.x_shape[2:], self.pads))
-            gxpad = xp.zeros((b, c) + spatial, dtype=gy.dtype)
+            gxpad = self.unfold.zeros(gy.dtype, xp)
         single = len(self.chunks) == 1
         w3 = weight.reshape(g, o // g, -1)  # (g, Og, Cg*K)
+        ck = w3.shape[2]
         for chunk in self.chunks:
             b0, b1, r0, r1 = chunk
-            cols = self.cols if single else self._im2col(self.xpad, kernel, chunk)
+            n = (b1 - b0) * (r1 - r0) * math.prod(self.out[1:])
             sel = (slice(b0, b1), slice(None), slice(r0, r1))
             # (O, Bc * Pc) contiguous, the GEMMs' layout
-            n = (b1 - b0) * (r1 - r0) * math.prod(self.out[1:])
             gy2 = xp.ascontiguousarray(xp.swapaxes(gy[sel], 0, 1)).reshape(g, o // g, n)
+            cols = None
             if nw:
-                cols3 = cols.reshape(g, w3.shape[2], n)  # (g, Cg*K, N)
-                # The first (only) chunk may write into the data-parallel bucket slice.
-                buf = self.grad_buffer_for(1) if single else None
-                if g == 1:
-                    part = xp.matmul(gy2[0], cols3[0].T,
-                                     out=None if buf is None else buf.reshape(o, -1))
-                else:
-                    part = xp.matmul(gy2, xp.swapaxes(cols3, 1, 2),
-                                     out=None if buf is None else buf.reshape(w3.shape))
+                cols = self.unfold.im2col(xpad, chunk)
+                part = self._weight_grad(gy2, cols.reshape(g, ck, n),
+                                         self.grad_buffer_for(1) if single else None)
                 if gw is None:
-                    gw = buf if buf is not None else part.reshape(weight.shape)
+                    gw = part
                 else:
-                    gw += part.reshape(weight.shape)
+                    gw += part
             if nx:
+                # The input's unfolded gradient takes the place of cols, no longer needed.
+                out = xp.empty((g, ck, n), dtype=gy.dtype) if cols is None else \
+                    cols.reshape(g, ck, n)
                 if g == 1:
-                    gcols = xp.matmul(w3[0].T, gy2[0])  # (C*K, N)
+                    xp.matmul(w3[0].T, gy2[0], out=out[0])  # (C*K, N)
                 else:
-                    gcols = xp.matmul(xp.swapaxes(w3, 1, 2), gy2)  # (g, Cg*K, N)
-                self._col2im(gxpad, gcols.reshape(cols.shape), kernel, chunk)
-                del gcols
+                    xp.matmul(xp.swapaxes(w3, 1, 2), gy2, out=out)  # (g, Cg*K, N)
+                shape = (c,) + tuple(weight.shape[2:]) + (b1 - b0,) + self._chunk_out(chunk)
+                self.unfold.col2im(gxpad, out.reshape(shape), chunk)
             del cols
         if nx:
-            gx = unpad(gxpad, self.pads)
+            gx = self.unfold.unpad(gxpad)
         return gx, gw, gb
+
+    def _weight_grad(self, gy2: Any, cols3: Any, buf: Any) -> Any:
+        """``gy (g, Og, N) @ cols (g, Cg*K, N)^T`` as the weight's shape, into ``buf``
+        (the data-parallel bucket slice) when given."""
+        xp = get_array_module(gy2)
+        g, og, ck = gy2.shape[0], gy2.shape[1], cols3.shape[1]
+        shape = self.weight.shape
+        if g == 1 and ck >= _GW_TRANSPOSED_FROM:
+            part = xp.matmul(cols3[0], gy2[0].T).T  # (O, C*K), a view of (C*K, O)
+            if buf is None:
+                return xp.ascontiguousarray(part).reshape(shape)
+            buf.reshape(og, ck)[...] = part
+            return buf
+        if g == 1:
+            part = xp.matmul(gy2[0], cols3[0].T, out=None if buf is None else
+                             buf.reshape(og, ck))  # (O, C*K)
+        else:
+            part = xp.matmul(gy2, xp.swapaxes(cols3, 1, 2), out=None if buf is None else
+                             buf.reshape(g, og, ck))  # (g, Og, Cg*K)
+        return part.reshape(shape) if buf is None else buf
 
     # -- pieces ------------------------------------------------------------------------
     def _chunk_out(self, chunk: tuple[int, int, int, int]) -> tuple[int, ...]:
         return (chunk[3] - chunk[2],) + self.out[1:]
-
-    def _im2col(self, xpad: Any, kernel: tuple[int, ...], chunk: tuple) -> Any:
-        """``cols (C, *K, Bc, *Pc)`` of one chunk of the padded input."""
-        xp = get_array_module(xpad)
-        b0, b1, r0, _ = chunk
-        out = self._chunk_out(chunk)
-        c = xpad.shape[1]
-        cols = xp.empty((c,) + tuple(kernel) + (b1 - b0,) + out, dtype=xpad.dtype)
-        xt = xp.swapaxes(xpad[b0:b1], 0, 1)  # (C, Bc, *Sp), a view
-        for offset in itertools.product(*(range(k) for k in kernel)):
-            sl = window_slices(offset, self.dilation, self.stride, out, r0)
-            cols[(slice(None),) + offset] = xt[(slice(None), slice(None)) + sl]
-        return cols
-
-    def _col2im(self, gxpad: Any, gcols: Any, kernel: tuple[int, ...], chunk: tuple) -> None:
-        """Add ``gcols (C, *K, Bc, *Pc)`` back onto the padded input gradient."""
-        xp = get_array_module(gxpad)
-        b0, b1, r0, _ = chunk
-        out = self._chunk_out(chunk)
-        gt = xp.swapaxes(gxpad[b0:b1], 0, 1)  # (C, Bc, *Sp), a view
-        for offset in itertools.product(*(range(k) for k in kernel)):
-            sl = window_slices(offset, self.dilation, self.stride, out, r0)
-            gt[(slice(None), slice(None)) + sl] += gcols[(slice(None),) + offset]
 
     def _gemm(self, weight: Any, cols: Any) -> Any:
         """``(O, Bc*Pc)``: the groups' ``W_g (Og, Cg*K) @ cols_g (Cg*K, N)`` stacked."""

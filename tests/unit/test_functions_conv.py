@@ -4,6 +4,7 @@ the chunked unfolding (large volumes) against the one-chunk path."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy
 import pytest
@@ -112,20 +113,50 @@ def test_conv_matches_pytorch_forward_and_backward(case):
 
 
 @pytest.mark.parametrize("budget", [1, 2000, 20000])
-def test_chunked_unfolding_gives_the_one_chunk_results(xp, monkeypatch, budget):
+@pytest.mark.parametrize("case", [CASES[9], CASES[3], CASES[7]], ids=["3d-windows", "2d-flat",
+                                                                      "3d-flat"])
+def test_chunked_unfolding_gives_the_one_chunk_results(xp, monkeypatch, budget, case):
     # budget 1 byte: one output row of one sample per chunk; 2000: a few rows; 20000:
     # whole samples. Backward then rebuilds each chunk instead of keeping it.
-    x, w, b, kw = _case(xp, CASES[9], batch=3)
+    x, w, b, kw = _case(xp, case, batch=3)
+    fn = CONV[case[0]]
     results = []
     for limit in (conv.COLS_BYTES, budget):
         monkeypatch.setattr(conv, "COLS_BYTES", limit)
         ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
-        y = F.conv3d(*ts, **kw)
+        y = fn(*ts, **kw)
         y.backward(_randn(xp, *y.shape, seed=5))
         results.append([y.data] + [t.grad for t in ts])
-    assert len(conv._chunks(3, y.shape[2:], 2 * 12, 8)) > 1
+    per_position = x.shape[1] * int(numpy.prod(w.shape[2:]))
+    assert len(conv._chunks(3, y.shape[2:], per_position, 8)) > 1
     for got, want in zip(results[1], results[0]):
         assert allclose(got, want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypatch, case):
+    # 'same' layers with stride 1 on the last two axes unfold planes as flat runs
+    # (conv.FlatRows); the general strided views (conv.Windows) must agree everywhere,
+    # as must the forward's GEMM per sample (large maps) and over the batch (small ones).
+    x, w, b, kw = _case(xp, case)
+    d = case[0]
+    stride, dilation = conv.ntuple(kw["stride"], d, "s"), conv.ntuple(kw["dilation"], d, "d")
+    geometry = SimpleNamespace(stride=stride, dilation=dilation, pads=conv.conv_padding(
+        kw["padding"], w.shape[2:], dilation, stride))
+    flat = conv.FlatRows.applies(geometry, x.shape, w.shape[2:])
+    results = []
+    for force_windows in (False, True):
+        if force_windows:
+            monkeypatch.setattr(conv.FlatRows, "applies", staticmethod(lambda *a: False))
+            # and the other forward GEMM: one per sample for these small maps too
+            monkeypatch.setattr(conv, "_PER_SAMPLE_GEMM_FROM", 1)
+        ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
+        y = CONV[case[0]](*ts, **kw)
+        y.backward(_randn(xp, *y.shape, seed=6))
+        results.append([y.data] + [t.grad for t in ts])
+    for got, want in zip(*results):
+        assert allclose(got, want)
+    assert flat == (case in (CASES[3], CASES[6], CASES[7], CASES[10]))
 
 
 def test_chunks_cover_every_output_row_once():
@@ -153,7 +184,13 @@ def test_conv_float32_stays_float32_and_an_empty_batch_flows_through(xp):
     ref = reference_conv(x.astype(numpy.float64), w.data.astype(numpy.float64), None,
                          stride=1, padding=1, dilation=1, groups=1)
     assert allclose(y.data, ref.astype(numpy.float32), scale=10)
-    # A rank whose share of the global batch is empty still runs forward and backward.
+    # A rank whose share of the global batch is empty still runs forward and backward
+    # (one GEMM per sample, or over the whole batch: both must take B = 0).
+    conv._PER_SAMPLE_GEMM_FROM, old = 1, conv._PER_SAMPLE_GEMM_FROM
+    try:
+        assert F.conv2d(Tensor(xp.zeros((0, 3, 8, 8), dtype=numpy.float32)), w).shape[0] == 0
+    finally:
+        conv._PER_SAMPLE_GEMM_FROM = old
     e = Tensor(xp.zeros((0, 3, 8, 8), dtype=numpy.float32), requires_grad=True)
     b = Tensor(xp.zeros(4, dtype=numpy.float32), requires_grad=True)
     out = F.conv2d(e, w, b, stride=2, padding=1)
@@ -161,6 +198,21 @@ def test_conv_float32_stays_float32_and_an_empty_batch_flows_through(xp):
     F.sum(out).backward()
     assert e.grad.shape == (0, 3, 8, 8)
     assert not as_numpy(w.grad).any() and not as_numpy(b.grad).any()
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[8]], ids=["1d-g2", "2d-flat", "3d-g2"])
+def test_conv_input_gradient_alone_when_the_weight_is_frozen(xp, case):
+    x, w, b, kw = _case(xp, case)
+    gy = None
+    grads = []
+    for frozen in (False, True):
+        xt, wt = Tensor(x, requires_grad=True), Tensor(w, requires_grad=not frozen)
+        y = CONV[case[0]](xt, wt, Tensor(b), **kw)
+        gy = _randn(xp, *y.shape, seed=7) if gy is None else gy
+        y.backward(gy)
+        grads.append(xt.grad)
+        assert (wt.grad is None) == frozen
+    assert allclose(grads[1], grads[0])
 
 
 def test_conv_writes_its_weight_gradient_into_the_grad_buffer():
