@@ -8,10 +8,10 @@ name           model                                                         par
 ``transformer`` vocab 8000, learned positions, seq 128, d 128, 2 pre-LN      1,437,186
                layers (4 heads, FFN 512, GELU), mean-pool -> 2
 ``gpt``        small causal language model, tied embeddings                  (by config)
-``cnn``        2-D: 3 x {conv 3x3, batch norm, ReLU, max pool 2}             94,186
+``cnn``        2-D: 3 x {conv 3x3, batch norm, max pool 2, ReLU}             94,186
                (32, 64, 128 channels), global average pool -> linear
-``cosmoflow``  3-D, CosmoFlow-like: {conv 2^3 'same', LeakyReLU, max pool    1,140,388
-               2} x 3 (32, 64, 128), flatten -> 128 -> 64 -> 4
+``cosmoflow``  3-D, CosmoFlow-like: {conv 2^3 'same', max pool 2,            1,140,388
+               LeakyReLU} x 3 (32, 64, 128), flatten -> 128 -> 64 -> 4
 =============  ============================================================  ===========
 
 The convolutional models take their shapes from the data: ``in_shape`` is one sample's

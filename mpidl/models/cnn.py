@@ -1,6 +1,6 @@
 """A 2-D convolutional network for image-like scientific arrays (the reference ``cnn``).
 
-Blocks of ``Conv2d(3x3, 'same') -> BatchNorm2d -> ReLU -> MaxPool2d(2)``, then global
+Blocks of ``Conv2d(3x3, 'same') -> BatchNorm2d -> MaxPool2d(2) -> ReLU``, then global
 average pooling and a linear head. The shapes come from the data: ``in_shape`` is one
 sample's shape and ``outputs`` the number of classes (or regression targets), so the
 same model reads 28x28 digits and 64x64 fields; a block stops pooling once the map is
@@ -95,10 +95,13 @@ class CNN(Module):
                                  dtype=self.dtype))
             if batch_norm:
                 layers.append(BatchNorm2d(width, dtype=self.dtype))
-            layers.append(ReLU())
             if size >= 2:
+                # Pooling before the ReLU is the same function (a max commutes with a
+                # non-decreasing activation, and the gradient reaches the same
+                # element), with the ReLU on a quarter of the values.
                 layers.append(MaxPool2d(2))
                 size //= 2
+            layers.append(ReLU())
             c = width
         self.features = Sequential(*layers)
         self.pool = Sequential(AdaptiveAvgPool2d(1), Flatten())

@@ -93,7 +93,12 @@ class CosmoFlow(Module):
                                  rng=rng, dtype=self.dtype))
             if batch_norm:
                 layers.append(BatchNorm3d(width, dtype=self.dtype))
-            layers += [LeakyReLU(negative_slope), MaxPool3d(2)]
+            # The reference's LeakyReLU -> MaxPool3d, swapped: the same function (a max
+            # commutes with an increasing activation; the gradient reaches the same
+            # element) with the activation on an eighth of the values. A negative
+            # slope is not increasing: then the reference's order.
+            act = LeakyReLU(negative_slope)
+            layers += [MaxPool3d(2), act] if negative_slope >= 0 else [act, MaxPool3d(2)]
             spatial = [s // 2 for s in spatial]
             c = width
         layers.append(Flatten())

@@ -340,3 +340,38 @@ def test_cnn_and_cosmoflow_reduce_their_losses_in_a_few_steps():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", ["cnn", "cosmoflow"])
+def test_pooling_before_the_activation_is_the_usual_block(name):
+    # The models pool before the activation (cheaper); the usual activation-then-pool
+    # gives the same outputs and gradients, ties of ReLU zeros included.
+    from mpidl.nn import LeakyReLU, ReLU
+    from mpidl.nn.pool import MaxPool2d, MaxPool3d
+
+    if name == "cnn":
+        model = models.cnn(in_shape=(2, 8, 8), outputs=3, channels=(4, 6), dtype=F64, seed=0)
+        x = numpy.random.default_rng(4).standard_normal((3, 2, 8, 8))
+    else:
+        model = models.cosmoflow(in_shape=(2, 8, 8, 8), outputs=3, base_channels=4,
+                                 dtype=F64, seed=0)
+        x = numpy.random.default_rng(4).standard_normal((3, 2, 8, 8, 8))
+    layers = list(model.features)
+    swapped = list(layers)
+    for i in range(len(layers) - 1):
+        if isinstance(layers[i], (MaxPool2d, MaxPool3d)) and \
+                isinstance(layers[i + 1], (ReLU, LeakyReLU)):
+            swapped[i], swapped[i + 1] = layers[i + 1], layers[i]
+    assert swapped != layers
+    grads = []
+    for order in (layers, swapped):
+        xt = Tensor(x, requires_grad=True)
+        model.zero_grad()
+        h = xt
+        for layer in order:
+            h = layer(h)
+        out = model.head(model.pool(h)) if name == "cnn" else model.head(h)
+        F.sum(out * out).backward()
+        grads.append([out.data, xt.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert allclose(a, b)
