@@ -37,16 +37,17 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import _merge, _rate, limit_threads, rss_bytes, torch_available  # noqa: E402
-from mpi_timing import MALLOC_KEEP  # noqa: E402  (the shared --malloc keep policy)
+from engine import (  # noqa: E402  (engine.py's protocol, shared)
+    add_protocol_arguments,
+    measure,
+    print_table,
+    run_workers,
+    torch_available,
+)
 
 import numpy  # noqa: E402
 
@@ -171,85 +172,16 @@ def torch_step(case: str) -> tuple[Callable[[Any], None], int]:
 
 def worker(args: argparse.Namespace) -> dict:
     """Measure one (case, framework) pair in this process; returns the result record."""
-    limit_threads()
-    batches = make_batches(args.case)
-    if args.framework == "torch":
-        import torch
-
-        batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
-        make = torch_step
-    else:
-        import mpidl.functions  # noqa: F401  (import cost outside the memory baseline)
-        import mpidl.models  # noqa: F401
-        import mpidl.optim  # noqa: F401
-
-        make = mpidl_step
-    base_rss = rss_bytes()
-    step, n_params = make(args.case)
-    batch = CASES[args.case]["batch"]
-    i = 0
-    t_end = time.perf_counter() + args.warmup_s
-    while time.perf_counter() < t_end or i < 2:
-        step(batches[i % N_BATCHES])
-        i += 1
-    profiler = None
-    if args.profile:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-    rates, cpu_rates, shares = [], [], []
-    for _ in range(args.windows):
-        n = 0
-        c0, t0 = time.process_time(), time.perf_counter()
-        while True:
-            step(batches[i % N_BATCHES])
-            i += 1
-            n += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= args.window_s:
-                break
-        cpu = time.process_time() - c0
-        rates.append(n * batch / elapsed)
-        cpu_rates.append(n * batch / max(cpu, 1e-9))
-        shares.append(cpu / elapsed)
-    if profiler is not None:
-        import pstats
-
-        profiler.disable()
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {
-        "bench": "conv", "model": args.case, "framework": args.framework, "batch": batch,
-        "params": n_params, "threads": 1,
-        "samples_per_s": {"median": statistics.median(rates), "min": min(rates),
-                          "max": max(rates), "n": len(rates)},
-        "step_ms": 1e3 * batch / statistics.median(rates),
-        "peak_mem_mib": max(0, peak - base_rss) / 2**20,
-        "cpu_share": statistics.median(shares),
-        "samples_per_cpu_s": statistics.median(cpu_rates),
-        "rates": rates, "cpu_rates": cpu_rates, "shares": shares,
-    }
+    return measure("conv", args.case, make_batches(args.case), CASES[args.case]["batch"],
+                   mpidl_step, torch_step, args, min_warmup_steps=2)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"comma-separated subset of {','.join(CASES)}")
-    p.add_argument("--window-s", type=float, default=2.0, help="length of one timed window")
-    p.add_argument("--windows", type=int, default=5, help="number of timed windows")
-    p.add_argument("--warmup-s", type=float, default=1.0, help="untimed warm-up")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="repeat every measurement, alternating the engines' order")
-    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
-    p.add_argument("--profile", action="store_true", help="cProfile mpidl's timed steps")
-    p.add_argument("--json", action="store_true", help="also print one JSON line per run")
-    p.add_argument("--malloc", choices=("default", "keep"), default="default",
-                   help="glibc heap policy in both engines' processes: 'default', or "
-                        "'keep' freed memory (what DataParallel, hence `mpidl train`, sets)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--case", help=argparse.SUPPRESS)
-    p.add_argument("--framework", help=argparse.SUPPRESS)
+    add_protocol_arguments(p)
+    p.add_argument("--case", help=argparse.SUPPRESS)  # internal: the worker's case
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))
@@ -260,42 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown cases {unknown}; choose from {sorted(CASES)}")
     frameworks = ["mpidl"] + ([] if args.no_torch or not torch_available() else ["torch"])
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if args.malloc == "keep":
-        env.update(MALLOC_KEEP)
-    results: dict[tuple[str, str], dict] = {}
-    for r in range(args.rounds):
-        for case in names:
-            for fw in (frameworks if r % 2 == 0 else frameworks[::-1]):
-                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--case", case,
-                       "--framework", fw, "--window-s", str(args.window_s),
-                       "--windows", str(args.windows), "--warmup-s", str(args.warmup_s)]
-                if args.profile and fw == "mpidl":
-                    cmd.append("--profile")
-                out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True,
-                                     check=True)
-                rec = json.loads(out.stdout.strip().splitlines()[-1])
-                if args.json:
-                    print(json.dumps(rec), flush=True)
-                results[(case, fw)] = _merge(results.get((case, fw)), rec)
-
-    print("| case | batch | params | mpidl samples/s | torch samples/s | ratio "
-          "| ratio per CPU-s | mpidl ms | torch ms | mpidl peak MiB | torch peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for case in names:
-        m, t = results[(case, "mpidl")], results.get((case, "torch"))
-        cells = [case, str(m["batch"]), f"{m['params']:,}", _rate(m), _rate(t)]
-        if t is not None:
-            cells += [f"{m['samples_per_s']['median'] / t['samples_per_s']['median']:.2f}x",
-                      f"{m['samples_per_cpu_s'] / t['samples_per_cpu_s']:.2f}x"]
-        else:
-            cells += ["–", "–"]
-        cells += [f"{m['step_ms']:.1f}", f"{t['step_ms']:.1f}" if t else "–",
-                  f"{m['peak_mem_mib']:.0f}", f"{t['peak_mem_mib']:.0f}" if t else "–"]
-        print("| " + " | ".join(cells) + " |")
-    shares = ", ".join(f"{k[0]}/{k[1]} {v['cpu_share']:.2f}" for k, v in results.items())
-    print(f"\nCPU share during the timed windows (1.0 = had its core): {shares}")
+    results = run_workers(__file__, "--case", names, frameworks, args)
+    print_table("case", names, results)
     print(f"glibc heap policy (--malloc): {args.malloc}")
     return 0
 
