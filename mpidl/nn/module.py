@@ -166,12 +166,9 @@ class Module:
     def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
         """Yield ``(dotted_name, array)`` of every buffer that is not None, in
         registration order, depth first (see :meth:`register_buffer`)."""
-        for name in self._order:
-            if name in self._buffers:
-                if self._buffers[name] is not None:
-                    yield prefix + name, self._buffers[name]
-            elif name in self._modules:
-                yield from self._modules[name].named_buffers(prefix + name + ".")
+        for name, kind, value in self._members_all(prefix):
+            if kind == "buffer":
+                yield name, value
 
     def buffers(self) -> list[Any]:
         """The buffers' arrays in registration order (see :meth:`named_buffers`)."""

@@ -314,31 +314,30 @@ def test_cnn_matches_pytorch_in_training_and_eval_mode():
             assert allclose(b, buffers[name].numpy()), name
 
 
+def adam_losses(model, loss_fn, x, y, steps, lr):
+    """The losses of ``steps`` full-batch Adam steps."""
+    opt = Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_cnn_and_cosmoflow_reduce_their_losses_in_a_few_steps():
     rng = numpy.random.default_rng(3)
     x = rng.standard_normal((16, 1, 12, 12)).astype(numpy.float32)
     y = (x[:, 0, :6].mean(axis=(1, 2)) > x[:, 0, 6:].mean(axis=(1, 2))).astype(numpy.int64)
     model = models.cnn(in_shape=(1, 12, 12), outputs=2, channels=(8, 16), seed=0)
-    opt = Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(15):
-        opt.zero_grad()
-        loss = F.softmax_cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = adam_losses(model, F.softmax_cross_entropy, x, y, 15, 1e-2)
     assert losses[-1] < 0.5 * losses[0], losses
     v = rng.standard_normal((8, 2, 8, 8, 8)).astype(numpy.float32)
     t = numpy.stack([v.mean(axis=(1, 2, 3, 4)), v[:, 0].std(axis=(1, 2, 3))], 1)
     net = models.cosmoflow(in_shape=(2, 8, 8, 8), outputs=2, base_channels=8, seed=0)
-    opt = Adam(net.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        opt.zero_grad()
-        loss = F.mean_squared_error(net(v), t)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = adam_losses(net, F.mean_squared_error, v, t, 15, 3e-3)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
