@@ -374,3 +374,28 @@ def test_pooling_before_the_activation_is_the_usual_block(name):
         grads.append([out.data, xt.grad] + [p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert allclose(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cnn", "cosmoflow"])
+def test_conv_models_moved_to_cupy_give_the_numpy_outputs_and_gradients(name):
+    from mpidl.backend import cupy_module
+
+    cp = cupy_module()
+    if cp is None:
+        pytest.skip("needs CuPy and a GPU")
+    shape = (2, 12, 12) if name == "cnn" else (2, 8, 8, 8)
+    kwargs = dict(channels=(4, 8)) if name == "cnn" else dict(base_channels=4, batch_norm=True)
+    model = models.build(name, in_shape=shape, outputs=3, seed=0, dtype=F64, **kwargs)
+    x = numpy.random.default_rng(5).standard_normal((3,) + shape)
+    start = {k: v.copy() for k, v in model.state_dict().items()}
+    results = []
+    for xp in (numpy, cp):
+        model.to(xp)
+        model.load_state_dict(start)  # the same running statistics before each run
+        model.zero_grad()
+        out = model(xp.asarray(x))
+        F.sum(out * out).backward()
+        results.append([out.data] + [p.grad for p in model.parameters()] + model.buffers())
+    for a, b in zip(*results):
+        assert allclose(b, a)
