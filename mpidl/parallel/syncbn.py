@@ -8,8 +8,8 @@ sums of squares over the ranks in one float64 allreduce per layer in forward, an
 two sums the input gradient needs in one more in backward (see
 :mod:`mpidl.functions.batchnorm` for the arithmetic). Per-rank batches may differ in
 size, down to zero samples. The running statistics are computed on every rank from the
-same allreduced sums, so they stay identical across ranks by construction, with no
-broadcast.
+same allreduced sums, so once equal (the converter broadcasts rank 0's) they stay
+identical across ranks by construction, with no further broadcast.
 
     model = convert_sync_batchnorm(model, comm)   # every BatchNorm -> SyncBatchNorm
     dp = DataParallel(model, comm)
@@ -81,7 +81,9 @@ def convert_sync_batchnorm(model: Module, comm: Communicator) -> Module:
 
     The new layers keep the old ones' places, names, Parameter objects and buffer
     arrays, so the parameter order, an optimizer built before and the state dict are
-    unchanged. They share one communicator split from ``comm`` (so their allreduces
+    unchanged; the buffers (running statistics) are overwritten with rank 0's, so that
+    they start, and then stay, identical on every rank (data parallelism broadcasts
+    the parameters). They share one communicator split from ``comm`` (so their allreduces
     never interleave with data parallelism's non-blocking gradient allreduces on
     ``comm``, which a rank whose batch skipped a parameter may start in another order).
     Call it before wrapping the model in :class:`~mpidl.parallel.DataParallel`.
@@ -105,8 +107,16 @@ def convert_sync_batchnorm(model: Module, comm: Communicator) -> Module:
     if count == 0:
         return model
     bn_comm = comm.split(0, comm.rank)
+    converted = []
     for parent, name in targets:
-        setattr(parent, name, SyncBatchNorm.from_batchnorm(parent._modules[name], bn_comm))
+        layer = SyncBatchNorm.from_batchnorm(parent._modules[name], bn_comm)
+        setattr(parent, name, layer)
+        converted.append(layer)
     if root:
-        return SyncBatchNorm.from_batchnorm(model, bn_comm)  # type: ignore[arg-type]
+        model = SyncBatchNorm.from_batchnorm(model, bn_comm)  # type: ignore[arg-type]
+        converted.append(model)
+    # From here on every rank updates its buffers from the same sums; start them equal.
+    for layer in converted:
+        for _, buf in layer.named_buffers():
+            bn_comm.bcast_(buf, root=0)
     return model

@@ -96,7 +96,11 @@ def test_convert_keeps_names_parameters_and_buffers(comm):
     buffers = [b for b in model.buffers()]
     names = list(model.state_dict())
     model.eval()
+    model[0].running_mean += comm.rank  # a rank that resumed elsewhere: rank 0's wins
+    model[0].num_batches_tracked += 5 * comm.rank
     out = convert_sync_batchnorm(model, comm)
+    assert_all_ranks(comm, not model[0].running_mean.any()
+                     and int(model[0].num_batches_tracked) == 0, "rank 0's buffers")
     kinds = [type(m).__name__ for _, m in model.named_modules()]
     assert_all_ranks(comm, out is model and list(model.state_dict()) == names, "names")
     assert_all_ranks(comm, all(a is b for a, b in zip(model.parameters(), params))
