@@ -41,13 +41,7 @@ import sys  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import (  # noqa: E402  (engine.py's protocol, shared)
-    add_protocol_arguments,
-    measure,
-    print_table,
-    run_workers,
-    torch_available,
-)
+from engine import add_protocol_arguments, compare, measure, sgd_step  # noqa: E402
 
 import numpy  # noqa: E402
 
@@ -97,18 +91,8 @@ def mpidl_step(case: str) -> tuple[Callable[[Any], None], int]:
 
         return step, layer.num_parameters()
     model = models.build(case, in_shape=c["shape"], outputs=c["outputs"], seed=0)
-    opt = SGD(model.parameters(), lr=0.01)
-
-    def train(batch: Any) -> None:
-        x, y = batch
-        opt.zero_grad(set_to_none=True)
-        out = model(x)
-        loss = F.softmax_cross_entropy(out, y) if case == "cnn" else \
-            F.mean_squared_error(out, y)
-        loss.backward()
-        opt.step()
-
-    return train, model.num_parameters()
+    loss_fn = F.softmax_cross_entropy if case == "cnn" else F.mean_squared_error
+    return sgd_step(model, SGD(model.parameters(), lr=0.01), loss_fn), model.num_parameters()
 
 
 def torch_model(case: str) -> Any:
@@ -156,18 +140,10 @@ def torch_step(case: str) -> tuple[Callable[[Any], None], int]:
 
         return step, sum(p.numel() for p in layer.parameters())
     model = torch_model(case)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.functional.cross_entropy if case == "cnn" else \
         torch.nn.functional.mse_loss
-
-    def train(batch: Any) -> None:
-        x, y = batch
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-
-    return train, sum(p.numel() for p in model.parameters())
+    return sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn), \
+        sum(p.numel() for p in model.parameters())
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -187,14 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args)))
         return 0
 
-    names = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in names if c not in CASES]
-    if unknown:
-        p.error(f"unknown cases {unknown}; choose from {sorted(CASES)}")
-    frameworks = ["mpidl"] + ([] if args.no_torch or not torch_available() else ["torch"])
-    results = run_workers(__file__, "--case", names, frameworks, args)
-    print_table("case", names, results)
-    print(f"glibc heap policy (--malloc): {args.malloc}")
+    compare(p, args, __file__, "case", args.cases, CASES)
     return 0
 
 

@@ -88,16 +88,21 @@ def mpidl_step(model_name: str) -> tuple[Callable[[Any], None], int]:
     from mpidl.optim import SGD
 
     model = models.build(model_name, seed=0)
-    opt = SGD(model.parameters(), lr=0.01)
+    return sgd_step(model, SGD(model.parameters(), lr=0.01), F.softmax_cross_entropy), \
+        model.num_parameters()
 
+
+def sgd_step(model: Any, opt: Any, loss_fn: Callable) -> Callable[[Any], None]:
+    """One training step of the protocol on a batch ``(x, y)``, for either engine:
+    zero_grad (to None), forward, ``loss_fn(model(x), y)``, backward, optimizer step."""
     def step(batch: Any) -> None:
         x, y = batch
         opt.zero_grad(set_to_none=True)
-        loss = F.softmax_cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
 
-    return step, model.num_parameters()
+    return step
 
 
 def torch_model(name: str) -> Any:
@@ -144,15 +149,8 @@ def torch_step(model_name: str) -> tuple[Callable[[Any], None], int]:
     torch.manual_seed(0)
     model = torch_model(model_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step(batch: Any) -> None:
-        x, y = batch
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-
-    return step, sum(p.numel() for p in model.parameters())
+    return sgd_step(model, opt, torch.nn.functional.cross_entropy), \
+        sum(p.numel() for p in model.parameters())
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -278,17 +276,24 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args)))
         return 0
 
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in CASES]
-    if unknown:
-        p.error(f"unknown models {unknown}; choose from {sorted(CASES)}")
-    frameworks = ["mpidl"] + ([] if args.no_torch or not torch_available() else ["torch"])
-    results = run_workers(__file__, "--model", names, frameworks, args)
-    print_table("model", names, results)
-    print(f"glibc heap policy (--malloc): {args.malloc}")
+    compare(p, args, __file__, "model", args.models, CASES)
     print("ratio per CPU-s: samples per second of process CPU time, the fairer ratio when "
           "other processes take part of the core")
     return 0
+
+
+def compare(p: argparse.ArgumentParser, args: argparse.Namespace, script: str, kind: str,
+            requested: str, cases: dict) -> None:
+    """Measure the comma-separated ``requested`` cases with mpidl and (when installed)
+    torch, one process per pair (``script --worker --<kind> NAME``), and print the table."""
+    names = [m.strip() for m in requested.split(",") if m.strip()]
+    unknown = [m for m in names if m not in cases]
+    if unknown:
+        p.error(f"unknown {kind}s {unknown}; choose from {sorted(cases)}")
+    frameworks = ["mpidl"] + ([] if args.no_torch or not torch_available() else ["torch"])
+    results = run_workers(script, f"--{kind}", names, frameworks, args)
+    print_table(kind, names, results)
+    print(f"glibc heap policy (--malloc): {args.malloc}")
 
 
 def add_protocol_arguments(p: argparse.ArgumentParser) -> None:
