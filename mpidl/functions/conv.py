@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from typing import Any, Sequence
+
+import numpy
 
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module
@@ -46,14 +49,50 @@ from mpidl.backend import get_array_module
 _GW_TRANSPOSED_FROM = 64
 
 # Forward as one GEMM per sample written straight into y (B, O, P) from this many output
-# positions P up, instead of one GEMM (O, B*P) and a transposing copy: the cnn's first
+# positions P up (NumPy), instead of one GEMM (O, B*P) and a transposing copy: the cnn's first
 # layer (P = 784) 1.17 -> 0.35 ms, its second (196) 6.2 -> 5.9 ms, cosmoflow's first
 # two (32768, 4096) 4-5% faster; its third layer (P = 49) is 20% slower per sample.
 _PER_SAMPLE_GEMM_FROM = 128
 
+# Backward per sample from this many output positions up: the input's unfolded gradient
+# W^T gy[b] written through a strided view of cols, and (for C*K < 64) the weight gradient
+# as sum_b gy[b] cols[:, b]^T, neither needing gy transposed to (O, B*P). cnn's first layer
+# (P = 784, C*K = 9): weight gradient 1.2 -> 0.33 ms; cosmoflow's first two layers
+# (32768, 4096): input gradient 18 -> 13 and 20 -> 16.5 ms. At P = 196 and 49 (cnn's
+# other layers) both ran 10-50% slower.
+_PER_SAMPLE_BACKWARD_FROM = 512
+
 # Largest unfolded chunk (bytes). 64 MiB holds the reference cnn and cosmoflow batches in
 # one chunk; a bigger volume is processed a chunk at a time.
 COLS_BYTES = 64 << 20
+
+
+_scratch = threading.local()
+
+
+def scratch(xp: Any, shape: tuple, dtype: Any) -> Any:
+    """An uninitialised ``shape`` array for the unfolded input, from one buffer per thread.
+
+    Every convolution's ``cols`` (and the ``gcols`` written over it) lives only inside
+    one forward or backward, so one buffer, grown to the largest chunk (at most
+    :data:`COLS_BYTES`) and kept, serves them all: a fresh 15 MB array per layer and
+    pass was the largest source of page faults of a cnn step under glibc's default
+    heap policy (about 2,000 of 7,000 per step, 5 ms). NumPy only: CuPy's memory pool
+    already reuses device memory. :func:`release_scratch` frees the buffer.
+    """
+    if xp is not numpy:
+        return xp.empty(shape, dtype=dtype)
+    dtype = numpy.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _scratch.buf = numpy.empty(max(nbytes, 1), dtype=numpy.uint8)
+    return buf[:nbytes].view(dtype).reshape(shape)
+
+
+def release_scratch() -> None:
+    """Free this thread's unfolding buffer (it is allocated again when needed)."""
+    _scratch.buf = None
 
 
 def ntuple(value: Any, d: int, name: str) -> tuple[int, ...]:
@@ -185,8 +224,8 @@ class Windows:
         """``cols (C, *K, Bc, *Pc)`` of one chunk of the padded input."""
         xp = get_array_module(xpad)
         c, bc = xpad.shape[1], chunk[1] - chunk[0]
-        cols = xp.empty((c,) + tuple(self.kernel) + (bc,) + self.conv._chunk_out(chunk),
-                        dtype=xpad.dtype)
+        cols = scratch(xp, (c,) + tuple(self.kernel) + (bc,) + self.conv._chunk_out(chunk),
+                       xpad.dtype)
         for offset, view in self._views(xpad, chunk):
             cols[(slice(None),) + offset] = view
         return cols
@@ -277,7 +316,7 @@ class FlatRows(Windows):
         c, bc = xpad.shape[1], chunk[1] - chunk[0]
         out = self.conv._chunk_out(chunk)
         lead = (c,) + tuple(self.kernel) + (bc,) + out[:-2]
-        cols = xp.empty(lead + out[-2:], dtype=xpad.dtype)
+        cols = scratch(xp, lead + out[-2:], xpad.dtype)
         flat = self._flat(cols, lead, out[-2])
         for offset, runs, shift in self._runs(xpad, chunk):
             flat[(slice(None),) + offset] = runs
@@ -317,8 +356,7 @@ class Convolution(Function):
         for chunk in self.chunks:
             cols = self.unfold.im2col(xpad, chunk)
             b0, b1, r0, r1 = chunk
-            if self.groups == 1 and positions >= _PER_SAMPLE_GEMM_FROM and \
-                    r1 - r0 == self.out[0]:
+            if self._per_sample(xp, chunk, _PER_SAMPLE_GEMM_FROM):
                 # One GEMM per sample, (O, C*K) @ cols[:, b] (C*K, P), straight into y.
                 ck = weight[0].size  # C * prod(K)
                 y3 = y[b0:b1].reshape(b1 - b0, o, positions)
@@ -353,35 +391,63 @@ class Convolution(Function):
         single = len(self.chunks) == 1
         w3 = weight.reshape(g, o // g, -1)  # (g, Og, Cg*K)
         ck = w3.shape[2]
+        positions = math.prod(self.out)
         for chunk in self.chunks:
             b0, b1, r0, r1 = chunk
-            n = (b1 - b0) * (r1 - r0) * math.prod(self.out[1:])
-            sel = (slice(b0, b1), slice(None), slice(r0, r1))
-            # (O, Bc * Pc) contiguous, the GEMMs' layout
-            gy2 = xp.ascontiguousarray(xp.swapaxes(gy[sel], 0, 1)).reshape(g, o // g, n)
+            bc = b1 - b0
+            n = bc * (r1 - r0) * math.prod(self.out[1:])
+            # Per sample (large maps, see _PER_SAMPLE_BACKWARD_FROM) or over the chunk.
+            per_sample = self._per_sample(xp, chunk, _PER_SAMPLE_BACKWARD_FROM)
+            ps_weight = per_sample and ck < _GW_TRANSPOSED_FROM
+            gy2 = gy3 = None
+            if (nw and not ps_weight) or (nx and not per_sample):
+                sel = (slice(b0, b1), slice(None), slice(r0, r1))
+                # (O, Bc * Pc) contiguous, the GEMMs' layout
+                gy2 = xp.ascontiguousarray(xp.swapaxes(gy[sel], 0, 1)).reshape(g, o // g, n)
+            if per_sample:
+                gy3 = gy[b0:b1].reshape(bc, o, positions)  # (Bc, O, P)
             cols = None
             if nw:
                 cols = self.unfold.im2col(xpad, chunk)
-                part = self._weight_grad(gy2, cols.reshape(g, ck, n),
-                                         self.grad_buffer_for(1) if single else None)
+                if ps_weight:
+                    # sum_b gy[b] (O, P) @ cols[:, b]^T (P, C*K)
+                    part = xp.matmul(gy3, xp.swapaxes(cols.reshape(ck, bc, positions), 0, 1)
+                                     .transpose(0, 2, 1)).sum(axis=0).reshape(weight.shape)
+                    buf = self.grad_buffer_for(1) if single else None
+                    if buf is not None:
+                        buf[...] = part
+                        part = buf
+                else:
+                    part = self._weight_grad(gy2, cols.reshape(g, ck, n),
+                                             self.grad_buffer_for(1) if single else None)
                 if gw is None:
                     gw = part
                 else:
                     gw += part
             if nx:
                 # The input's unfolded gradient takes the place of cols, no longer needed.
-                out = xp.empty((g, ck, n), dtype=gy.dtype) if cols is None else \
+                out = scratch(xp, (g, ck, n), gy.dtype) if cols is None else \
                     cols.reshape(g, ck, n)
-                if g == 1:
+                if per_sample:
+                    # cols[:, b] (C*K, P) = W^T @ gy[b], written through a strided view
+                    xp.matmul(w3[0].T, gy3, out=xp.swapaxes(out.reshape(ck, bc, positions),
+                                                            0, 1))
+                elif g == 1:
                     xp.matmul(w3[0].T, gy2[0], out=out[0])  # (C*K, N)
                 else:
                     xp.matmul(xp.swapaxes(w3, 1, 2), gy2, out=out)  # (g, Cg*K, N)
-                shape = (c,) + tuple(weight.shape[2:]) + (b1 - b0,) + self._chunk_out(chunk)
+                shape = (c,) + tuple(weight.shape[2:]) + (bc,) + self._chunk_out(chunk)
                 self.unfold.col2im(gxpad, out.reshape(shape), chunk)
             del cols
         if nx:
             gx = self.unfold.unpad(gxpad)
         return gx, gw, gb
+
+    def _per_sample(self, xp: Any, chunk: tuple, threshold: int) -> bool:
+        """Whether to run this chunk's GEMMs one sample at a time: NumPy only (cuBLAS
+        wants the one large GEMM), no groups, whole samples of ``threshold``+ positions."""
+        return (xp is numpy and self.groups == 1 and chunk[3] - chunk[2] == self.out[0]
+                and math.prod(self.out) >= threshold)
 
     def _weight_grad(self, gy2: Any, cols3: Any, buf: Any) -> Any:
         """``gy (g, Og, N) @ cols (g, Cg*K, N)^T`` as the weight's shape, into ``buf``

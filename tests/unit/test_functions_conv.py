@@ -148,8 +148,9 @@ def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypat
     for force_windows in (False, True):
         if force_windows:
             monkeypatch.setattr(conv.FlatRows, "applies", staticmethod(lambda *a: False))
-            # and the other forward GEMM: one per sample for these small maps too
+            # and the other GEMMs: one per sample for these small maps too
             monkeypatch.setattr(conv, "_PER_SAMPLE_GEMM_FROM", 1)
+            monkeypatch.setattr(conv, "_PER_SAMPLE_BACKWARD_FROM", 1)
         ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
         y = CONV[case[0]](*ts, **kw)
         y.backward(_randn(xp, *y.shape, seed=6))
@@ -215,7 +216,10 @@ def test_conv_input_gradient_alone_when_the_weight_is_frozen(xp, case):
     assert allclose(grads[1], grads[0])
 
 
-def test_conv_writes_its_weight_gradient_into_the_grad_buffer():
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_conv_writes_its_weight_gradient_into_the_grad_buffer(monkeypatch, per_sample):
+    if per_sample:
+        monkeypatch.setattr(conv, "_PER_SAMPLE_BACKWARD_FROM", 1)
     x, w, b, kw = _case(numpy, CASES[3])
     ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
     F.conv2d(*ts, **kw).backward(numpy.ones((2, 4, 7, 6)))
