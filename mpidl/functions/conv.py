@@ -69,24 +69,30 @@ COLS_BYTES = 64 << 20
 
 _scratch = threading.local()
 
+# glibc serves a request of 32 MiB or more (the ceiling of its dynamic mmap threshold,
+# mallopt(3) on 64-bit) with a fresh mmap, faulted in page by page at every allocation,
+# whatever the heap policy; smaller ones come from the heap, which reuses them.
+_SCRATCH_FROM = 32 << 20
+
 
 def scratch(xp: Any, shape: tuple, dtype: Any) -> Any:
-    """An uninitialised ``shape`` array for the unfolded input, from one buffer per thread.
+    """An uninitialised ``shape`` array for the unfolded input (``cols``, ``gcols``).
 
-    Every convolution's ``cols`` (and the ``gcols`` written over it) lives only inside
-    one forward or backward, so one buffer, grown to the largest chunk (at most
-    :data:`COLS_BYTES`) and kept, serves them all: a fresh 15 MB array per layer and
-    pass was the largest source of page faults of a cnn step under glibc's default
-    heap policy (about 2,000 of 7,000 per step, 5 ms). NumPy only: CuPy's memory pool
+    Those live only inside one forward or backward, so the large ones (32 MiB and up:
+    cosmoflow's first two layers at batch 8) share one buffer per thread, grown to the
+    largest chunk (at most :data:`COLS_BYTES`) and kept: 162-164 ms against 174-197 ms
+    per cosmoflow step. Smaller ones are plain allocations: a kept buffer holds the
+    heap's dynamic mmap threshold down, and the cnn's step (15 MB chunks) then
+    page-faulted more (9,000 against 7,000 faults, +5 ms). NumPy only: CuPy's memory pool
     already reuses device memory. :func:`release_scratch` frees the buffer.
     """
-    if xp is not numpy:
-        return xp.empty(shape, dtype=dtype)
     dtype = numpy.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
+    if xp is not numpy or nbytes < _SCRATCH_FROM:
+        return xp.empty(shape, dtype=dtype)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.nbytes < nbytes:
-        buf = _scratch.buf = numpy.empty(max(nbytes, 1), dtype=numpy.uint8)
+        buf = _scratch.buf = numpy.empty(nbytes, dtype=numpy.uint8)
     return buf[:nbytes].view(dtype).reshape(shape)
 
 

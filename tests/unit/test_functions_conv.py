@@ -151,6 +151,7 @@ def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypat
             # and the other GEMMs: one per sample for these small maps too
             monkeypatch.setattr(conv, "_PER_SAMPLE_GEMM_FROM", 1)
             monkeypatch.setattr(conv, "_PER_SAMPLE_BACKWARD_FROM", 1)
+            monkeypatch.setattr(conv, "_SCRATCH_FROM", 0)  # every chunk in the kept buffer
         ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
         y = CONV[case[0]](*ts, **kw)
         y.backward(_randn(xp, *y.shape, seed=6))
@@ -214,6 +215,18 @@ def test_conv_input_gradient_alone_when_the_weight_is_frozen(xp, case):
         grads.append(xt.grad)
         assert (wt.grad is None) == frozen
     assert allclose(grads[1], grads[0])
+
+
+def test_large_unfoldings_share_one_kept_buffer_and_small_ones_do_not(monkeypatch):
+    conv.release_scratch()
+    small = conv.scratch(numpy, (4, 5), numpy.float32)
+    assert getattr(conv._scratch, "buf", None) is None and small.shape == (4, 5)
+    monkeypatch.setattr(conv, "_SCRATCH_FROM", 64)
+    a = conv.scratch(numpy, (8, 4), numpy.float32)  # 128 bytes: from the buffer
+    b = conv.scratch(numpy, (3, 4), numpy.float64)  # 96 bytes: the same buffer
+    assert numpy.shares_memory(a, b) and a.dtype == numpy.float32 and b.shape == (3, 4)
+    conv.release_scratch()
+    assert conv._scratch.buf is None
 
 
 @pytest.mark.parametrize("per_sample", [False, True])
