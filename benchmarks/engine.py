@@ -88,16 +88,21 @@ def mpidl_step(model_name: str) -> tuple[Callable[[Any], None], int]:
     from mpidl.optim import SGD
 
     model = models.build(model_name, seed=0)
-    opt = SGD(model.parameters(), lr=0.01)
+    return sgd_step(model, SGD(model.parameters(), lr=0.01), F.softmax_cross_entropy), \
+        model.num_parameters()
 
+
+def sgd_step(model: Any, opt: Any, loss_fn: Callable) -> Callable[[Any], None]:
+    """One training step of the protocol on a batch ``(x, y)``, for either engine:
+    zero_grad (to None), forward, ``loss_fn(model(x), y)``, backward, optimizer step."""
     def step(batch: Any) -> None:
         x, y = batch
         opt.zero_grad(set_to_none=True)
-        loss = F.softmax_cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
 
-    return step, model.num_parameters()
+    return step
 
 
 def torch_model(name: str) -> Any:
@@ -144,39 +149,49 @@ def torch_step(model_name: str) -> tuple[Callable[[Any], None], int]:
     torch.manual_seed(0)
     model = torch_model(model_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step(batch: Any) -> None:
-        x, y = batch
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-
-    return step, sum(p.numel() for p in model.parameters())
+    return sgd_step(model, opt, torch.nn.functional.cross_entropy), \
+        sum(p.numel() for p in model.parameters())
 
 
 def worker(args: argparse.Namespace) -> dict:
     """Measure one (model, framework) pair in this process; returns the result record."""
+    return measure("engine", args.model, make_batches(args.model), CASES[args.model]["batch"],
+                   mpidl_step, torch_step, args, min_warmup_steps=3)
+
+
+def measure(bench: str, name: str, batches: list, batch: int, mpidl_factory: Callable,
+            torch_factory: Callable, args: argparse.Namespace, min_warmup_steps: int) -> dict:
+    """Build ``args.framework``'s step for ``name`` (``factory(name) -> (step, params)``)
+    and time it on ``batches`` (NumPy; handed to torch as tensors); the result record.
+    Imports happen before the memory baseline, so peak memory is the model's own."""
     limit_threads()
-    batches = make_batches(args.model)
     if args.framework == "torch":
         import torch
 
-        batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
-        make = torch_step
+        batches = [tuple(torch.from_numpy(a) for a in b) for b in batches]
+        make = torch_factory
     else:
         import mpidl.functions  # noqa: F401  (import cost outside the memory baseline)
         import mpidl.models  # noqa: F401
         import mpidl.optim  # noqa: F401
 
-        make = mpidl_step
+        make = mpidl_factory
     base_rss = rss_bytes()
-    step, n_params = make(args.model)
+    step, n_params = make(name)
+    return dict(bench=bench, model=name, framework=args.framework, batch=batch,
+                params=n_params, threads=1,
+                **time_windows(step, batches, batch, args, base_rss, min_warmup_steps))
 
+
+def time_windows(step: Callable[[Any], None], batches: list, batch: int,
+                 args: argparse.Namespace, base_rss: int, min_warmup_steps: int) -> dict:
+    """Warm up, then time ``args.windows`` windows of ``args.window_s`` seconds of
+    ``step`` over the cycled ``batches``; the measurement fields of a result record
+    (samples/s median and range, CPU share, peak memory above ``base_rss``)."""
     i = 0
     t_end = time.perf_counter() + args.warmup_s
-    while time.perf_counter() < t_end or i < 3:
-        step(batches[i % N_BATCHES])
+    while time.perf_counter() < t_end or i < min_warmup_steps:
+        step(batches[i % len(batches)])
         i += 1
     profiler = None
     if args.profile:
@@ -189,15 +204,15 @@ def worker(args: argparse.Namespace) -> dict:
         n = 0
         c0, t0 = time.process_time(), time.perf_counter()
         while True:
-            step(batches[i % N_BATCHES])
+            step(batches[i % len(batches)])
             i += 1
             n += 1
             elapsed = time.perf_counter() - t0
             if elapsed >= args.window_s:
                 break
         cpu = time.process_time() - c0
-        rates.append(n * CASES[args.model]["batch"] / elapsed)
-        cpu_rates.append(n * CASES[args.model]["batch"] / max(cpu, 1e-9))
+        rates.append(n * batch / elapsed)
+        cpu_rates.append(n * batch / max(cpu, 1e-9))
         cpu_shares.append(cpu / elapsed)
     if profiler is not None:
         import pstats
@@ -206,11 +221,9 @@ def worker(args: argparse.Namespace) -> dict:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {
-        "bench": "engine", "model": args.model, "framework": args.framework,
-        "batch": CASES[args.model]["batch"], "params": n_params, "threads": 1,
         "samples_per_s": {"median": statistics.median(rates), "min": min(rates),
                           "max": max(rates), "n": len(rates)},
-        "step_ms": 1e3 * CASES[args.model]["batch"] / statistics.median(rates),
+        "step_ms": 1e3 * batch / statistics.median(rates),
         "peak_mem_mib": max(0, peak - base_rss) / 2**20,
         "cpu_share": statistics.median(cpu_shares),
         "samples_per_cpu_s": statistics.median(cpu_rates),
@@ -255,6 +268,36 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp,bow,transformer",
                    help="comma-separated subset of mlp,bow,transformer")
+    add_protocol_arguments(p)
+    p.add_argument("--model", help=argparse.SUPPRESS)  # internal: the worker's model
+    args = p.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+
+    compare(p, args, __file__, "model", args.models, CASES)
+    print("ratio per CPU-s: samples per second of process CPU time, the fairer ratio when "
+          "other processes take part of the core")
+    return 0
+
+
+def compare(p: argparse.ArgumentParser, args: argparse.Namespace, script: str, kind: str,
+            requested: str, cases: dict) -> None:
+    """Measure the comma-separated ``requested`` cases with mpidl and (when installed)
+    torch, one process per pair (``script --worker --<kind> NAME``), and print the table."""
+    names = [m.strip() for m in requested.split(",") if m.strip()]
+    unknown = [m for m in names if m not in cases]
+    if unknown:
+        p.error(f"unknown {kind}s {unknown}; choose from {sorted(cases)}")
+    frameworks = ["mpidl"] + ([] if args.no_torch or not torch_available() else ["torch"])
+    results = run_workers(script, f"--{kind}", names, frameworks, args)
+    print_table(kind, names, results)
+    print(f"glibc heap policy (--malloc): {args.malloc}")
+
+
+def add_protocol_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the protocol (windows, rounds, peers, heap policy) and the worker's."""
     p.add_argument("--window-s", type=float, default=2.0, help="length of one timed window")
     p.add_argument("--windows", type=int, default=5, help="number of timed windows")
     p.add_argument("--warmup-s", type=float, default=1.0, help="untimed warm-up")
@@ -267,33 +310,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--malloc", choices=("default", "keep"), default="default",
                    help="glibc heap policy in both engines' processes: 'default', or "
                         "'keep' freed memory instead of returning it to the kernel (no "
-                        "page faults per step; see MALLOC_KEEP)")
+                        "page faults per step; see MALLOC_KEEP; what DataParallel, hence "
+                        "`mpidl train`, sets)")
     # Internal: run one measurement in this process.
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--framework", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
 
-    if args.worker:
-        print(json.dumps(worker(args)))
-        return 0
 
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in CASES]
-    if unknown:
-        p.error(f"unknown models {unknown}; choose from {sorted(CASES)}")
-    frameworks = ["mpidl"] + ([] if args.no_torch or not torch_available() else ["torch"])
+def run_workers(script: str, flag: str, names: list[str], frameworks: list[str],
+                args: argparse.Namespace) -> dict[tuple[str, str], dict]:
+    """Measure every (name, framework) pair in its own process (``script --worker flag
+    name``), ``args.rounds`` times with the engines' order alternating; pooled records."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if args.malloc == "keep":
         env.update(MALLOC_KEEP)
     results: dict[tuple[str, str], dict] = {}
     for r in range(args.rounds):
-        for model in names:
+        for name in names:
             # Alternate which engine goes first, so a change in the machine's load
             # between two runs does not always favour the same one.
             for fw in (frameworks if r % 2 == 0 else frameworks[::-1]):
-                cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model,
+                cmd = [sys.executable, os.path.abspath(script), "--worker", flag, name,
                        "--framework", fw, "--window-s", str(args.window_s),
                        "--windows", str(args.windows), "--warmup-s", str(args.warmup_s)]
                 if args.profile and fw == "mpidl":
@@ -303,14 +341,18 @@ def main(argv: list[str] | None = None) -> int:
                 rec = json.loads(out.stdout.strip().splitlines()[-1])
                 if args.json:
                     print(json.dumps(rec), flush=True)
-                results[(model, fw)] = _merge(results.get((model, fw)), rec)
+                results[(name, fw)] = _merge(results.get((name, fw)), rec)
+    return results
 
-    print("| model | batch | params | mpidl samples/s | torch samples/s | ratio "
+
+def print_table(first: str, names: list[str], results: dict[tuple[str, str], dict]) -> None:
+    """The markdown table of mpidl against torch per name, then the CPU shares."""
+    print(f"| {first} | batch | params | mpidl samples/s | torch samples/s | ratio "
           "| ratio per CPU-s | mpidl step ms | torch step ms | mpidl peak MiB | torch peak MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for model in names:
-        m, t = results[(model, "mpidl")], results.get((model, "torch"))
-        cells = [model, str(m["batch"]), f"{m['params']:,}", _rate(m), _rate(t)]
+    for name in names:
+        m, t = results[(name, "mpidl")], results.get((name, "torch"))
+        cells = [name, str(m["batch"]), f"{m['params']:,}", _rate(m), _rate(t)]
         if t is not None:
             cells += [f"{m['samples_per_s']['median'] / t['samples_per_s']['median']:.2f}x",
                       f"{m['samples_per_cpu_s'] / t['samples_per_cpu_s']:.2f}x"]
@@ -321,10 +363,6 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(cells) + " |")
     shares = ", ".join(f"{k[0]}/{k[1]} {v['cpu_share']:.2f}" for k, v in results.items())
     print(f"\nCPU share during the timed windows (1.0 = had its core): {shares}")
-    print(f"glibc heap policy (--malloc): {args.malloc}")
-    print("ratio per CPU-s: samples per second of process CPU time, the fairer ratio when "
-          "other processes take part of the core")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Activations and normalised exponentials: relu, tanh, sigmoid, gelu, softmax, log_softmax.
+"""Activations and normalised exponentials: relu, leaky_relu, tanh, sigmoid, gelu, softmax,
+log_softmax.
 
 GELU needs ``erf``, which NumPy lacks (and SciPy is not a dependency). :func:`erf`
 evaluates it with rational approximations, the same code on NumPy and CuPy: for float64
@@ -182,6 +183,26 @@ class ReLU(Function):
         return gy * (self.y > 0)
 
 
+class LeakyReLU(Function):
+    # max(x, slope x) (min for a slope above 1) and, backward, gy * (mask (1 - slope) +
+    # slope): plain ufunc passes. copyto(where=mask) in both directions measured 5x
+    # slower on a (8, 32, 32, 32, 32) float32 activation (45 ms against 8-9 ms each way).
+    def forward(self, x):
+        xp = get_array_module(x)
+        slope = x.dtype.type(self.slope)
+        self.mask = x > 0  # bool: a quarter of a saved float32 input
+        y = x * slope
+        (xp.maximum if self.slope <= 1 else xp.minimum)(y, x, out=y)
+        return y
+
+    def backward(self, gy):
+        g = self.mask.astype(gy.dtype)  # 1 where x > 0
+        g *= gy.dtype.type(1 - self.slope)
+        g += gy.dtype.type(self.slope)
+        g *= gy
+        return g
+
+
 class Tanh(Function):
     def forward(self, x):
         self.y = get_array_module(x).tanh(x)
@@ -362,6 +383,11 @@ def _sum(x: Any, axis: int) -> Any:
 def relu(x: Any) -> Tensor:
     """Rectified linear unit, elementwise ``max(x, 0)``."""
     return ReLU.apply(x)
+
+
+def leaky_relu(x: Any, negative_slope: float = 0.01) -> Tensor:
+    """Leaky rectified linear unit: ``x`` where ``x > 0``, else ``negative_slope * x``."""
+    return LeakyReLU.apply(x, slope=float(negative_slope))
 
 
 def tanh(x: Any) -> Tensor:

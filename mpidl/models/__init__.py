@@ -8,7 +8,18 @@ name           model                                                         par
 ``transformer`` vocab 8000, learned positions, seq 128, d 128, 2 pre-LN      1,437,186
                layers (4 heads, FFN 512, GELU), mean-pool -> 2
 ``gpt``        small causal language model, tied embeddings                  (by config)
+``cnn``        2-D: 3 x {conv 3x3, batch norm, max pool 2, ReLU}             94,186
+               (32, 64, 128 channels), global average pool -> linear
+``cosmoflow``  3-D, CosmoFlow-like: {conv 2^3 'same', max pool 2,            1,140,388
+               LeakyReLU} x 3 (32, 64, 128), flatten -> 128 -> 64 -> 4
 =============  ============================================================  ===========
+
+The convolutional models take their shapes from the data: ``in_shape`` is one sample's
+shape as a tuple (``(C, H, W)`` for ``cnn``, ``(C, D, H, W)`` for ``cosmoflow``; the
+spatial sizes alone mean one channel, e.g. ``(28, 28)``), and ``outputs`` the width of
+the output: the number of classes, or of regression targets. The counts above are for
+their defaults, ``cnn(in_shape=(1, 28, 28), outputs=10)`` and
+``cosmoflow(in_shape=(4, 32, 32, 32), outputs=4)``.
 
 Each builder takes ``seed=`` (or ``rng=``) and ``dtype=``; the same seed gives
 bit-identical parameters in every process. A model maps an input array (float features,
@@ -18,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpidl.models.cnn import CNN
+from mpidl.models.cosmoflow import CosmoFlow
 from mpidl.models.gpt import GPT
 from mpidl.models.mlp import MLP
 from mpidl.models.textclf import BagOfWords, TransformerClassifier
@@ -47,15 +60,29 @@ def gpt(vocab: int = 8000, seq_len: int = 128, dim: int = 128, layers: int = 2,
     return GPT(vocab, seq_len, dim, layers, heads, **kwargs)
 
 
-MODELS = {"mlp": mlp, "bow": bow, "transformer": transformer, "gpt": gpt}
+def cnn(in_shape: tuple = (1, 28, 28), outputs: int = 10, **kwargs: Any) -> CNN:
+    """The reference 2-D CNN for samples of ``in_shape`` (``(C, H, W)`` or ``(H, W)``)
+    with ``outputs`` classes or regression targets (see :class:`CNN`)."""
+    return CNN(in_shape, outputs, **kwargs)
+
+
+def cosmoflow(in_shape: tuple = (4, 32, 32, 32), outputs: int = 4,
+              **kwargs: Any) -> CosmoFlow:
+    """The CosmoFlow-like 3-D CNN for volumes of ``in_shape`` (``(C, D, H, W)`` or
+    ``(D, H, W)``) with ``outputs`` regression targets or classes (see :class:`CosmoFlow`)."""
+    return CosmoFlow(in_shape, outputs, **kwargs)
+
+
+MODELS = {"mlp": mlp, "bow": bow, "transformer": transformer, "gpt": gpt, "cnn": cnn,
+          "cosmoflow": cosmoflow}
 
 
 def build(name: str, **kwargs: Any) -> Any:
-    """Build a reference model by name (``"mlp"``, ``"bow"``, ``"transformer"``, ``"gpt"``)."""
+    """Build a reference model by name (one of :data:`MODELS`' keys)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
     return MODELS[name](**kwargs)
 
 
-__all__ = ["mlp", "bow", "transformer", "gpt", "build", "MODELS",
-           "MLP", "BagOfWords", "TransformerClassifier", "GPT"]
+__all__ = ["mlp", "bow", "transformer", "gpt", "cnn", "cosmoflow", "build", "MODELS",
+           "MLP", "BagOfWords", "TransformerClassifier", "GPT", "CNN", "CosmoFlow"]

@@ -35,6 +35,24 @@ class GELU(Module):
         return f"approximate={self.approximate!r}"
 
 
+class LeakyReLU(Module):
+    """``x`` where ``x > 0``, else ``negative_slope * x``, elementwise.
+
+    Args:
+        negative_slope: the slope for negative inputs (PyTorch's default 0.01).
+    """
+
+    def __init__(self, negative_slope: float = 0.01) -> None:
+        super().__init__()
+        self.negative_slope = float(negative_slope)
+
+    def forward(self, x: Any) -> Tensor:
+        return F.leaky_relu(x, self.negative_slope)
+
+    def extra_repr(self) -> str:
+        return f"negative_slope={self.negative_slope}"
+
+
 class Tanh(Module):
     """Hyperbolic tangent elementwise."""
 

@@ -5,6 +5,11 @@ attributes, in the order of assignment. That order is the model's parameter orde
 the same on every rank that runs the same constructor, and it is the order the gradient
 buckets of data parallelism, the optimizer state and the checkpoints use.
 
+*Buffers* (:meth:`Module.register_buffer`) are arrays that belong to the model's state
+but are not trained: batch norm's running mean and variance. They are in
+:meth:`Module.state_dict` (so checkpoints keep them and ``load_state_dict`` restores
+them), move with :meth:`Module.to`, and are neither parameters nor given to optimizers.
+
     class TwoLayer(Module):
         def __init__(self, rng):
             super().__init__()
@@ -51,10 +56,11 @@ class Module:
     training: bool
 
     def __init__(self) -> None:
-        # Both dicts keep insertion order; ``_order`` interleaves them so that the
+        # The dicts keep insertion order; ``_order`` interleaves them so that the
         # parameter order is the order of assignment, whatever the kind of member.
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_buffers", {})
         object.__setattr__(self, "_order", [])
         object.__setattr__(self, "training", True)
 
@@ -66,14 +72,21 @@ class Module:
                 f"assigning attribute {name!r}"
             )
         params, modules, order = self._parameters, self._modules, self._order
+        buffers = self.__dict__.get("_buffers", {})
+        if name in buffers and not isinstance(value, (Parameter, Module)):
+            # Assigning to a buffer replaces its array (None empties it) and keeps its
+            # place, as in PyTorch.
+            buffers[name] = value
+            return
         if isinstance(value, (Parameter, Module)):
             # Re-assigning keeps the original position, as in PyTorch, so replacing a
             # layer does not reorder the buckets.
-            params.pop(name, None)
-            modules.pop(name, None)
+            target = params if isinstance(value, Parameter) else modules
+            (modules if target is params else params).pop(name, None)
+            buffers.pop(name, None)
             if name not in order:
                 order.append(name)
-            (params if isinstance(value, Parameter) else modules)[name] = value
+            target[name] = value  # an existing key keeps its place in the dict
             self.__dict__.pop(name, None)
             return
         if name in params or name in modules:
@@ -84,21 +97,47 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
-        # Only called when normal lookup fails: members live in the two dicts.
+        # Only called when normal lookup fails: members live in the dicts.
         d = self.__dict__
-        if "_parameters" in d and name in d["_parameters"]:
-            return d["_parameters"][name]
-        if "_modules" in d and name in d["_modules"]:
-            return d["_modules"][name]
+        for members in ("_parameters", "_modules", "_buffers"):
+            if members in d and name in d[members]:
+                return d[members][name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __delattr__(self, name: str) -> None:
-        if name in self._parameters or name in self._modules:
+        if name in self._parameters or name in self._modules or name in self._buffers:
             self._parameters.pop(name, None)
             self._modules.pop(name, None)
+            self._buffers.pop(name, None)
             self._order.remove(name)
         else:
             object.__delattr__(self, name)
+
+    def register_buffer(self, name: str, value: Any) -> None:
+        """Register ``value`` (an xp array, or None) as the buffer ``name``.
+
+        A buffer is model state that is not trained (batch norm's running statistics):
+        it is read as ``self.<name>``, listed by :meth:`named_buffers`, saved by
+        :meth:`state_dict` (None is left out) and restored in place by
+        :meth:`load_state_dict`, and moved by :meth:`to`. Assigning ``self.<name> =
+        array`` later replaces the array and keeps the buffer's place in the order.
+
+        Raises:
+            KeyError: ``name`` is already a parameter, a sub-module or another attribute.
+            TypeError: ``value`` is a Parameter or Tensor (register those as parameters).
+        """
+        if "_order" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() "
+                               f"before register_buffer({name!r})")
+        if isinstance(value, Tensor):
+            raise TypeError(f"register_buffer({name!r}): got a {type(value).__name__}; a "
+                            "buffer is a plain array (a trainable one is a Parameter)")
+        if name in self._parameters or name in self._modules or name in self.__dict__ \
+                or name in self._buffers:
+            raise KeyError(f"register_buffer: {type(self).__name__} already has an "
+                           f"attribute {name!r}")
+        self._buffers[name] = value
+        self._order.append(name)
 
     # -- traversal ------------------------------------------------------------------
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
@@ -117,12 +156,44 @@ class Module:
         for name in self._order:
             if name in self._parameters:
                 yield prefix + name, self._parameters[name]
-            else:
+            elif name in self._modules:
                 yield from self._modules[name]._named_parameters_all(prefix + name + ".")
 
     def parameters(self) -> list[Parameter]:
         """The parameters in registration order (see :meth:`named_parameters`)."""
         return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        """Yield ``(dotted_name, array)`` of every buffer that is not None, in
+        registration order, depth first (see :meth:`register_buffer`)."""
+        for name, kind, value in self._members_all(prefix):
+            if kind == "buffer":
+                yield name, value
+
+    def buffers(self) -> list[Any]:
+        """The buffers' arrays in registration order (see :meth:`named_buffers`)."""
+        return [b for _, b in self.named_buffers()]
+
+    def _named_state(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        # Parameters and buffers interleaved in registration order (the state_dict
+        # order); a shared parameter only under its first name.
+        seen: set[int] = set()
+        for name, kind, value in self._members_all(prefix):
+            if kind == "parameter":
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+            yield name, value
+
+    def _members_all(self, prefix: str) -> Iterator[tuple[str, str, Any]]:
+        for name in self._order:
+            if name in self._parameters:
+                yield prefix + name, "parameter", self._parameters[name]
+            elif name in self._buffers:
+                if self._buffers[name] is not None:
+                    yield prefix + name, "buffer", self._buffers[name]
+            elif name in self._modules:
+                yield from self._modules[name]._members_all(prefix + name + ".")
 
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
         """Yield ``(dotted_name, module)`` for this module (name ``""``) and all below it."""
@@ -166,33 +237,37 @@ class Module:
 
     # -- state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """A flat ``{dotted_name: array}`` of every parameter, in parameter order.
+        """A flat ``{dotted_name: array}`` of every parameter and buffer.
 
-        The values are the parameters' live arrays, not copies: they change when the
-        optimizer steps. Copy them (``{k: v.copy() ...}``) for a snapshot; a checkpoint
+        Parameters and buffers come in registration order (for a model without
+        buffers, the parameter order). The values are the live arrays, not copies: they
+        change when the optimizer steps (or a batch norm updates its running
+        statistics). Copy them (``{k: v.copy() ...}``) for a snapshot; a checkpoint
         writer that stores them immediately needs no copy.
         """
-        return {name: p.data for name, p in self.named_parameters()}
+        return {name: (v.data if isinstance(v, Parameter) else v)
+                for name, v in self._named_state()}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Copy arrays from ``state`` into the parameters, in place.
+        """Copy arrays from ``state`` into the parameters and buffers, in place.
 
-        The parameters keep their array objects (so an optimizer, or a bucket whose
-        views they are, stays valid); values are cast to the parameter's dtype and
+        Parameters and buffers keep their array objects (so an optimizer, or a bucket
+        whose views they are, stays valid); values are cast to the target's dtype and
         moved to its device.
 
         Args:
             state: ``{dotted_name: array}`` as made by :meth:`state_dict`.
-            strict: raise when a parameter has no entry or an entry names no parameter.
-                Shape mismatches raise whatever ``strict`` says.
+            strict: raise when a parameter or buffer has no entry or an entry names
+                neither. Shape mismatches raise whatever ``strict`` says.
 
         Raises:
             KeyError: (strict) missing or unexpected names, all listed.
-            ValueError: an entry's shape differs from its parameter's.
+            ValueError: an entry's shape differs from its parameter's or buffer's.
         """
-        params = dict(self.named_parameters())
-        missing = [k for k in params if k not in state]
-        unexpected = [k for k in state if k not in params]
+        targets = {name: (v.data if isinstance(v, Parameter) else v)
+                   for name, v in self._named_state()}
+        missing = [k for k in targets if k not in state]
+        unexpected = [k for k in state if k not in targets]
         if strict and (missing or unexpected):
             parts = []
             if missing:
@@ -204,29 +279,34 @@ class Module:
                 + " (pass strict=False to load the names that match)"
             )
         bad = [
-            f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(p.shape)}"
-            for k, p in params.items()
-            if k in state and tuple(state[k].shape) != tuple(p.shape)
+            f"{k}: checkpoint {tuple(numpy.shape(state[k]))} vs model {tuple(a.shape)}"
+            for k, a in targets.items()
+            if k in state and tuple(numpy.shape(state[k])) != tuple(a.shape)
         ]
         if bad:
             raise ValueError(
                 f"load_state_dict into {type(self).__name__}: shape mismatch for "
                 + "; ".join(bad) + " (was the model built with the same configuration?)"
             )
-        for k, p in params.items():
+        for k, a in targets.items():
             if k in state:
-                xp = get_array_module(p.data)
-                p.data[...] = to_device(state[k], xp)
+                xp = get_array_module(a)
+                a[...] = to_device(state[k], xp)
 
     def to(self, xp: ModuleType) -> "Module":
-        """Move every parameter (and gradient) to array module ``xp``; returns self.
+        """Move every parameter (and gradient) and buffer to array module ``xp``.
 
         The parameters get new arrays, so call this before building the optimizer.
+        Returns self.
         """
         for p in self.parameters():
             p.data = to_device(p.data, xp)
             if p.grad is not None:
                 p.grad = to_device(p.grad, xp)
+        for _, m in self.named_modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = to_device(b, xp)
         return self
 
     # -- calling --------------------------------------------------------------------
@@ -269,8 +349,10 @@ class Module:
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__}({self.extra_repr()}"]
-        for name, m in self._modules.items():
-            sub = repr(m).replace("\n", "\n  ")
+        for name in self._order:
+            if name not in self._modules:
+                continue
+            sub = repr(self._modules[name]).replace("\n", "\n  ")
             lines.append(f"  ({name}): {sub}")
         if len(lines) == 1:
             return lines[0] + ")"

@@ -243,3 +243,183 @@ def test_a_language_models_loss_gives_padded_targets_nothing():
         p.grad = None
     gpt.loss(ids[:, :4], reduction="sum").backward()
     assert numpy.allclose(grad, gpt.tok.weight.grad)
+
+
+# -- the convolutional models ---------------------------------------------------------
+def test_conv_models_have_the_derived_parameter_counts():
+    # cnn: convs 288 + 18,432 + 73,728 (no bias under batch norm), batch norms 2 x 224,
+    # head 1,290. cosmoflow at 128^3 is the MLPerf reference's 5.6 M
+    # (science-and-planner.md section 1).
+    assert models.build("cnn").num_parameters() == 94_186
+    assert models.build("cosmoflow").num_parameters() == 1_140_388
+    assert models.cosmoflow(in_shape=(4, 128, 128, 128)).num_parameters() == 5_597_604
+    assert models.cosmoflow(in_shape=(4, 128, 128, 128)).blocks == 5
+
+
+def test_conv_models_take_their_shapes_from_the_data():
+    rng = numpy.random.default_rng(0)
+    x = rng.standard_normal((3, 28, 28)).astype(numpy.float32)
+    for shape in [(28, 28), (1, 28, 28)]:
+        model = models.cnn(in_shape=shape, outputs=5, seed=0)
+        assert model.in_shape == (1, 28, 28)
+        assert model(x).shape == (3, 5)  # (B, H, W) samples of one channel
+        assert model(x.reshape(3, 784)).shape == (3, 5)  # flattened samples
+    rgb = models.cnn(in_shape=(3, 9, 13), outputs=2, channels=(4, 8), seed=0)
+    assert rgb(rng.integers(0, 255, size=(2, 3, 9, 13))).dtype == numpy.float32  # uint8-like
+    vol = models.cosmoflow(in_shape=(16, 16, 16), outputs=3, base_channels=4, seed=0)
+    assert vol.in_shape == (1, 16, 16, 16) and vol.blocks == 2
+    assert vol(rng.standard_normal((2, 16, 16, 16))).shape == (2, 3)
+    assert models.cnn(in_shape=(1, 1, 1), outputs=2, seed=0)(numpy.ones((2, 1, 1, 1))).shape \
+        == (2, 2)  # a 1x1 map is not pooled
+    with pytest.raises(ValueError, match=r"does not hold samples of in_shape=\(1, 28, 28\)"):
+        models.cnn(seed=0)(numpy.zeros((2, 3, 28, 28)))
+    with pytest.raises(ValueError, match="in_shape=.*must be"):
+        models.cnn(in_shape=(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="pass blocks <= 3"):
+        models.cosmoflow(in_shape=(1, 8, 8, 8), blocks=4)
+
+
+def test_cosmoflow_bounded_head_and_options():
+    model = models.cosmoflow(in_shape=(2, 8, 8, 8), outputs=4, base_channels=4, hidden=(8,),
+                             output_scale=1.2, dropout=0.5, batch_norm=True, seed=0)
+    y = model(numpy.random.default_rng(1).standard_normal((3, 2, 8, 8, 8)) * 100)
+    assert y.shape == (3, 4) and numpy.abs(y.data).max() <= 1.2
+    assert sum(type(m).__name__ == "Dropout" for _, m in model.named_modules()) == 1
+    assert "features.1.running_mean" in model.state_dict()  # BatchNorm3d after the conv
+
+
+def torch_cnn(torch, ours):
+    """PyTorch's cnn with our weights (same layer list, same parameter names)."""
+    nn = torch.nn
+    layers = []
+    for m in ours.features:
+        kind = type(m).__name__
+        if kind == "Conv2d":
+            layers.append(nn.Conv2d(m.in_channels, m.out_channels, 3, padding=1,
+                                    bias=m.bias is not None, dtype=torch.float64))
+        elif kind == "BatchNorm2d":
+            layers.append(nn.BatchNorm2d(m.num_features, dtype=torch.float64))
+        elif kind == "ReLU":
+            layers.append(nn.ReLU())
+        else:
+            layers.append(nn.MaxPool2d(2))
+    ref = nn.ModuleDict({"features": nn.Sequential(*layers),
+                         "head": nn.Linear(ours.head.in_features, ours.outputs,
+                                           dtype=torch.float64)})
+    ref.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ours.state_dict().items()})
+    return ref
+
+
+def test_cnn_matches_pytorch_in_training_and_eval_mode():
+    torch = pytest.importorskip("torch")
+    ours = models.cnn(in_shape=(2, 10, 9), outputs=3, channels=(4, 6), dtype=F64, seed=0)
+    ref = torch_cnn(torch, ours)
+
+    def forward_ref(x):
+        return ref["head"](ref["features"](x).mean(dim=(2, 3)))
+
+    rng = numpy.random.default_rng(2)
+    for training in (True, False):
+        ours.train(training)
+        ref.train(training)
+        x, labels = rng.standard_normal((4, 2, 10, 9)), numpy.array([0, 2, 1, 2])
+        ours.zero_grad()
+        ref.zero_grad()
+        logits = ours(x)
+        F.softmax_cross_entropy(logits, labels).backward()
+        t_logits = forward_ref(torch.from_numpy(x))
+        torch.nn.functional.cross_entropy(t_logits, torch.from_numpy(labels)).backward()
+        assert allclose(logits.data, t_logits.detach().numpy())
+        theirs = dict(ref.named_parameters())
+        for name, p in ours.named_parameters():
+            assert allclose(p.grad, theirs[name].grad.numpy()), name
+        buffers = ref.state_dict()
+        for name, b in ours.named_buffers():
+            assert allclose(b, buffers[name].numpy()), name
+
+
+def adam_losses(model, loss_fn, x, y, steps, lr):
+    """The losses of ``steps`` full-batch Adam steps."""
+    opt = Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_cnn_and_cosmoflow_reduce_their_losses_in_a_few_steps():
+    rng = numpy.random.default_rng(3)
+    x = rng.standard_normal((16, 1, 12, 12)).astype(numpy.float32)
+    y = (x[:, 0, :6].mean(axis=(1, 2)) > x[:, 0, 6:].mean(axis=(1, 2))).astype(numpy.int64)
+    model = models.cnn(in_shape=(1, 12, 12), outputs=2, channels=(8, 16), seed=0)
+    losses = adam_losses(model, F.softmax_cross_entropy, x, y, 15, 1e-2)
+    assert losses[-1] < 0.5 * losses[0], losses
+    v = rng.standard_normal((8, 2, 8, 8, 8)).astype(numpy.float32)
+    t = numpy.stack([v.mean(axis=(1, 2, 3, 4)), v[:, 0].std(axis=(1, 2, 3))], 1)
+    net = models.cosmoflow(in_shape=(2, 8, 8, 8), outputs=2, base_channels=8, seed=0)
+    losses = adam_losses(net, F.mean_squared_error, v, t, 15, 3e-3)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", ["cnn", "cosmoflow"])
+def test_pooling_before_the_activation_is_the_usual_block(name):
+    # The models pool before the activation (cheaper); the usual activation-then-pool
+    # gives the same outputs and gradients, ties of ReLU zeros included.
+    from mpidl.nn import LeakyReLU, ReLU
+    from mpidl.nn.pool import MaxPool2d, MaxPool3d
+
+    if name == "cnn":
+        model = models.cnn(in_shape=(2, 8, 8), outputs=3, channels=(4, 6), dtype=F64, seed=0)
+        x = numpy.random.default_rng(4).standard_normal((3, 2, 8, 8))
+    else:
+        model = models.cosmoflow(in_shape=(2, 8, 8, 8), outputs=3, base_channels=4,
+                                 dtype=F64, seed=0)
+        x = numpy.random.default_rng(4).standard_normal((3, 2, 8, 8, 8))
+    layers = list(model.features)
+    swapped = list(layers)
+    for i in range(len(layers) - 1):
+        if isinstance(layers[i], (MaxPool2d, MaxPool3d)) and \
+                isinstance(layers[i + 1], (ReLU, LeakyReLU)):
+            swapped[i], swapped[i + 1] = layers[i + 1], layers[i]
+    assert swapped != layers
+    grads = []
+    for order in (layers, swapped):
+        xt = Tensor(x, requires_grad=True)
+        model.zero_grad()
+        h = xt
+        for layer in order:
+            h = layer(h)
+        out = model.head(model.pool(h)) if name == "cnn" else model.head(h)
+        F.sum(out * out).backward()
+        grads.append([out.data, xt.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert allclose(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cnn", "cosmoflow"])
+def test_conv_models_moved_to_cupy_give_the_numpy_outputs_and_gradients(name):
+    from mpidl.backend import cupy_module
+
+    cp = cupy_module()
+    if cp is None:
+        pytest.skip("needs CuPy and a GPU")
+    shape = (2, 12, 12) if name == "cnn" else (2, 8, 8, 8)
+    kwargs = dict(channels=(4, 8)) if name == "cnn" else dict(base_channels=4, batch_norm=True)
+    model = models.build(name, in_shape=shape, outputs=3, seed=0, dtype=F64, **kwargs)
+    x = numpy.random.default_rng(5).standard_normal((3,) + shape)
+    start = {k: v.copy() for k, v in model.state_dict().items()}
+    results = []
+    for xp in (numpy, cp):
+        model.to(xp)
+        model.load_state_dict(start)  # the same running statistics before each run
+        model.zero_grad()
+        out = model(xp.asarray(x))
+        F.sum(out * out).backward()
+        results.append([out.data] + [p.grad for p in model.parameters()] + model.buffers())
+    for a, b in zip(*results):
+        assert allclose(b, a)

@@ -166,3 +166,43 @@ def test_encoder_layer_matches_pytorch(causal):
     with torch.no_grad():
         expected = ref(torch.from_numpy(x), src_mask=mask, is_causal=causal).numpy()
     assert allclose(ours(x).data, expected)
+
+
+def test_conv_layers_start_at_pytorchs_scale_and_name_their_parameters():
+    from mpidl.nn import Conv1d, Conv2d, Conv3d
+
+    for cls, k in ((Conv1d, 5), (Conv2d, 3), (Conv3d, 2)):
+        conv = cls(8, 6, k, groups=2, seed=0)
+        fan_in = 4 * k ** cls.dims
+        w = conv.weight.data
+        assert w.shape == (6, 4) + (k,) * cls.dims and w.dtype == numpy.float32
+        assert abs(w).max() <= 1 / numpy.sqrt(fan_in) and abs(w).max() > 0.8 / numpy.sqrt(fan_in)
+        assert abs(conv.bias.data).max() <= 1 / numpy.sqrt(fan_in)
+        assert [n for n, _ in conv.named_parameters()] == ["weight", "bias"]
+    assert Conv2d(2, 2, 3, bias=False, seed=0).bias is None
+    with pytest.raises(ValueError, match="groups=3 must divide in_channels=4"):
+        Conv2d(4, 6, 3, groups=3)
+    with pytest.raises(ValueError, match="needs stride 1"):
+        Conv2d(4, 6, 3, stride=2, padding="same")
+
+
+def test_conv_and_pool_layers_compute_their_functions():
+    from mpidl.nn import (
+        AdaptiveAvgPool3d, AvgPool1d, Conv2d, Flatten, LeakyReLU, MaxPool2d,
+    )
+
+    x = numpy.random.default_rng(10).standard_normal((2, 3, 8, 8))
+    conv = Conv2d(3, 4, 3, stride=2, padding=1, dilation=1, seed=0, dtype=F64)
+    assert allclose(conv(x).data, F.conv2d(x, conv.weight, conv.bias, 2, 1).data)
+    assert allclose(MaxPool2d(2)(x).data, F.max_pool2d(x, 2).data)
+    x1 = x.reshape(2, 3, 64)
+    assert allclose(AvgPool1d(4, 2, 1)(x1).data, F.avg_pool1d(x1, 4, 2, 1).data)
+    x3 = x.reshape(2, 3, 4, 4, 4)
+    assert AdaptiveAvgPool3d(1)(x3).shape == (2, 3, 1, 1, 1)
+    assert Flatten()(x).shape == (2, 192) and Flatten(0, 1)(x).shape == (6, 8, 8)
+    assert Flatten()(numpy.zeros((0, 3, 4))).shape == (0, 12)
+    assert allclose(LeakyReLU(0.1)(x).data, numpy.where(x > 0, x, 0.1 * x))
+    with pytest.raises(ValueError, match="must have 4 dimensions"):
+        MaxPool2d(2)(x1)
+    check_module_grads(Conv2d(3, 2, 2, dilation=(1, 2), padding="same", seed=1, dtype=F64),
+                       x[:1, :, :4, :5])

@@ -184,3 +184,71 @@ def test_to_numpy_keeps_values_and_module_accepts_tensor_input():
 
 def test_num_parameters_counts_scalars():
     assert Linear(3, 4, seed=0).num_parameters() == 16
+
+
+class Stats(Module):
+    """A layer with a parameter between two buffers, and a None buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", numpy.zeros((), dtype=numpy.int64))
+        self.scale = Parameter(numpy.ones(2))
+        self.register_buffer("mean", numpy.zeros(2))
+        self.register_buffer("unused", None)
+
+    def forward(self, x):
+        return F.mul(x, self.scale)
+
+
+class WithStats(Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = Linear(2, 2, seed=0, dtype="float64")
+        self.stats = Stats()
+
+
+def test_buffers_are_state_but_not_parameters_in_registration_order():
+    net = WithStats()
+    assert [n for n, _ in net.named_parameters()] == ["fc.weight", "fc.bias", "stats.scale"]
+    assert [n for n, _ in net.named_buffers()] == ["stats.count", "stats.mean"]
+    assert list(net.state_dict()) == ["fc.weight", "fc.bias", "stats.count", "stats.scale",
+                                      "stats.mean"]  # None buffers are left out
+    assert net.state_dict()["stats.mean"] is net.stats.mean  # the live array
+    assert net.stats.unused is None and net.num_parameters() == 8
+
+
+def test_load_state_dict_restores_buffers_in_place_and_names_missing_ones():
+    src, dst = WithStats(), WithStats()
+    src.stats.count += 3
+    src.stats.mean[...] = [1.5, -2.0]
+    mean = dst.stats.mean
+    dst.load_state_dict({k: v.copy() for k, v in src.state_dict().items()})
+    assert dst.stats.mean is mean and list(mean) == [1.5, -2.0] and int(dst.stats.count) == 3
+    state = dict(src.state_dict())
+    del state["stats.mean"]
+    with pytest.raises(KeyError, match=r"missing keys \['stats.mean'\]"):
+        dst.load_state_dict(state)
+    state["stats.mean"] = numpy.zeros(3)
+    with pytest.raises(ValueError, match=r"stats.mean: checkpoint \(3,\) vs model \(2,\)"):
+        dst.load_state_dict(state)
+
+
+def test_assigning_a_buffer_replaces_it_in_place_in_the_order():
+    s = Stats()
+    s.mean = numpy.full(2, 7.0)
+    assert list(s.state_dict()) == ["count", "scale", "mean"] and s.mean[0] == 7.0
+    s.to(numpy)
+    assert isinstance(s.mean, numpy.ndarray) and s.mean[1] == 7.0
+    del s.mean
+    assert "mean" not in s.state_dict()
+    with pytest.raises(KeyError, match="already has an attribute 'count'"):
+        s.register_buffer("count", numpy.zeros(1))
+    with pytest.raises(TypeError, match="plain array"):
+        s.register_buffer("w", Parameter(numpy.zeros(1)))
+
+
+def test_reassigning_a_layer_keeps_its_place_in_repr_and_children():
+    seq = Sequential(Linear(2, 3, seed=0), ReLU(), Linear(3, 1, seed=1))
+    setattr(seq, "1", Dropout(0.1, seed=0))
+    assert [type(m).__name__ for m in seq.children()] == ["Linear", "Dropout", "Linear"]
+    assert repr(seq).index("Dropout") < repr(seq).rindex("Linear")
