@@ -149,7 +149,6 @@ def test_dropout_gradient(xp):
     assert gradcheck(lambda t: F.dropout(t, 0.3, rng=7), [a])
 
 
-<<<<<<< HEAD
 def test_a_host_generator_gives_one_seed_per_dropout_call_whatever_the_shape(xp):
     # The checkpointed host state advances by one draw per call, so the mask can be
     # drawn on the device (from that seed) and a resume still continues exactly.
@@ -183,7 +182,8 @@ def test_dropout_resumes_exactly_from_the_checkpointed_host_state(xp):
     resumed.rng.bit_generator.state = saved
     for expected in after:
         numpy.testing.assert_array_equal(as_numpy(resumed(x).data), expected)
-=======
+
+
 @pytest.mark.parametrize("slope", [0.01, 0.2, -0.5])
 def test_leaky_relu_forward_and_gradient(xp, slope):
     a = _randn(xp, 3, 4, 5, seed=11)
@@ -191,4 +191,3 @@ def test_leaky_relu_forward_and_gradient(xp, slope):
     assert allclose(F.leaky_relu(Tensor(a), slope).data, numpy.where(n > 0, n, slope * n))
     assert gradcheck(lambda t: F.leaky_relu(t, slope), [a])
     assert F.leaky_relu(Tensor(a.astype(numpy.float32))).dtype == numpy.float32
->>>>>>> sci19
