@@ -94,6 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # sys.exit in a command or a user's script: say so at exit
         _note_exit(e.code)
         raise
+    except BrokenPipeError:
+        # `mpidl shard ... | head`: the reader left. Not an error of the command's:
+        # quiet, as a Unix tool is (Python's documented way: stdout to devnull).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        _note_exit(1)
+        return 1
     _note_exit(code or 0)
     return int(code or 0)
 

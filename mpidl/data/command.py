@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", nargs="?", metavar="OUT_DIR", help="dataset directory to write")
     t = p.add_argument_group("text inputs (--from-csv, --from-folder)")
     t.add_argument("--text-col", help="text column: a header name or a 0-based number")
+    t.add_argument("--feature-cols", help="numeric CSV instead of text: the feature columns "
+                   "(comma-separated names or 0-based numbers), with --target-cols")
+    t.add_argument("--target-cols", help="with --feature-cols: the float target columns "
+                   "(regression: mpidl train fits them with a squared-error loss)")
     t.add_argument("--label-col", help="label column: a header name or a 0-based number")
     t.add_argument(
         "--delimiter",
@@ -215,6 +219,13 @@ def _describe(path: str, m: Manifest) -> str:
     return f"{path}: {m.num_samples} samples in {len(m.shards)} shard(s); {feats}{extra}"
 
 
+def _delimiter(args: argparse.Namespace) -> str | None:
+    """``--delimiter``, with ``\\t`` and ``tab`` meaning a tab; None: by the file name."""
+    if not args.delimiter:
+        return None
+    return {"\\t": "\t", "tab": "\t"}.get(args.delimiter, args.delimiter)
+
+
 def _write(args: argparse.Namespace) -> dict[str, Manifest]:
     common = {
         "rows_per_shard": args.rows_per_shard,
@@ -230,17 +241,18 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
         "length": args.length,
         "classes": classes,
     }
+    if args.from_csv and args.feature_cols:
+        arrays = sources.read_csv_arrays(
+            args.from_csv, args.feature_cols.split(","), args.target_cols.split(","),
+            delimiter=_delimiter(args), header=not args.no_header)
+        return write_shards(args.out_dir, arrays, test_fraction=args.test_fraction,
+                            labels=None, source=args.from_csv, **common)
     if args.from_csv:
-        delim = (
-            {"\\t": "\t", "tab": "\t"}.get(args.delimiter, args.delimiter)
-            if args.delimiter
-            else None
-        )
         texts, labels = sources.read_csv(
             args.from_csv,
             args.text_col,
             args.label_col,
-            delimiter=delim,
+            delimiter=_delimiter(args),
             header=not args.no_header,
             quoting=args.quoting,
         )
@@ -301,7 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.out_dir:
             print("mpidl shard: OUT_DIR is required when writing a dataset", file=sys.stderr)
             return 2
-        if args.from_csv and (args.text_col is None or args.label_col is None):
+        if args.from_csv and args.feature_cols and not args.target_cols:
+            print("mpidl shard: --feature-cols needs --target-cols (the regression "
+                  "targets)", file=sys.stderr)
+            return 2
+        if args.from_csv and not args.feature_cols and (args.text_col is None
+                                                        or args.label_col is None):
             print(
                 "mpidl shard: --from-csv needs --text-col and --label-col (names, or 0-based "
                 "numbers with --no-header)",

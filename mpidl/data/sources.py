@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy
 
@@ -61,6 +61,39 @@ def read_csv(
         DataError: missing file, bad encoding, unknown column, a line with too few fields
             or an empty label; the message names the file and the line.
     """
+    found: dict[str, int] = {}
+
+    def columns(names: list[str] | None) -> tuple[int, str]:
+        """The fields a line needs, once the header is known."""
+        found["text"] = _column(names, text_col, path, "text column")
+        found["label"] = _column(names, label_col, path, "label column")
+        return (max(found.values()) + 1,
+                f"text column {found['text']}, label column {found['label']}")
+
+    names, rows = _read_rows(path, delimiter, header, quoting, encoding, columns)
+    ti, li = found["text"], found["label"]
+    texts, labels = [], []
+    for line, row in rows:
+        label = row[li].strip()
+        if not label:
+            raise DataError(f"{path}:{line}: empty label")
+        texts.append(row[ti])
+        labels.append(label)
+    if not texts:
+        raise DataError(f"{path}: no records")
+    return texts, labels
+
+
+def _read_rows(path: str, delimiter: str | None, header: bool, quoting: str | None,
+               encoding: str, needed: Any = None
+               ) -> tuple[list[str] | None, list[tuple[int, list[str]]]]:
+    """The header names (or None) and ``(line number, fields)`` of every non-empty line.
+
+    Every line must have at least the fields the caller reads (``needed(names)`` gives
+    their count and names, checked first, for the plainer message) and as many as the
+    header (or the first line): an extra field is an unquoted delimiter inside a text,
+    which would cut it silently.
+    """
     if delimiter is None:
         delimiter = "\t" if path.lower().endswith(_TSV_SUFFIXES) else ","
     if quoting is None:
@@ -69,7 +102,7 @@ def read_csv(
     if quoting not in modes:
         raise ValueError(f"quoting {quoting!r} is not one of {sorted(modes)}")
     csv.field_size_limit(2**31 - 1)  # whole reviews can exceed the 128 KiB default
-    texts, labels = [], []
+    rows = []
     try:
         # utf-8-sig: a byte-order mark (Excel and Windows write one) is not part of the
         # first header name or the first label.
@@ -80,21 +113,17 @@ def read_csv(
             names = next(reader, None) if header else None
             if header and names is None:
                 raise DataError(f"{path}: empty file, expected a header line")
-            ti = _column(names, text_col, path, "text column")
-            li = _column(names, label_col, path, "label column")
-            need = max(ti, li) + 1
-            # Every line has as many fields as the header (or the first line): an extra
-            # field is an unquoted delimiter inside a text, which would cut it silently.
             width = len(names) if names is not None else None
+            need, which = needed(names) if needed is not None else (0, "")
             for row in reader:
                 if not row:
                     continue
-                width = width or len(row)
                 if len(row) < need:
                     raise DataError(
                         f"{path}:{reader.line_num}: {len(row)} field(s), need at least {need} "
-                        f"(text column {ti}, label column {li}); check --delimiter/--quoting"
+                        f"({which}); check --delimiter/--quoting"
                     )
+                width = width or len(row)
                 if len(row) != width:
                     raise DataError(
                         f"{path}:{reader.line_num}: {len(row)} fields where "
@@ -102,20 +131,47 @@ def read_csv(
                         f"{width}: a delimiter inside a text? Quote that field, or check "
                         "--delimiter/--quoting"
                     )
-                label = row[li].strip()
-                if not label:
-                    raise DataError(f"{path}:{reader.line_num}: empty label")
-                texts.append(row[ti])
-                labels.append(label)
+                rows.append((reader.line_num, row))
     except FileNotFoundError as e:
         raise DataError(f"{path}: no such file") from e
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid {encoding} text ({e})") from e
     except csv.Error as e:
         raise DataError(f"{path}: CSV error ({e}); check --delimiter and --quoting") from e
-    if not texts:
+    return names, rows
+
+
+def read_csv_arrays(path: str, feature_cols: Sequence[str | int],
+                    target_cols: Sequence[str | int], *, delimiter: str | None = None,
+                    header: bool = True, encoding: str = "utf-8") -> dict[str, numpy.ndarray]:
+    """Numeric columns of a CSV file as arrays: ``x`` (float32, one row per line) from
+    ``feature_cols`` and ``y`` (float32) from ``target_cols``, regression targets: one
+    value per row, or a vector.
+
+    Raises:
+        DataError: a column that is not there, or a field that is not a number (naming
+            the file, the line and the column).
+    """
+    names, rows = _read_rows(path, delimiter, header, "minimal", encoding)
+    fi = [_column(names, c, path, "feature column") for c in feature_cols]
+    ti = [_column(names, c, path, "target column") for c in target_cols]
+    if not rows:
         raise DataError(f"{path}: no records")
-    return texts, labels
+
+    def numbers(cols: list[int], what: str) -> numpy.ndarray:
+        out = numpy.empty((len(rows), len(cols)), dtype=numpy.float32)
+        for r, (line, row) in enumerate(rows):
+            for c, i in enumerate(cols):
+                try:
+                    out[r, c] = float(row[i])
+                except ValueError:
+                    col = names[i] if names is not None else i
+                    raise DataError(f"{path}:{line}: {what} {col!r} holds {row[i]!r}, not a "
+                                    "number") from None
+        return out
+
+    y = numbers(ti, "target column")
+    return {"x": numbers(fi, "feature column"), "y": y[:, 0] if len(ti) == 1 else y}
 
 
 def _class_dirs(root: str) -> list[str]:

@@ -8,7 +8,7 @@ being found from the arguments. Modules by op family:
 - :mod:`~mpidl.functions.array`: reshape, transpose, getitem, concat, stack, broadcast_to
 - :mod:`~mpidl.functions.activation`: relu, leaky_relu, tanh, sigmoid, gelu, softmax,
   log_softmax
-- :mod:`~mpidl.functions.loss`: softmax_cross_entropy, mean_squared_error
+- :mod:`~mpidl.functions.loss`: softmax_cross_entropy, mean_squared_error, regression_loss
 - :mod:`~mpidl.functions.norm`: layer_norm
 - :mod:`~mpidl.functions.batchnorm`: batch_norm (optionally over ranks: ``allreduce=``)
 - :mod:`~mpidl.functions.conv`: conv1d, conv2d, conv3d (any ``convolution``: stride,
@@ -36,7 +36,7 @@ from mpidl.functions.batchnorm import batch_norm
 from mpidl.functions.conv import conv1d, conv2d, conv3d, convolution
 from mpidl.functions.dropout import dropout
 from mpidl.functions.embedding import embedding, embedding_bag
-from mpidl.functions.loss import mean_squared_error, softmax_cross_entropy
+from mpidl.functions.loss import mean_squared_error, regression_loss, softmax_cross_entropy
 from mpidl.functions.math import (
     add,
     div,
@@ -72,7 +72,7 @@ __all__ = [
     "sum_to",
     "reshape", "transpose", "getitem", "concat", "stack", "broadcast_to",
     "relu", "leaky_relu", "tanh", "sigmoid", "gelu", "softmax", "log_softmax", "erf",
-    "softmax_cross_entropy", "mean_squared_error",
+    "softmax_cross_entropy", "mean_squared_error", "regression_loss",
     "layer_norm", "batch_norm", "dropout", "embedding", "embedding_bag",
     "scaled_dot_product_attention", "causal_mask",
     "convolution", "conv1d", "conv2d", "conv3d",

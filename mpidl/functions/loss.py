@@ -146,3 +146,54 @@ def mean_squared_error(a: Any, b: Any) -> Tensor:
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"mean_squared_error: shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
     return MeanSquaredError.apply(a, b)
+
+
+class RegressionLoss(Function):
+    """Summed squared (``kind="mse"``) or Huber (``"huber"``, ``delta``) error."""
+
+    def forward(self, pred, target):
+        xp = get_array_module(pred, target)
+        self.diff = pred - target.astype(pred.dtype, copy=False)
+        if self.kind == "mse":
+            return xp.asarray((self.diff * self.diff).sum(), dtype=pred.dtype)
+        a = xp.abs(self.diff)
+        d = pred.dtype.type(self.delta)
+        quad = xp.minimum(a, d)
+        # 0.5 e^2 inside delta, delta (|e| - delta / 2) outside: torch.nn.HuberLoss's form
+        return xp.asarray((quad * (a - 0.5 * quad)).sum(), dtype=pred.dtype)
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        np_, nt = self.needs_input_grad
+        if self.kind == "mse":
+            g = self.diff * (gy * gy.dtype.type(2.0))
+        else:
+            d = self.diff.dtype.type(self.delta)
+            g = xp.clip(self.diff, -d, d) * gy
+        return (g if np_ else None), (-g if nt else None)
+
+
+def regression_loss(pred: Any, target: Any, kind: str = "mse", delta: float = 1.0,
+                    reduction: str = "sum") -> Tensor:
+    """Squared error (``"mse"``: ``(pred - target)**2``) or Huber error (``"huber"``:
+    ``0.5 e**2`` for ``|e| <= delta``, ``delta (|e| - delta / 2)`` beyond, as
+    ``torch.nn.HuberLoss``), summed (``"sum"``) or averaged (``"mean"``) over every
+    element; ``target`` is cast to ``pred``'s dtype and must have its shape."""
+    if kind not in ("mse", "huber"):
+        raise ValueError(f"regression_loss: kind={kind!r}; use 'mse' or 'huber'")
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"regression_loss: reduction={reduction!r}; use 'sum' or 'mean'")
+    if isinstance(target, Tensor):
+        target = target.data
+    xp = get_array_module(pred)
+    if get_array_module(target) is not xp:
+        target = to_device(target, xp)
+    if tuple(pred.shape) != tuple(target.shape):
+        raise ValueError(f"regression_loss: predictions of shape {tuple(pred.shape)} and "
+                         f"targets of shape {tuple(target.shape)} differ")
+    loss = RegressionLoss.apply(pred, target, kind=kind, delta=float(delta))
+    if reduction == "mean":
+        from mpidl.functions.math import mul
+
+        return mul(loss, 1.0 / max(int(numpy.prod(pred.shape)), 1))
+    return loss

@@ -103,13 +103,20 @@ class DataParallel:
             1.68-1.85 (benchmarks/dp_phases.py). Only when every rank shares one node,
             on host arrays, without compression, hierarchy or overlap; None (the
             default) uses it exactly then, True raises if it cannot, False never uses it.
+        sync_batchnorm: replace the model's BatchNorm layers by SyncBatchNorm over
+            ``comm`` first (:func:`mpidl.parallel.convert_sync_batchnorm`): statistics of
+            the global batch, running statistics identical on every rank.
+        broadcast_buffers: copy rank 0's buffers (running statistics of plain batch
+            norm, which each rank would update from its own share) to every rank before
+            each training forward, as PyTorch DDP does; synced batch norm needs none.
     """
 
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,
                  compression: str | None = None, hierarchical: bool | int = False,
                  sparse_embeddings: bool = True, broadcast: bool = True,
                  overlap: bool | None = None, keep_freed_memory: bool = True,
-                 shared_memory: bool | None = None) -> None:
+                 shared_memory: bool | None = None, sync_batchnorm: bool = False,
+                 broadcast_buffers: bool = True) -> None:
         self.comm = comm
         # First the agreement (collective), then the values: an option that only some
         # ranks got wrong is a DistributedError everywhere, not an error on those ranks
@@ -117,15 +124,29 @@ class DataParallel:
         agreement.check_same_options(comm, "DataParallel", bucket_mb=bucket_mb,
                                      compression=compression, hierarchical=hierarchical,
                                      sparse_embeddings=sparse_embeddings, broadcast=broadcast,
-                                     overlap=overlap, shared_memory=shared_memory)
+                                     overlap=overlap, shared_memory=shared_memory,
+                                     sync_batchnorm=sync_batchnorm,
+                                     broadcast_buffers=broadcast_buffers)
         if compression is not None and compression not in wire.WIRE_DTYPES:
             raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
         if keep_freed_memory:
             backend.keep_freed_memory()
+        if sync_batchnorm and comm.size > 1:
+            from mpidl.parallel.syncbn import convert_sync_batchnorm
+
+            convert_sync_batchnorm(model, comm)  # before the parameter list is taken
         self.module = model
         self.bucket_mb = bucket_mb
+        # Buffers (batch norm's running statistics) that the ranks would let drift apart:
+        # rank 0's are broadcast before every training forward, as PyTorch DDP does.
+        from mpidl.parallel.syncbn import SyncBatchNorm
+
+        synced = {id(b) for _, m in model.named_modules() if isinstance(m, SyncBatchNorm)
+                  for b in m.buffers()}
+        self._drifting = ([b for b in model.buffers() if id(b) not in synced]
+                          if broadcast_buffers and comm.size > 1 else [])
         self.compression = compression if comm.size > 1 else None
         self.named = list(model.named_parameters())
         agreement.check_same_parameters(comm, self.named)
@@ -198,6 +219,9 @@ class DataParallel:
 
     # -- forward / backward ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._drifting and self.module.training:
+            for b in self._drifting:
+                self.comm.bcast_(b, root=0)
         return self.module(*args, **kwargs)
 
     def parameters(self) -> list:

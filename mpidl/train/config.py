@@ -88,6 +88,7 @@ class DataConfig:
     num_test: int = 25000
     seq_len: int = 128                       # tokens per review (longer ones are cut)
     vocab_size: int = 8000                   # including <pad> and <unk>
+    side: int = 16                           # cosmo: the fields' grid, side^3 points
     label_noise: float = 0.02
     seed: int = 0                            # the corpus seed (not the training seed)
     cache_dir: str = ".mpidl-cache"
@@ -108,8 +109,9 @@ class Config:
     """
 
     # reviews: classify the generated reviews; gpt: a language model on the generated
-    # language corpus; custom: a dataset given with --data (classification)
-    task: str = choices("reviews", "gpt", "custom", default="reviews")
+    # language corpus; cosmo: regress the spectra of generated 3-D Gaussian random
+    # fields; custom: a dataset given with --data
+    task: str = choices("reviews", "gpt", "cosmo", "custom", default="reviews")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"main": "name"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"main": "path"})
     # -- optimisation
@@ -130,6 +132,9 @@ class Config:
     warmup_fraction: float = 0.05            # of all steps
     min_lr_ratio: float = 0.0                # the schedule's floor, as a fraction of lr
     clip_grad_norm: Optional[float] = None   # global L2 norm; none: no clipping
+    # Datasets with floating-point targets y train by regression: squared error, or Huber
+    regression_loss: str = choices("mse", "huber", default="mse")
+    sync_batchnorm: bool = True              # batch norm over the global batch (SyncBatchNorm)
     # A step whose loss or gradient is not finite (on any rank) is skipped on every rank
     # with a warning; "stop" also ends the run (exit 1, the last good checkpoint kept)
     # after nonfinite_steps such steps in a row, "skip" never does.
@@ -220,7 +225,7 @@ def _validate(config: Config) -> None:
     if not config.model.name:
         raise ConfigError("config key 'model.name' is empty; name a model, e.g. --model=bow")
     d = config.data
-    for key in ("num_train", "num_test", "seq_len", "vocab_size", "block_size"):
+    for key in ("num_train", "num_test", "seq_len", "vocab_size", "block_size", "side"):
         if getattr(d, key) < 1:
             raise ConfigError(f"config key 'data.{key}' must be >= 1, got {getattr(d, key)}")
     for key in ("seed", "prefetch"):

@@ -53,13 +53,13 @@ def evaluate_model(model: Any, loader: Any, comm: Any) -> Scores:
         comm: the communicator whose ranks share the split.
     """
     dataset, xp = loader.dataset, loader.xp
+    was_training = getattr(model, "training", True)
+    model.eval()  # before the probe too: batch norm in training mode needs samples
     # Counted over the model's outputs and the dataset's classes alike: a model with more
     # outputs than the dataset has classes (or fewer) still has every count in range.
     classes = max(output_width(model, dataset.features["x"], xp), dataset.num_classes or 0)
     counts = ClassCounts(classes, xp)
     loss_sum: Any = 0.0
-    was_training = getattr(model, "training", True)
-    model.eval()
     loader.set_epoch(0)
     try:
         with no_grad():

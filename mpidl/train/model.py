@@ -17,7 +17,7 @@ from typing import Any
 from mpidl.train.config import Config, ConfigError, check_model, model_parameters
 
 TOKEN_MODELS = ("bow", "transformer", "gpt")   # read token ids
-FEATURE_MODELS = ("mlp",)                      # read feature vectors
+FEATURE_MODELS = ("mlp", "cnn", "cosmoflow")   # read feature arrays
 
 
 def data_shapes(dataset: Any) -> dict[str, Any]:
@@ -25,9 +25,12 @@ def data_shapes(dataset: Any) -> dict[str, Any]:
     determines of a model, by model keyword: ``classes``, and ``vocab``, ``seq_len``,
     ``pad_id`` (token data) or ``inputs`` (feature data: the flattened width)."""
     x = dataset.features["x"]
+    y = dataset.features.get("y")
     shapes: dict[str, Any] = {}
     if dataset.num_classes:
-        shapes["classes"] = int(dataset.num_classes)
+        shapes["classes"] = shapes["outputs"] = int(dataset.num_classes)
+    elif y is not None and y.dtype.kind == "f":  # regression: one output per target value
+        shapes["outputs"] = int(math.prod(y.shape)) if y.shape else 1
     if x.dtype.kind in "iu" and dataset.vocab:
         shapes["vocab"] = len(dataset.vocab)
         if x.shape:
@@ -37,6 +40,7 @@ def data_shapes(dataset: Any) -> dict[str, Any]:
             shapes["pad_id"] = int(pad_id)
     else:
         shapes["inputs"] = int(math.prod(x.shape)) if x.shape else 1
+        shapes["in_shape"] = tuple(int(d) for d in x.shape)
     return shapes
 
 
@@ -60,16 +64,26 @@ def model_options(config: Config, dataset: Any) -> dict[str, Any]:
         raise ConfigError(f"model {name!r} reads feature vectors, but {dataset.path} holds "
                           f"token ids (a text dataset): use --model=bow or --model=transformer")
     what = {"classes": "{} classes", "vocab": "a vocabulary of {} tokens",
-            "seq_len": "rows of {} tokens", "pad_id": "padding id {}"}
+            "seq_len": "rows of {} tokens", "pad_id": "padding id {}",
+            "outputs": "{} classes or regression targets", "in_shape": "samples of shape {}"}
     for key, wanted in shapes.items():
-        if key not in accepted:
+        if key not in accepted or key == "inputs":
             continue
-        if key in kwargs and kwargs[key] != wanted:
+        given = kwargs.get(key)
+        if isinstance(given, list):
+            given = tuple(given)
+        if key in kwargs and given != wanted and not (
+                key == "in_shape" and _same_samples(given, wanted)):
             raise _contradiction(key, kwargs[key], dataset, what[key].format(wanted))
-        kwargs[key] = wanted
+        kwargs[key] = given if key in kwargs else wanted
     if "sizes" in accepted and "inputs" in shapes:
         kwargs["sizes"] = _mlp_sizes(kwargs, shapes, dataset)
     return kwargs
+
+
+def _same_samples(given: Any, wanted: tuple) -> bool:
+    """``in_shape`` given without the channel axis of one-channel data: the same samples."""
+    return tuple(given) == wanted[1:] and wanted[:1] == (1,) or (1, *tuple(given)) == wanted
 
 
 def _mlp_sizes(kwargs: dict[str, Any], shapes: dict[str, Any], dataset: Any) -> list[int]:
@@ -87,7 +101,7 @@ def _mlp_sizes(kwargs: dict[str, Any], shapes: dict[str, Any], dataset: Any) -> 
     if given and sizes[0] != shapes["inputs"]:
         raise _contradiction("sizes", sizes, dataset,
                              f"{shapes['inputs']} input features per sample, not {sizes[0]}")
-    classes = shapes.get("classes")
+    classes = shapes.get("outputs")
     if given and classes is not None and sizes[-1] != classes:
         raise _contradiction("sizes", sizes, dataset, f"{classes} classes, not {sizes[-1]}")
     sizes[0] = shapes["inputs"]

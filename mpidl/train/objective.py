@@ -6,6 +6,10 @@ The trainer's step and evaluation ask the run's objective, chosen from the task:
   ``x`` against labels ``y``; the loss is summed over samples and averaged over the
   global batch (the sampler's count); evaluation is the exact per-class count of
   :func:`mpidl.train.evaluation.evaluate_model`.
+- :class:`Regression` (a dataset whose ``y`` is floating point, scalar or a vector per
+  sample): squared error (or Huber), summed over samples and outputs and averaged over
+  the global batch's values; evaluation gives MSE, MAE and R² per output, exact over
+  the ranks (per-output sums, one allreduce).
 - :class:`LanguageModel` (task ``gpt``): the model reads ``x[:, :-1]`` and predicts
   ``x[:, 1:]``; padded targets count nothing, so the global count of real targets takes
   one small allreduce per step (the mean is over every rank's real tokens, exactly);
@@ -25,6 +29,7 @@ class Classification:
     """Softmax cross-entropy of ``model(x)`` against integer labels ``y``."""
 
     features = ("x", "y")
+    accuracy = True  # train records carry one
 
     def inputs(self, x: Any) -> Any:
         return x
@@ -54,10 +59,78 @@ class Classification:
         return {}
 
 
+class Regression:
+    """Squared (or Huber) error of ``model(x)`` against float targets ``y``."""
+
+    features = ("x", "y")
+    accuracy = False
+
+    def __init__(self, kind: str = "mse", outputs: int = 1) -> None:
+        self.kind, self.outputs = kind, int(outputs)
+
+    def inputs(self, x: Any) -> Any:
+        return x
+
+    def _targets(self, pred: Any, y: Any) -> Any:
+        return y.reshape(pred.shape)  # (B,) scalar targets against (B, 1) predictions
+
+    def loss(self, pred: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
+        target = self._targets(pred, y)
+        loss = F.regression_loss(pred, target, kind=self.kind, reduction="sum")
+        return loss, int(target.size), 0
+
+    def global_count(self, comm: Any, samples: int, local: int) -> int:
+        """Values in the global batch: samples times outputs."""
+        return samples * self.outputs
+
+    def evaluate(self, model: Any, loader: Any, comm: Any) -> dict[str, Any]:
+        """MSE, MAE and R² per output over the test split. Collective."""
+        from mpidl.autograd import no_grad
+        from mpidl.backend import as_numpy
+
+        k = self.outputs
+        sums = numpy.zeros((6, k))  # count, sum y, sum y^2, sum e^2, sum |e|, sum loss
+        model.eval()
+        loader.set_epoch(0)
+        with no_grad():
+            for batch in loader:
+                x, y = batch[0], batch[1]
+                if len(x) == 0:
+                    continue
+                pred = model(x)
+                target = self._targets(pred, y)
+                loss = F.regression_loss(pred, target, kind=self.kind, reduction="sum")
+                p = as_numpy(pred.data).reshape(-1, k).astype(numpy.float64)
+                t = as_numpy(target).reshape(-1, k).astype(numpy.float64)
+                e = p - t
+                sums += [numpy.full(k, len(t)), t.sum(0), (t * t).sum(0), (e * e).sum(0),
+                         numpy.abs(e).sum(0), numpy.full(k, float(loss.data) / k)]
+        model.train()
+        comm.allreduce_(sums)
+        n = numpy.maximum(sums[0], 1)
+        mse, mae = sums[3] / n, sums[4] / n
+        var = sums[2] / n - (sums[1] / n) ** 2  # the targets' variance, per output
+        r2 = numpy.where(var > 0, 1 - mse / numpy.where(var > 0, var, 1), numpy.nan)
+        record = {"test_loss": float(sums[5].sum() / n[0] / k), "test_mse": float(mse.mean()),
+                  "test_mae": float(mae.mean()), "test_r2": float(numpy.nanmean(r2))
+                  if numpy.isfinite(r2).any() else None,
+                  "test_mse_per_output": mse.tolist(), "test_mae_per_output": mae.tolist(),
+                  "test_r2_per_output": [None if not numpy.isfinite(v) else float(v)
+                                         for v in r2]}
+        r2_text = "-" if record["test_r2"] is None else f"{record['test_r2']:.4f}"
+        line = (f"test loss {record['test_loss']:.4f}, MSE {record['test_mse']:.4g}, MAE "
+                f"{record['test_mae']:.4g}, R² {r2_text}")
+        return {"record": record, "line": line, "scores": None}
+
+    def extra(self, loss: float) -> dict[str, Any]:
+        return {}
+
+
 class LanguageModel:
     """Next-token cross-entropy; ``pad_id`` targets (padding) count nothing."""
 
     features = ("x",)
+    accuracy = True
 
     def __init__(self, pad_id: int | None) -> None:
         self.pad_id = pad_id
@@ -129,4 +202,7 @@ def objective_for(config: Any, dataset: Any) -> Any:
     """The objective of ``config.task`` (the dataset gives the padding id)."""
     if config.task == "gpt":
         return LanguageModel(getattr(dataset, "pad_id", None))
+    y = dataset.features.get("y")
+    if y is not None and y.dtype.kind == "f":
+        return Regression(config.regression_loss, int(math.prod(y.shape)) if y.shape else 1)
     return Classification()

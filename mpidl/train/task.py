@@ -27,6 +27,9 @@ def _options(config: Config) -> dict:
     if config.task == "gpt":
         return {"num_train": d.num_train, "num_test": d.num_test, "seq_len": d.seq_len,
                 "vocab_size": d.vocab_size, "seed": d.seed, "format": 1}
+    if config.task == "cosmo":
+        return {"num_train": d.num_train, "num_test": d.num_test, "side": d.side,
+                "seed": d.seed, "format": 1}
     return {"num_train": d.num_train, "num_test": d.num_test, "seq_len": d.seq_len,
             "vocab_size": d.vocab_size, "label_noise": d.label_noise, "seed": d.seed,
             "format": 1}
@@ -35,7 +38,7 @@ def _options(config: Config) -> dict:
 def corpus_cache_dir(config: Config) -> str:
     """The directory of the generated corpus of ``config.task`` for its options."""
     key = hashlib.sha256(json.dumps(_options(config), sort_keys=True).encode()).hexdigest()
-    name = "language" if config.task == "gpt" else "reviews"
+    name = {"gpt": "language", "cosmo": "cosmo"}.get(config.task, "reviews")
     return os.path.join(config.data.cache_dir, f"{name}-{key[:12]}")
 
 
@@ -73,6 +76,11 @@ def _write_corpus(config: Config, out: str) -> None:
 
         write_language(out, d.num_train, d.num_test, d.seq_len, d.vocab_size, d.seed)
         return
+    if config.task == "cosmo":
+        from mpidl.data.cosmo import write_cosmo
+
+        write_cosmo(out, d.num_train, d.num_test, d.side, d.seed)
+        return
     from mpidl.data import write_text_shards
     from mpidl.data.synthetic import generate_reviews
 
@@ -99,7 +107,7 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
     """
     if config.data.path:
         return config.data.path
-    if config.task not in ("reviews", "gpt"):
+    if config.task not in ("reviews", "gpt", "cosmo"):
         raise ValueError(f"task {config.task!r} needs a dataset: pass --data=DIR "
                          "(a directory written by `mpidl shard`)")
     target = corpus_cache_dir(config)
@@ -110,7 +118,8 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
         log.info(f"the cached corpus {target} is incomplete; moved to {aside}, rebuilding")
         os.rename(target, aside)
     if comm.rank == 0 and not os.path.isdir(target):
-        what = "language" if config.task == "gpt" else "reviews"
+        what = {"gpt": "language", "cosmo": "Gaussian random field"}.get(config.task,
+                                                                         "reviews")
         log.info(f"generating the {what} corpus ({config.data.num_train} train + "
                  f"{config.data.num_test} test) into {target} ...")
         try:

@@ -148,6 +148,10 @@ class Trainer:
 
         seed_dropout_per_rank(self.model, config.seed, comm.rank)
         dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
+        if config.sync_batchnorm and comm.size > 1:
+            from mpidl.parallel import convert_sync_batchnorm
+
+            convert_sync_batchnorm(self.model, comm)  # no-op without batch norm layers
         if config.zero:
             self.dp = ShardedDataParallel(self.model, comm, stage=config.zero,
                                           keep_freed_memory=config.keep_freed_memory,
@@ -565,7 +569,8 @@ class Trainer:
                         if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                             rec = self._record_train(self.window, rate, epoch)
                             self.window = [0, 0, 0]
-                            bar.update(1, loss=rec["loss"], acc=rec["accuracy"])
+                            shown = {"acc": rec["accuracy"]} if "accuracy" in rec else {}
+                            bar.update(1, loss=rec["loss"], **shown)
                         else:
                             bar.update(1)
                         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -633,7 +638,9 @@ class Trainer:
         times = self.timer.last.as_record() if self.timer.last else {}
         loss = totals[0] / max(totals[2], 1)
         record = dict(kind="train", epoch=epoch, step=self.step, loss=loss,
-                      accuracy=totals[1] / max(totals[2], 1), **self.objective.extra(loss),
+                      **({"accuracy": totals[1] / max(totals[2], 1)}
+                         if self.objective.accuracy else {}),
+                      **self.objective.extra(loss),
                       lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
         record.update(self._state_bytes())
         if self.skipped_steps:
@@ -659,7 +666,10 @@ class Trainer:
             "samples/s": steps * self.config.global_batch / seconds if seconds else 0.0,
             "step time": f"{mean.total * 1e3:.1f} ms (compute {mean.compute * 1e3:.1f}, "
                          f"comm wait {mean.comm * 1e3:.1f}, input wait {mean.input * 1e3:.1f})",
-            "final test accuracy": evals[-1]["test_accuracy"] if evals else "-",
+            **({"final test accuracy": evals[-1].get("test_accuracy", "-") if evals else "-"}
+               if self.objective.accuracy else
+               {"final test R²": evals[-1].get("test_r2", "-") if evals else "-",
+                "final test MSE": evals[-1].get("test_mse", "-") if evals else "-"}),
             **({"final test perplexity": evals[-1]["test_perplexity"]}
                if evals and "test_perplexity" in evals[-1] else {}),
             "model state per rank": _describe_state(held, self.config.zero),

@@ -193,6 +193,7 @@ def test_a_gpt_2_5_times_the_budget_trains_at_3_ranks_with_stage_3_inside_it(com
     if comm.size != 3:
         pytest.skip("the budget case is set for 3 ranks")
     # 12 blocks: each unit is a twelfth of the model, the model's own unit small.
+
     def model():
         return gpt(vocab=32, seq_len=16, dim=16, layers=12, heads=2, seed=5)
     full = model()

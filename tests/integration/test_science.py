@@ -1,0 +1,88 @@
+"""Scientific workloads end to end on real ranks: real images with the cnn, regression
+from CSV columns, and the generated cosmology task with the 3-D cnn."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+
+import numpy
+import pytest
+
+from mpidl.testing.launch import mpiexec
+
+pytestmark = [pytest.mark.timeout(400)]
+
+
+def shard(*args):
+    done = mpiexec(1, [sys.executable, "-m", "mpidl", "shard", *args], timeout=120)
+    assert done.returncode == 0, done.output
+    return done
+
+
+def train(run, *args, n=2):
+    return mpiexec(n, [sys.executable, "-m", "mpidl", "train", *args, f"--run-dir={run}",
+                       "--progress=never"], timeout=360)
+
+
+def last_eval(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "eval"][-1]
+
+
+def test_real_handwritten_digits_train_with_the_cnn_and_no_model_options(tmp_path):
+    # 1,797 real 8x8 scans (UCI, shipped inside scikit-learn), one channel.
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits()
+    path = tmp_path / "digits.npz"
+    numpy.savez(path, x=(digits.images / 16.0).astype(numpy.float32)[:, None], y=digits.target)
+    data = str(tmp_path / "data")
+    shard("--from-npz", str(path), data, "--test-fraction", "0.2")
+    run = str(tmp_path / "run")
+    result = train(run, f"--data={data}", "--model=cnn", "--epochs=5")
+    assert result.returncode == 0, result.output
+    # Measured here: 0.98-0.99 test accuracy (360 held-out digits; chance 0.1).
+    assert last_eval(run)["test_accuracy"] >= 0.9
+
+
+def test_a_regression_dataset_from_csv_columns_trains(tmp_path):
+    rng = numpy.random.default_rng(3)
+    x = rng.standard_normal((1200, 3))
+    y = numpy.stack([2 * x[:, 0] - x[:, 1], x[:, 2] ** 2], axis=1) + 0.05 * rng.standard_normal(
+        (1200, 2))
+    path = tmp_path / "table.csv"
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["a", "b", "c", "t1", "t2"])
+        out.writerows(numpy.concatenate([x, y], axis=1).round(6).tolist())
+    data = str(tmp_path / "data")
+    done = shard("--from-csv", str(path), "--feature-cols", "a,b,c", "--target-cols",
+                 "t1,t2", data, "--test-fraction", "0.2")
+    assert "y float32[2]" in done.stdout, done.stdout
+    run = str(tmp_path / "run")
+    result = train(run, f"--data={data}", "--model=mlp", "--model.sizes=[3,64,64,2]",
+                   "--epochs=20", "--lr=3e-3")
+    assert result.returncode == 0, result.output
+    record = last_eval(run)
+    assert record["test_r2"] >= 0.9, record  # measured: 0.97-0.99
+    assert len(record["test_r2_per_output"]) == 2 and "final test R²" in result.stdout
+
+
+def test_a_csv_column_that_is_not_a_number_is_named(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("a,t\n1.5,2\nseven,3\n")
+    done = mpiexec(1, [sys.executable, "-m", "mpidl", "shard", "--from-csv", str(path),
+                       "--feature-cols", "a", "--target-cols", "t", str(tmp_path / "d")],
+                   timeout=60)
+    assert done.returncode != 0 and f"{path}:3: feature column 'a' holds 'seven'" in done.stderr
+
+
+def test_the_cosmology_task_learns_the_spectra_of_gaussian_random_fields(tmp_path, cache):
+    run = str(tmp_path / "run")
+    result = train(run, "cosmo", f"--data.cache-dir={cache}", "--steps=120",
+                   "--data.num-train=1600", "--data.num-test=320")
+    assert result.returncode == 0, result.output
+    record = last_eval(run)
+    # Measured: R² 0.84 after 120 steps at 2 ranks here (0.86 after the preset's 6 epochs).
+    assert record["test_r2"] >= 0.3, record
