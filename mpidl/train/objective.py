@@ -31,11 +31,10 @@ class Classification:
     features = ("x", "y")
     accuracy = True  # train records carry one
 
-    def inputs(self, x: Any) -> Any:
-        return x
-
-    def loss(self, logits: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
-        """This rank's summed loss, the number of targets in it, and the correct count."""
+    def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
+        """Forward through ``model`` (a wrapper or the model): this rank's summed loss,
+        the number of targets in it, and the correct count."""
+        logits = model(x)
         loss = F.softmax_cross_entropy(logits, y, reduction="sum")
         correct = xp.count_nonzero(logits.data.argmax(-1) == y) if len(y) else 0
         return loss, len(y), correct
@@ -68,13 +67,11 @@ class Regression:
     def __init__(self, kind: str = "mse", outputs: int = 1) -> None:
         self.kind, self.outputs = kind, int(outputs)
 
-    def inputs(self, x: Any) -> Any:
-        return x
-
     def _targets(self, pred: Any, y: Any) -> Any:
         return y.reshape(pred.shape)  # (B,) scalar targets against (B, 1) predictions
 
-    def loss(self, pred: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
+    def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
+        pred = model(x)
         target = self._targets(pred, y)
         loss = F.regression_loss(pred, target, kind=self.kind, reduction="sum")
         return loss, int(target.size), 0
@@ -135,14 +132,9 @@ class LanguageModel:
     def __init__(self, pad_id: int | None) -> None:
         self.pad_id = pad_id
 
-    def inputs(self, x: Any) -> Any:
-        return x[:, :-1]
-
-    def _targets(self, x: Any) -> Any:
-        return x[:, 1:]
-
-    def loss(self, logits: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
-        targets = self._targets(x)
+    def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
+        logits = model(x[:, :-1])
+        targets = x[:, 1:]
         loss = F.softmax_cross_entropy(logits, targets, ignore_index=self.pad_id,
                                        reduction="sum")
         if self.pad_id is None:
@@ -171,11 +163,10 @@ class LanguageModel:
                 x = batch[0]
                 if len(x) == 0:
                     continue
-                xp = _xp(x)
-                loss, count, correct = self.loss(model(self.inputs(x)), x, None, xp)
+                loss, count, correct = self.step(model, x, None, _xp(x))
                 totals += [float(loss.data), float(correct), count]
         model.train()
-        comm.allreduce_(totals)
+        self._sum(comm, totals)
         n = max(totals[2], 1)
         loss = totals[0] / n
         record = {"test_loss": loss, "test_accuracy": totals[1] / n,
@@ -186,6 +177,38 @@ class LanguageModel:
 
     def extra(self, loss: float) -> dict[str, Any]:
         return {"perplexity": _perplexity(loss)}
+
+    def _sum(self, comm: Any, totals: Any) -> None:
+        comm.allreduce_(totals)
+
+
+class ParallelLanguageModel(LanguageModel):
+    """The language model split over a tensor x sequence grid (``ParallelGPT``): each
+    rank computes its share of the loss; shares add up over the sequence group and are
+    replicated over the tensor group, so sums go over the data axis (the count) and
+    over the replicas, data x sequence (the loss). The logits are sharded, so train
+    records carry no accuracy."""
+
+    accuracy = False
+
+    def __init__(self, pad_id: int | None, grid: Any) -> None:
+        super().__init__(pad_id)
+        self.grid = grid
+
+    def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
+        module = getattr(model, "module", model)  # the wrapper's hooks sit on parameters
+        return module.loss(x, reduction="sum"), module.count_targets(x), 0
+
+    def global_count(self, comm: Any, samples: int, local: int) -> int:
+        """Real targets over the data axis (the tensor x sequence group shares each)."""
+        return super().global_count(self.grid.data, samples, local)
+
+    def _sum(self, comm: Any, totals: Any) -> None:
+        loss = numpy.array([totals[0]])
+        self.grid.replicas.allreduce_(loss)           # the sequence shares, every batch
+        counts = numpy.array(totals[1:])
+        self.grid.data.allreduce_(counts)
+        totals[0], totals[1:] = loss[0], counts
 
 
 def _perplexity(loss: float) -> float:
@@ -198,9 +221,12 @@ def _xp(x: Any) -> Any:
     return get_array_module(x)
 
 
-def objective_for(config: Any, dataset: Any) -> Any:
-    """The objective of ``config.task`` (the dataset gives the padding id)."""
+def objective_for(config: Any, dataset: Any, grid: Any = None) -> Any:
+    """The objective of ``config.task`` (the dataset gives the padding id; ``grid`` a
+    tensor x sequence split of the language model)."""
     if config.task == "gpt":
+        if grid is not None:
+            return ParallelLanguageModel(getattr(dataset, "pad_id", None), grid)
         return LanguageModel(getattr(dataset, "pad_id", None))
     y = dataset.features.get("y")
     if y is not None and y.dtype.kind == "f":

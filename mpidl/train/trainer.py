@@ -465,8 +465,7 @@ class Trainer:
         # warnings on every operation they pass through.
         scale = self.loss_scale.scale if self.loss_scale else 1.0
         with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            logits = self.dp(self.objective.inputs(x))
-            loss, counted, correct = self.objective.loss(logits, x, y, self.xp)
+            loss, counted, correct = self.objective.step(self.dp, x, y, self.xp)
             count = self.objective.global_count(self.comm, n, counted)
             self.dp.backward(loss, global_count=count, scale=scale)
         self.timer.add("comm", self.dp.comm_wait_seconds, start=self.dp.comm_wait_start)
