@@ -146,6 +146,16 @@ class Config:
     # 0: data parallelism; 1, 2, 3: ZeRO stages (sharded optimizer state, gradients,
     # parameters; mpidl.parallel.ShardedDataParallel)
     zero: int = 0
+    # gpt only: split the model over a tensor x sequence grid (data parallelism over the
+    # rest of the ranks; mpidl.parallel.ParallelGPT). tensor_parallel: ranks per layer
+    # (Megatron); sequence_parallel: how a sequence is split, "ulysses" (all-to-all) or
+    # "ring" (blockwise attention), over sequence_parallel_size ranks (none: all ranks
+    # the tensor split leaves); megatron_sequence_parallel: LayerNorm and dropout regions
+    # split along the sequence within the tensor group (Megatron's sequence parallelism)
+    tensor_parallel: int = 1
+    sequence_parallel: str = choices("none", "ulysses", "ring", default="none")
+    sequence_parallel_size: Optional[int] = None
+    megatron_sequence_parallel: bool = False
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
     keep_freed_memory: bool = True           # glibc keeps freed memory (no page faults
     #                                          re-fetching each step's activations)
@@ -199,6 +209,12 @@ def _validate(config: Config) -> None:
     if config.zero not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'zero' must be 0 (data parallelism) or a ZeRO stage 1, 2 "
                           f"or 3, got {config.zero}")
+    if config.tensor_parallel < 1:
+        raise ConfigError(f"config key 'tensor_parallel' must be >= 1 (ranks per layer), "
+                          f"got {config.tensor_parallel}")
+    if config.sequence_parallel_size is not None and config.sequence_parallel_size < 1:
+        raise ConfigError(f"config key 'sequence_parallel_size' must be >= 1 or none, "
+                          f"got {config.sequence_parallel_size}")
     if config.bucket_mb is not None and not config.bucket_mb > 0:
         raise ConfigError(f"config key 'bucket_mb' must be > 0 or none, got {config.bucket_mb}")
     if not (config.lr > 0 and math.isfinite(config.lr)):

@@ -25,11 +25,30 @@ import numpy
 from mpidl import functions as F
 
 
-class Classification:
-    """Softmax cross-entropy of ``model(x)`` against integer labels ``y``."""
+class Objective:
+    """What every objective shares: the features it reads, whether its records carry an
+    accuracy, and how a window's sums (loss, correct, targets) add up over the ranks."""
 
-    features = ("x", "y")
+    features: tuple[str, ...] = ("x", "y")
     accuracy = True  # train records carry one
+    # The eval record's keys a run's summary ends with, and how it names them.
+    final_scores: tuple[tuple[str, str], ...] = (("test_accuracy", "test accuracy"),)
+
+    def global_count(self, comm: Any, samples: int, local: int) -> int:
+        """Targets in the global batch: the sampler's sample count."""
+        return samples
+
+    def sum_totals(self, comm: Any, totals: Any) -> None:
+        """Sum ``[loss, correct, targets]`` (float64, in place) over the ranks. Collective."""
+        comm.allreduce_(totals)
+
+    def extra(self, loss: float) -> dict[str, Any]:
+        """Fields a train record adds for a mean loss ``loss``."""
+        return {}
+
+
+class Classification(Objective):
+    """Softmax cross-entropy of ``model(x)`` against integer labels ``y``."""
 
     def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
         """Forward through ``model`` (a wrapper or the model): this rank's summed loss,
@@ -38,10 +57,6 @@ class Classification:
         loss = F.softmax_cross_entropy(logits, y, reduction="sum")
         correct = xp.count_nonzero(logits.data.argmax(-1) == y) if len(y) else 0
         return loss, len(y), correct
-
-    def global_count(self, comm: Any, samples: int, local: int) -> int:
-        """Targets in the global batch: the sampler's sample count."""
-        return samples
 
     def evaluate(self, model: Any, loader: Any, comm: Any) -> dict[str, Any]:
         """The eval record's fields and a line saying them. Collective."""
@@ -54,15 +69,13 @@ class Classification:
                 f"{scores.majority_accuracy:.4f})")
         return {"record": record, "line": line, "scores": scores}
 
-    def extra(self, loss: float) -> dict[str, Any]:
-        return {}
 
-
-class Regression:
+class Regression(Objective):
     """Squared (or Huber) error of ``model(x)`` against float targets ``y``."""
 
     features = ("x", "y")
     accuracy = False
+    final_scores = (("test_r2", "test R²"), ("test_mse", "test MSE"))
 
     def __init__(self, kind: str = "mse", outputs: int = 1) -> None:
         self.kind, self.outputs = kind, int(outputs)
@@ -119,15 +132,14 @@ class Regression:
                 f"{record['test_mae']:.4g}, R² {r2_text}")
         return {"record": record, "line": line, "scores": None}
 
-    def extra(self, loss: float) -> dict[str, Any]:
-        return {}
 
-
-class LanguageModel:
+class LanguageModel(Objective):
     """Next-token cross-entropy; ``pad_id`` targets (padding) count nothing."""
 
     features = ("x",)
     accuracy = True
+    final_scores = (("test_perplexity", "test perplexity"),
+                    ("test_accuracy", "next-token accuracy"))
 
     def __init__(self, pad_id: int | None) -> None:
         self.pad_id = pad_id
@@ -166,29 +178,33 @@ class LanguageModel:
                 loss, count, correct = self.step(model, x, None, _xp(x))
                 totals += [float(loss.data), float(correct), count]
         model.train()
-        self._sum(comm, totals)
+        self.sum_totals(comm, totals)
         n = max(totals[2], 1)
         loss = totals[0] / n
-        record = {"test_loss": loss, "test_accuracy": totals[1] / n,
-                  "test_perplexity": _perplexity(loss), "test_targets": int(totals[2])}
-        line = (f"test loss {loss:.4f}, perplexity {_perplexity(loss):.3f}, next-token "
-                f"accuracy {totals[1] / n:.4f}")
+        record = {"test_loss": loss, "test_perplexity": _perplexity(loss),
+                  "test_targets": int(totals[2])}
+        line = f"test loss {loss:.4f}, perplexity {_perplexity(loss):.3f}"
+        if self.accuracy:
+            record["test_accuracy"] = totals[1] / n
+            line += f", next-token accuracy {totals[1] / n:.4f}"
         return {"record": record, "line": line, "scores": None}
 
     def extra(self, loss: float) -> dict[str, Any]:
         return {"perplexity": _perplexity(loss)}
 
-    def _sum(self, comm: Any, totals: Any) -> None:
-        comm.allreduce_(totals)
+    def split_over(self, grid: Any) -> "ParallelLanguageModel":
+        """This objective for the model split over ``grid`` (:class:`ParallelGPT`)."""
+        return ParallelLanguageModel(self.pad_id, grid)
 
 
 class ParallelLanguageModel(LanguageModel):
     """The language model split over a tensor x sequence grid (``ParallelGPT``): each
     rank computes its share of the loss; shares add up over the sequence group and are
     replicated over the tensor group, so sums go over the data axis (the count) and
-    over the replicas, data x sequence (the loss). The logits are sharded, so train
-    records carry no accuracy."""
+    over the replicas, data x sequence (the loss). The logits are sharded over the
+    vocabulary, so records carry no next-token accuracy."""
 
+    final_scores = (("test_perplexity", "test perplexity"),)
     accuracy = False
 
     def __init__(self, pad_id: int | None, grid: Any) -> None:
@@ -203,11 +219,11 @@ class ParallelLanguageModel(LanguageModel):
         """Real targets over the data axis (the tensor x sequence group shares each)."""
         return super().global_count(self.grid.data, samples, local)
 
-    def _sum(self, comm: Any, totals: Any) -> None:
+    def sum_totals(self, comm: Any, totals: Any) -> None:
         loss = numpy.array([totals[0]])
-        self.grid.replicas.allreduce_(loss)           # the sequence shares, every batch
+        self.grid.replicas.allreduce_(loss)  # data x sequence: the shares of every sample
         counts = numpy.array(totals[1:])
-        self.grid.data.allreduce_(counts)
+        self.grid.data.allreduce_(counts)    # the same on every rank of a replica group
         totals[0], totals[1:] = loss[0], counts
 
 
@@ -221,12 +237,9 @@ def _xp(x: Any) -> Any:
     return get_array_module(x)
 
 
-def objective_for(config: Any, dataset: Any, grid: Any = None) -> Any:
-    """The objective of ``config.task`` (the dataset gives the padding id; ``grid`` a
-    tensor x sequence split of the language model)."""
+def objective_for(config: Any, dataset: Any) -> Any:
+    """The objective of ``config.task`` (the dataset gives the padding id)."""
     if config.task == "gpt":
-        if grid is not None:
-            return ParallelLanguageModel(getattr(dataset, "pad_id", None), grid)
         return LanguageModel(getattr(dataset, "pad_id", None))
     y = dataset.features.get("y")
     if y is not None and y.dtype.kind == "f":

@@ -76,11 +76,16 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_model_state(model: Any, state: ckpt.Checkpoint, config: Config, doing: str) -> None:
-    """Load a checkpoint's parameters into ``model``; ConfigError naming the checkpoint
-    when it holds another model (other parameter names or shapes)."""
+def load_model_state(model: Any, state: ckpt.Checkpoint, config: Config, doing: str,
+                     layout: Any = None) -> None:
+    """Load a checkpoint's parameters into ``model`` (this rank's shards of them under a
+    split ``layout``); ConfigError naming the checkpoint when it holds another model
+    (other parameter names or shapes)."""
     try:
-        model.load_state_dict(state.model)
+        if layout is not None:
+            layout.load_model_state(model, state.model)
+        else:
+            model.load_state_dict(state.model)
     except (KeyError, ValueError) as e:
         raise ConfigError(
             f"cannot {doing} {state.path}: it holds another model than the configured "
@@ -143,31 +148,47 @@ class Trainer:
         # The same files: alike on every rank.
         _check_splits(self.train_set, self.test_set, self.objective.features)
         self._warn_if_one_class_dominates()
-        self.model = build_model(config, self.train_set).to(self.xp)
+        model = build_model(config, self.train_set)
+        # Where the model lives: whole on every rank, or split over a tensor x sequence
+        # grid (mpidl.train.layout); an impossible layout is a ConfigError (exit 2).
+        from mpidl.train.layout import Layout, plan_layout
+
+        length = max(int(self.train_set.features["x"].shape[-1]) - 1, 1) \
+            if config.task == "gpt" else 1
+        self.layout = Layout(plan_layout(config, comm.size, model, length), comm)
+        if self.layout.grid is not None:
+            self.objective = self.objective.split_over(self.layout.grid)
+            self.log.info(f"model layout: {self.layout.plan.describe()}")
         from mpidl.train.model import seed_dropout_per_rank
 
-        seed_dropout_per_rank(self.model, config.seed, comm.rank)
+        # Before the split: the shards' dropout keeps the full model's generators, the
+        # same on every rank of a replica, one of its own on every data rank.
+        seed_dropout_per_rank(model, config.seed, self.layout.data.rank)
+        self.model = self.layout.split_model(model).to(self.xp)
+        del model
+        replicas = self.layout.replicas  # gradients are averaged over these ranks
         dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
-        if config.sync_batchnorm and comm.size > 1:
+        if config.sync_batchnorm and replicas.size > 1:
             from mpidl.parallel import convert_sync_batchnorm
 
-            convert_sync_batchnorm(self.model, comm)  # no-op without batch norm layers
+            convert_sync_batchnorm(self.model, replicas)  # no-op without batch norm layers
         if config.zero:
-            self.dp = ShardedDataParallel(self.model, comm, stage=config.zero,
+            self.dp = ShardedDataParallel(self.model, replicas, stage=config.zero,
                                           keep_freed_memory=config.keep_freed_memory,
                                           **dp_options)
         else:
-            self.dp = DataParallel(self.model, comm, overlap=config.overlap,
+            self.dp = DataParallel(self.model, replicas, overlap=config.overlap,
                                    keep_freed_memory=config.keep_freed_memory, **dp_options)
         # What the optimizer updates: the model's parameters, or this rank's shards.
         self.optimizer = build_optimizer(config, self.dp.parameters())
-        sampler = DistributedSampler(len(self.train_set), config.global_batch, comm.rank,
-                                     comm.size, seed=config.seed, shuffle=config.data.shuffle,
+        data = self.layout.data  # every rank of a tensor x sequence group reads the same
+        sampler = DistributedSampler(len(self.train_set), config.global_batch, data.rank,
+                                     data.size, seed=config.seed, shuffle=config.data.shuffle,
                                      block_size=config.data.block_size)
         self.loader = DataLoader(self.train_set, sampler, self.objective.features, xp=self.xp,
                                  prefetch=config.data.prefetch)
-        eval_sampler = DistributedSampler(len(self.test_set), EVAL_BATCH, comm.rank,
-                                          comm.size, seed=0, shuffle="none")
+        eval_sampler = DistributedSampler(len(self.test_set), EVAL_BATCH, data.rank,
+                                          data.size, seed=0, shuffle="none")
         self.eval_loader = DataLoader(self.test_set, eval_sampler, self.objective.features,
                                       xp=self.xp,
                                       prefetch=config.data.prefetch)
@@ -216,34 +237,36 @@ class Trainer:
         return os.path.join(self.run_dir, ckpt.CHECKPOINT_DIR)
 
     def _rng_states(self) -> dict[str, Any]:
-        """The modules' generators (dropout) on every rank. Collective.
+        """The modules' generators (dropout) of every data rank. Collective.
 
-        Each rank draws as many masks as its share of a batch asks, so after an uneven
-        batch the ranks' generators differ: all of them are saved (as ``per_rank``), so
-        that a resume on as many ranks continues bit for bit. While they agree, one is.
+        Each data rank draws as many masks as its share of a batch asks, so after an
+        uneven batch their generators differ: all of them are saved (as ``per_rank``, by
+        data rank: the ranks of one tensor x sequence group hold the same), so that a
+        resume on as many data ranks continues bit for bit. While they agree, one is.
         """
         mine = {name: m.rng.bit_generator.state for name, m in self.model.named_modules()
                 if isinstance(getattr(m, "rng", None), numpy.random.Generator)}
-        everyone = self.comm.allgather_obj(mine)
-        if all(s == mine for s in everyone):
+        everyone = self.comm.allgather_obj((self.layout.data.rank, mine))
+        if all(s == mine for _, s in everyone):
             return mine
-        return {"per_rank": {str(r): s for r, s in enumerate(everyone)}}
+        return {"per_rank": {str(d): s for d, s in everyone}}
 
     def _load_rng_states(self, saved: dict[str, Any], step: int = 0) -> None:
+        data = self.layout.data
         states = saved.get("per_rank")
-        other_count = states is not None and len(states) != self.comm.size
+        other_count = states is not None and len(states) != data.size
         if states is not None:
-            # Another number of ranks splits batches otherwise anyway (equal up to
-            # rounding, not bitwise): rank 0 continues rank 0's generators, the others
-            # get fresh ones of their own (seeded with the step, not reused masks).
-            saved = states["0" if other_count else str(self.comm.rank)]
+            # Another number of data ranks splits batches otherwise anyway (equal up to
+            # rounding, not bitwise): data rank 0 continues rank 0's generators, the
+            # others get fresh ones of their own (seeded with the step, not reused masks).
+            saved = states["0" if other_count else str(data.rank)]
         for name, m in self.model.named_modules():
             if name in saved:
                 m.rng.bit_generator.state = saved[name]
         if other_count:
             from mpidl.train.model import seed_dropout_per_rank
 
-            seed_dropout_per_rank(self.model, self.config.seed, self.comm.rank, salt=step)
+            seed_dropout_per_rank(self.model, self.config.seed, data.rank, salt=step)
 
     def save(self) -> str | None:
         """Rank 0 writes a checkpoint of the current step; every rank waits. Collective.
@@ -285,8 +308,11 @@ class Trainer:
                     error = f"cannot write a checkpoint part into {self.checkpoint_dir}: {e}"
             with patience("the ranks write their checkpoint parts"):
                 self.comm.check(error is None, str(error))
-        else:
-            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        else:  # the single-rank model's state, whatever the layout
+            model = self.layout.model_state(self.model)
+            optimizer = self.layout.optimizer_state(self.optimizer, self.model)
+            if self.layout.grid is not None:
+                extra["layout"] = {"kind": "full", "grid": self.layout.plan.describe()}
         if self.comm.rank == 0:
             try:
                 path = ckpt.save_checkpoint(
@@ -325,8 +351,13 @@ class Trainer:
         digest = 0
         for p in self.model.parameters():
             digest = zlib.crc32(numpy.ascontiguousarray(as_numpy(p.data)), digest)
-        digests = self.comm.allgather_obj(digest)
+        # Replicas of the same shards (the whole model under data parallelism).
+        digests = self.layout.replicas.allgather_obj(digest)
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ and self.layout.grid is not None:
+            differ = [self.layout.grid.world_rank(*divmod(r, self.layout.plan.sequence),
+                                                  self.layout.grid.tensor_rank)
+                      for r in differ]  # replica ranks are data x sequence
         if differ:
             self.log.info(f"warning: step {self.step}: the parameters of rank"
                           f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
@@ -356,14 +387,14 @@ class Trainer:
                     f"{self.config.model.name!r} ({_first_line(e)}); use the model options it "
                     "was saved with, or another --run-dir for a new model") from None
         else:
-            load_model_state(self.model, state, self.config, "resume from")
+            load_model_state(self.model, state, self.config, "resume from", self.layout)
         try:
             if self.config.zero:
                 from mpidl.parallel.zero import load_full_state
 
                 load_full_state(self.dp, state.model, state.optimizer, self.optimizer)
             else:
-                self.optimizer.load_state_dict(state.optimizer)
+                self.layout.load_optimizer_state(self.optimizer, self.model, state.optimizer)
         except (KeyError, ValueError, IndexError) as e:
             raise ConfigError(
                 f"cannot resume from {path}: its optimizer state does not fit the configured "
@@ -495,7 +526,7 @@ class Trainer:
 
             unscale_(params, self.loss_scale)
         if self.config.clip_grad_norm:
-            self.dp.clip_grad_norm_(self.config.clip_grad_norm)  # the global norm
+            self.layout.clip_grad_norm_(self.dp, self.config.clip_grad_norm)  # global norm
         self.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -629,7 +660,8 @@ class Trainer:
         from mpidl.backend import as_numpy
 
         local = numpy.array([float(as_numpy(v)) for v in window])  # the one host sync
-        return self.comm.allreduce(local)
+        self.objective.sum_totals(self.comm, local)
+        return local
 
     def _record_train(self, window: list, rate: Throughput, epoch: int) -> dict[str, Any]:
         """Write a train record of the steps since the last one. Collective."""
@@ -665,22 +697,20 @@ class Trainer:
             "samples/s": steps * self.config.global_batch / seconds if seconds else 0.0,
             "step time": f"{mean.total * 1e3:.1f} ms (compute {mean.compute * 1e3:.1f}, "
                          f"comm wait {mean.comm * 1e3:.1f}, input wait {mean.input * 1e3:.1f})",
-            **({"final test accuracy": evals[-1].get("test_accuracy", "-") if evals else "-"}
-               if self.objective.accuracy else
-               {"final test R²": evals[-1].get("test_r2", "-") if evals else "-",
-                "final test MSE": evals[-1].get("test_mse", "-") if evals else "-"}),
-            **({"final test perplexity": evals[-1]["test_perplexity"]}
-               if evals and "test_perplexity" in evals[-1] else {}),
-            "model state per rank": _describe_state(held, self.config.zero),
+            **{f"final {label}": evals[-1].get(key, "-") if evals else "-"
+               for key, label in self.objective.final_scores},
+            "model state per rank": _describe_state(held, self.config.zero, self.layout.plan),
             **({"non-finite steps skipped": self.skipped_steps} if self.skipped_steps else {}),
             "run directory": self.run_dir,
         }
         print("\n" + format_summary(records, totals), flush=True)
 
 
-def _describe_state(held: dict[str, list[int]], zero: int) -> str:
+def _describe_state(held: dict[str, list[int]], zero: int, plan: Any = None) -> str:
     """``0.212 MB parameters, 0 MB gradients, 0.425 MB optimizer state (largest rank; ...)``."""
     parts = [f"{max(held[f'state_bytes_{k}']) / 1e6:.3g} MB {k}"
              for k in ("parameters", "gradients", "optimizer")]
     mode = f"ZeRO stage {zero}" if zero else "data parallel: every rank holds it all"
+    if plan is not None and plan.split:
+        mode = f"split over {plan.describe()}"
     return ", ".join(parts) + f" state (largest rank; {mode})"
