@@ -29,6 +29,11 @@ The model (strong scaling: the config's global batch, split over the ranks):
   DataParallel sends touched rows only.
 - **Memory** per rank: parameters, gradients and optimizer state (AdamW: two more
   copies, SGD with momentum one), in float32.
+- **Modes** (:mod:`mpidl.modes`): for each rank count, data parallelism, ZeRO stages
+  1-3 and, for the gpt model, tensor, Ulysses and ring parallelism: the model state per
+  rank, the largest model whose state fits a rank's memory (``--memory-gb``, the
+  device profile's, or this machine's memory over ``--ranks-per-node``), and the
+  communication per step, from the formulas of each mode.
 - **Break-even**: a training saves ``T(1) - T(R) - queue`` hours at R ranks; setting
   up costs ``--setup-hours`` once, so it pays after ``setup / saving`` trainings.
 
@@ -45,6 +50,8 @@ import os
 import sys
 import time
 from typing import Any, Callable, Sequence
+
+from mpidl.modes import state_bytes_per_param
 
 HOUR = 3600.0
 BACKWARD_SHARE = 2.0 / 3.0  # of a step's compute: what overlapped buckets can hide behind
@@ -149,7 +156,7 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
             exposed_comm_s=exposed, input_s=input_s, step_s=step,
             samples_per_s=work.global_batch / step, speedup=0.0, efficiency=0.0,
             train_hours=work.steps * step / HOUR,
-            memory_bytes=work.params * 4 * (2 + work.state_copies)))
+            memory_bytes=int(work.params * state_bytes_per_param("data", r, work.state_copies))))
     base = rows[0]
     for row in rows:
         row.speedup = base.step_s / row.step_s
@@ -329,6 +336,9 @@ def _parser() -> argparse.ArgumentParser:
                      "global batch, measured elsewhere")
     src.add_argument("--from-run", metavar="RUN_DIR", help="a run directory: its measured "
                      "compute and input times and its config")
+    p.add_argument("--memory-gb", type=float, help="memory per rank for the largest model "
+                   "that fits (default: the device profile's, else this machine's memory "
+                   "over --ranks-per-node)")
     p.add_argument("--setup-hours", type=float, default=0.0, help="one-off hours to set the "
                    "distributed runs up")
     p.add_argument("--queue-hours", type=float, default=0.0, help="hours each distributed "
@@ -420,19 +430,28 @@ def _plan(argv: Sequence[str]) -> int:
     rows = predict(work, compute, ranks, network, node_link, args.ranks_per_node, input_s,
                    args.queue_hours, args.setup_hours)
     line = verdict(rows, args.setup_hours, args.queue_hours)
+    mode_rows = _modes(args, config, model, dataset, work, ranks, network, node_link)
     print(f"mpidl plan: {config.model.name}, {work.params:,} parameters "
           f"({work.grad_bytes / 1e6:.1f} MB of gradient per step), {samples:,} samples x "
           f"{work.epochs:g} epochs at global batch {work.global_batch} = {work.steps:,} steps\n"
           f"network: {network.name} between nodes, {node_link.name} within "
           f"({args.ranks_per_node} rank(s) per node); {basis}\n")
     print(format_table(rows))
+    if mode_rows:
+        from mpidl.modes import format_modes
+
+        print(f"\nmodes: model state per rank, the largest model whose state fits "
+              f"{_memory_per_rank(args) / 1e9:.3g} GB per rank (activations not counted), "
+              "communication per step\n" + format_modes(mode_rows))
     print(f"\nverdict: {line}")
     best = max(rows, key=lambda r: r.speedup)
     if args.json:
         doc = {"model": config.model.name, "params": work.params, "samples": samples,
                "epochs": work.epochs, "global_batch": work.global_batch,
                "network": network.name, "node_network": node_link.name, "basis": basis,
-               "rows": [r.as_dict() for r in rows], "verdict": line, "best_ranks": best.ranks}
+               "rows": [r.as_dict() for r in rows], "modes": [m.as_dict() for m in mode_rows],
+               "memory_per_rank": _memory_per_rank(args), "verdict": line,
+               "best_ranks": best.ranks}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.plot:
@@ -440,6 +459,38 @@ def _plan(argv: Sequence[str]) -> int:
     if args.sbatch:
         return _write_sbatch(args, best, config)
     return 0
+
+
+def _memory_per_rank(args: argparse.Namespace) -> float:
+    """Bytes of memory a rank has: ``--memory-gb``, the device's, or this node's share."""
+    if args.memory_gb:
+        return args.memory_gb * 1e9
+    if args.device:
+        from hpc import costmodel
+
+        return costmodel.load_device(args.device).memory_bytes
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0.0
+    return total / max(1, args.ranks_per_node)
+
+
+def _modes(args: argparse.Namespace, config: Any, model: Any, dataset: Any, work: Workload,
+           ranks: Sequence[int], network: Any, node_link: Any) -> list[Any]:
+    """The modes table's rows for every rank count above 1 (:mod:`mpidl.modes`)."""
+    from mpidl.modes import modes_for, shape_of
+
+    x = dataset.features.get("x")
+    tokens = max(int(x.shape[-1]) - 1, 1) if x is not None and x.shape else 1  # gpt: T
+    shape = shape_of(config, model, work.params, work.state_copies, tokens)
+    memory = _memory_per_rank(args)
+    out = []
+    for r in sorted(set(ranks)):
+        if r > 1:
+            link = node_link if r <= max(1, args.ranks_per_node) else network
+            out += modes_for(shape, r, memory, link.time)
+    return out
 
 
 def shared_memory_link() -> Any:
