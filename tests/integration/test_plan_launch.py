@@ -60,6 +60,14 @@ def test_plan_writes_its_table_plot_and_batch_script(tmp_path, cache, n):
                                               + row["input_s"])
         assert row["train_hours"] > 0 and 0 < row["efficiency"] <= 1.5
     assert doc["verdict"] in result.stdout and _is_png(png)
+    # the modes at 2 and 4 ranks: ZeRO 3's state is the data-parallel state over the ranks
+    modes = {(m["ranks"], m["mode"]): m for m in doc["modes"]}
+    assert {r for r, _ in modes} == {2, 4} and "modes: model state per rank" in result.stdout
+    for r in (2, 4):
+        assert modes[r, "zero3"]["state_bytes"] == pytest.approx(
+            modes[r, "data"]["state_bytes"] / r)
+        assert modes[r, "data"]["largest_params"] == pytest.approx(
+            doc["memory_per_rank"] / 16)  # AdamW: 16 bytes per parameter
     script = job.read_text()
     assert script.startswith("#!") and "#SBATCH --nodes=" in script
     best = next(r for r in doc["rows"] if r["ranks"] == doc["best_ranks"])
