@@ -218,10 +218,16 @@ class DataParallel:
         optimizer.load_state_dict(new)
 
     # -- forward / backward ---------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def before_forward(self) -> None:
+        """What a forward of the model needs first (rank 0's running statistics of the
+        batch norm layers that are not synchronised), for a caller that runs another
+        method of the model than ``forward``. Collective."""
         if self._drifting and self.module.training:
             for b in self._drifting:
                 self.comm.bcast_(b, root=0)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.before_forward()
         return self.module(*args, **kwargs)
 
     def parameters(self) -> list:

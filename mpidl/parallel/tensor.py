@@ -376,13 +376,7 @@ def load_full_state_dict(model: Module, state: dict[str, Any], strict: bool = Tr
     Not collective: every rank needs the full ``state`` (read from the same checkpoint).
     Arguments and errors as :meth:`~mpidl.nn.Module.load_state_dict`.
     """
-    local = {}
-    for name, p in model.named_parameters():
-        shard = getattr(p, "shard", None)
-        if name in state:
-            local[name] = shard.take(state[name]) if shard is not None else state[name]
-    local.update({k: v for k, v in state.items() if k not in local})
-    model.load_state_dict(local, strict=strict)
+    model.load_state_dict(take_state(model, state, None)[0], strict=strict)
 
 
 def _shards_by_index(optimizer: Any, model: Module) -> list[Shard | None]:
@@ -393,6 +387,21 @@ def _shards_by_index(optimizer: Any, model: Module) -> list[Shard | None]:
     return [shards[id(p)] for p in optimizer.params]
 
 
+def _per_parameter(state: dict[str, Any], shards: list[Shard | None], op: Any
+                   ) -> dict[str, Any]:
+    """``state`` (an optimizer's layout: ``state.<i>.<name>`` per parameter ``i``) with
+    ``op(shard, array)`` applied to every array of a sharded parameter."""
+    out = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        shard = shards[int(parts[1])] if (parts[0] == "state" and len(parts) == 3
+                                          and parts[1].isdigit()
+                                          and int(parts[1]) < len(shards)) else None
+        out[key] = op(shard, value) if shard is not None and hasattr(value, "shape") \
+            else value
+    return out
+
+
 def full_optimizer_state(optimizer: Any, model: Module) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every per-parameter array of a sharded parameter full.
 
@@ -400,28 +409,39 @@ def full_optimizer_state(optimizer: Any, model: Module) -> dict[str, Any]:
     the result is what the single-rank optimizer's state dict would be. Collective as
     :func:`full_state_dict`.
     """
-    shards = _shards_by_index(optimizer, model)
-    out = {}
-    for key, value in optimizer.state_dict().items():
-        parts = key.split(".")
-        shard = shards[int(parts[1])] if parts[0] == "state" and len(parts) == 3 else None
-        out[key] = shard.gather(value) if shard is not None and hasattr(value, "shape") \
-            else value
-    return out
+    return _per_parameter(optimizer.state_dict(), _shards_by_index(optimizer, model),
+                          Shard.gather)
 
 
 def load_full_optimizer_state(optimizer: Any, model: Module, state: dict[str, Any]) -> None:
     """Load a :func:`full_optimizer_state` (from any layout) into this rank's optimizer."""
-    shards = _shards_by_index(optimizer, model)
-    local = {}
-    for key, value in state.items():
-        parts = key.split(".")
-        shard = shards[int(parts[1])] if (parts[0] == "state" and len(parts) == 3
-                                          and parts[1].isdigit()
-                                          and int(parts[1]) < len(shards)) else None
-        local[key] = shard.take(value) if shard is not None and hasattr(value, "shape") \
-            else value
-    optimizer.load_state_dict(local)
+    optimizer.load_state_dict(_per_parameter(state, _shards_by_index(optimizer, model),
+                                             Shard.take))
+
+
+def gather_state(model: Module, params: dict[str, Any], optimizer: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full state from this rank's: ``params`` by name (this rank's shards) and an
+    optimizer state in the layout over ``model.parameters()`` (as a sharding wrapper
+    that is not the optimizer's own, ZeRO, reassembles them). Collective as
+    :func:`full_state_dict`."""
+    named = list(model.named_parameters())
+    shards = [getattr(p, "shard", None) for _, p in named]
+    full = {n: s.gather(params[n]) if s is not None else params[n]
+            for (n, _), s in zip(named, shards)}
+    return full, _per_parameter(optimizer, shards, Shard.gather)
+
+
+def take_state(model: Module, params: dict[str, Any], optimizer: dict[str, Any] | None
+               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This rank's shards of a full state (the inverse of :func:`gather_state`; not
+    collective)."""
+    named = list(model.named_parameters())
+    shards = [getattr(p, "shard", None) for _, p in named]
+    local = dict(params)
+    local.update({n: s.take(params[n]) for (n, _), s in zip(named, shards)
+                  if s is not None and n in params})
+    return local, None if optimizer is None else _per_parameter(optimizer, shards, Shard.take)
 
 
 # -- gradient norm over shards ----------------------------------------------------------
@@ -466,6 +486,7 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, comm: Communicato
 __all__ = [
     "Shard", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "full_state_dict", "load_full_state_dict",
-    "full_optimizer_state", "load_full_optimizer_state", "grad_norm", "clip_grad_norm_",
+    "full_optimizer_state", "load_full_optimizer_state", "gather_state", "take_state",
+    "grad_norm", "clip_grad_norm_",
     "check_same_layer",
 ]

@@ -321,8 +321,14 @@ class ShardedDataParallel:
             self._start_gather(prev)
 
     # -- backward ----------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def before_forward(self) -> None:
+        """What a forward of the model needs first (stages 1-2: the updated parameters),
+        for a caller that runs another method of the model than ``forward`` (``gpt``'s
+        split loss). Collective."""
         self.gather_parameters()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.before_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -402,23 +408,36 @@ class ShardedDataParallel:
             u.release_params()
 
     # -- gradient norm -----------------------------------------------------------------------
-    def grad_norm(self) -> Any:
-        """The 2-norm of the whole (averaged) gradient, from every rank's shard. Collective."""
-        total = numpy.zeros(1, dtype=numpy.float64)
-        for s in self.parameters():
-            if s.grad is not None:
-                g = s.grad.astype(numpy.float64, copy=False) if s.grad.dtype != numpy.float64 \
-                    else s.grad
-                total[0] += float((g * g).sum())
-        self.comm.allreduce_(total)
-        return float(numpy.sqrt(total[0]))
+    def grad_norm(self, tensor: Communicator | None = None) -> Any:
+        """The 2-norm of the whole (averaged) gradient, from every rank's shard. Collective.
 
-    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
-        """Scale the shards' gradients so the global norm is at most ``max_norm``
-        (as ``torch.nn.utils.clip_grad_norm_`` on the whole model). Collective."""
+        ``tensor``: the group that a tensor-parallel model's parameters are split over
+        (those with a ``shard``, :mod:`mpidl.parallel.tensor`): their squares add up over
+        it too, while the replicated parameters, alike on every rank of it, count once.
+        """
+        total = numpy.zeros(2, dtype=numpy.float64)  # [split over tensor, the rest]
+        for u in self.units:
+            if not u.block or u.shard.grad is None:
+                continue
+            for p, _, g in _member_slices(u, u.shard.grad):
+                g = g.astype(numpy.float64, copy=False) if g.dtype != numpy.float64 else g
+                split = tensor is not None and getattr(p, "shard", None) is not None
+                total[0 if split else 1] += float((g * g).sum())
+        self.comm.allreduce_(total)
+        if tensor is not None and tensor.size > 1:
+            split = total[:1].copy()
+            tensor.allreduce_(split)
+            total[0] = split[0]
+        return float(numpy.sqrt(total.sum()))
+
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6,
+                        tensor: Communicator | None = None) -> float:
+        """Scale the shards' gradients so the global norm (:meth:`grad_norm`) is at most
+        ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` on the whole model).
+        Collective."""
         if max_norm <= 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        norm = self.grad_norm()
+        norm = self.grad_norm(tensor)
         coef = min(max_norm / (norm + eps), 1.0)
         if coef < 1.0:
             for s in self.parameters():
@@ -473,16 +492,22 @@ __all__ = ["ShardedDataParallel", "STAGES", "unit_layout"]
 
 # -- checkpoints: every rank's pieces of every parameter ------------------------------------
 
-def _pieces_of(u: Unit, names: dict[int, str], block: Any) -> list[tuple[str, int, Any]]:
-    """(parameter name, first element, values) of each member's part of ``block`` (this
-    rank's block of unit ``u``, or an optimizer array shaped like it)."""
+def _member_slices(u: Unit, block: Any) -> list[tuple[Parameter, int, Any]]:
+    """(parameter, first element, values) of each member's part of ``block`` (this
+    rank's block of unit ``u``, or an array shaped like it: its gradient, optimizer
+    state)."""
     out = []
     lo, hi = u.start, min(u.start + u.block, u.size)
     for p, a, b in zip(u.params, u.offsets, u.offsets[1:]):
         x, y = max(lo, a), min(hi, b)
         if x < y:
-            out.append((names[id(p)], x - a, block[x - u.start:y - u.start]))
+            out.append((p, x - a, block[x - u.start:y - u.start]))
     return out
+
+
+def _pieces_of(u: Unit, names: dict[int, str], block: Any) -> list[tuple[str, int, Any]]:
+    """(parameter name, first element, values) of each member's part of ``block``."""
+    return [(names[id(p)], start, values) for p, start, values in _member_slices(u, block)]
 
 
 def state_pieces(sdp: "ShardedDataParallel", optimizer: Any) -> tuple[dict, dict]:

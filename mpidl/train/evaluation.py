@@ -20,15 +20,16 @@ from mpidl.autograd import no_grad
 from mpidl.data.evaluate import ClassCounts, Scores
 
 
-def evaluation_loader(dataset: Any, comm: Any, xp: Any, prefetch: int = 2) -> Any:
-    """A loader of every sample of ``dataset`` once, in order, in global batches of
-    :data:`~mpidl.train.trainer.EVAL_BATCH` split over the ranks of ``comm``."""
+def evaluation_loader(dataset: Any, comm: Any, xp: Any, prefetch: int = 2,
+                      features: tuple[str, ...] = ("x", "y")) -> Any:
+    """A loader of ``features`` of every sample of ``dataset`` once, in order, in global
+    batches of :data:`~mpidl.train.trainer.EVAL_BATCH` split over the ranks of ``comm``."""
     from mpidl.data import DataLoader, DistributedSampler
     from mpidl.train.trainer import EVAL_BATCH
 
     sampler = DistributedSampler(len(dataset), EVAL_BATCH, comm.rank, comm.size, seed=0,
                                  shuffle="none")
-    return DataLoader(dataset, sampler, xp=xp, prefetch=prefetch)
+    return DataLoader(dataset, sampler, features, xp=xp, prefetch=prefetch)
 
 
 def output_width(model: Any, feature: Any, xp: Any) -> int:

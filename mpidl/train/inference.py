@@ -169,16 +169,20 @@ def load_model(run: TrainedRun, description: Any, xp: Any, doing: str) -> tuple[
     return model.eval(), state
 
 
-def _test_split(data_dir: str, comm: Any) -> Any:
+def _test_split(data_dir: str, comm: Any, config: Any) -> tuple[Any, Any]:
+    """The test split and the run's objective (what scoring it reads and computes)."""
     from mpidl.data import DataError, ShardedDataset
+    from mpidl.train.objective import objective_for
 
     test = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
-    missing = [name for name in ("x", "y") if name not in test.features]
+    objective = objective_for(config, test)
+    missing = [name for name in objective.features if name not in test.features]
     if missing:
+        reads = " and ".join(repr(n) for n in objective.features)
         raise DataError(f"dataset {test.path} has features {sorted(test.features)}, but "
-                        f"evaluation reads 'x' (inputs) and 'y' (labels): write the split with "
-                        f"those names (missing: {', '.join(missing)})")
-    return test
+                        f"evaluation reads {reads} ('x' inputs, 'y' labels or targets): write "
+                        f"the split with those names (missing: {', '.join(missing)})")
+    return test, objective
 
 
 def _eval_description(run: TrainedRun, data_dir: str, test: Any) -> Any:
@@ -267,13 +271,22 @@ def eval_main(argv: Sequence[str]) -> int:
     try:
         run = agreed(comm, prog, lambda: open_run(args.run_dir, args.checkpoint, args.data))
         data_dir = prepare_data(run.config, comm, Logger(comm.rank, comm.size, sys.stderr))
-        test = agreed(comm, prog, lambda: _test_split(data_dir, comm))
+        test, objective = agreed(comm, prog, lambda: _test_split(data_dir, comm, run.config))
         description = agreed(comm, prog, lambda: _eval_description(run, data_dir, test))
         xp = devices(run.config, comm)
         model, state = agreed(comm, prog, lambda: load_model(run, description, xp, "evaluate"))
     except Refused:
         return EXIT_CONFIG
-    loader = evaluation_loader(test, comm, xp, run.config.data.prefetch)
+    loader = evaluation_loader(test, comm, xp, run.config.data.prefetch, objective.features)
+    from mpidl.train.objective import Classification
+
+    if not isinstance(objective, Classification):  # regression, a language model
+        result = objective.evaluate(model, loader, comm)
+        if comm.rank == 0:
+            print(json.dumps({"checkpoint": state.path, "step": state.step,
+                              **result["record"]}) if args.json else
+                  f"checkpoint: {state.path} (step {state.step})\n{result['line']}", flush=True)
+        return 0
     scores = evaluate_model(model, loader, comm)
     if comm.rank == 0:
         names = [description.class_name(c) for c in range(scores.num_classes)]

@@ -41,6 +41,7 @@ class LayoutPlan:
     data: int = 1
     attention: str = "none"          # "ulysses" | "ring" when ``sequence > 1``
     megatron: bool = False           # Megatron's sequence parallelism in the tensor group
+    zero: int = 0                    # the ZeRO stage over the replicas (0: none)
 
     @property
     def split(self) -> bool:
@@ -53,6 +54,8 @@ class LayoutPlan:
             parts.append(f"{self.attention} attention")
         if self.megatron:
             parts.append("Megatron sequence parallelism")
+        if self.zero:
+            parts.append(f"ZeRO stage {self.zero} over the replicas")
         return ", ".join(parts)
 
 
@@ -121,13 +124,8 @@ def plan_layout(config: Config, ranks: int, model: Any, length: int) -> LayoutPl
                 f"heads, which {s} does not divide: use --sequence-parallel-size in "
                 f"{_list(fit)}, heads divisible by {k * s} (--model.heads), or "
                 "--sequence-parallel=ring (any head count)")
-    if config.zero:
-        raise ConfigError(
-            f"--zero={config.zero} with --tensor-parallel/--sequence-parallel is not "
-            "supported yet: the tensor and sequence splits already divide the parameters "
-            "and activations; use one or the other")
     return LayoutPlan(k, s, ranks // (k * s), mode if s > 1 else "none",
-                      config.megatron_sequence_parallel)
+                      config.megatron_sequence_parallel, config.zero)
 
 
 class Layout:
@@ -158,38 +156,62 @@ class Layout:
                            attention=self.plan.attention if self.plan.sequence > 1 else "ring")
 
     # -- full state: what checkpoints hold, at any layout -------------------------------------
-    def model_state(self, model: Any) -> dict[str, Any]:
-        """The single-rank model's parameters by name. Collective over the grid."""
-        return model.full_state_dict() if self.grid else model.state_dict()
+    def full_state(self, wrapper: Any, optimizer: Any, model: Any
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The single-rank model's parameters by name and the single-rank optimizer's
+        state, from this layout. Collective. (ZeRO without a grid writes every rank's
+        pieces instead, gathering nothing: the trainer's own path.)
 
-    def optimizer_state(self, optimizer: Any, model: Any) -> dict[str, Any]:
-        """The single-rank optimizer's state. Collective over the grid."""
+        Under ZeRO on a grid, each tensor rank's pieces are first gathered over its
+        replicas (the whole of this rank's shards on every replica, for the moment of
+        the checkpoint), then the split parameters over the tensor group.
+        """
         if self.grid is None:
-            return optimizer.state_dict()
-        from mpidl.parallel.tensor import full_optimizer_state
+            return model.state_dict(), optimizer.state_dict()
+        from mpidl.parallel.tensor import gather_state
 
-        return full_optimizer_state(optimizer, model)
+        if self.plan.zero:
+            from mpidl.parallel.zero import pieces_to_full, state_pieces
 
-    def load_model_state(self, model: Any, state: dict[str, Any]) -> None:
-        """Load full parameters (from any layout) into this rank's model. Not collective."""
-        if self.grid is None:
-            model.load_state_dict(state)
+            pieces = self.replicas.allgather_obj(state_pieces(wrapper, optimizer))
+            order = [n for n, _ in model.named_parameters()]
+            params, opt = pieces_to_full([m for m, _ in pieces], [o for _, o in pieces], order)
         else:
-            model.load_full_state_dict(state)
+            params = {n: p.data for n, p in model.named_parameters()}
+            opt = optimizer.state_dict()
+        return gather_state(model, params, opt)
 
-    def load_optimizer_state(self, optimizer: Any, model: Any, state: dict[str, Any]) -> None:
+    def load_state(self, wrapper: Any, optimizer: Any, model: Any, params: dict[str, Any],
+                   optimizer_state: dict[str, Any] | None = None) -> None:
+        """Load a full (single-rank) state from any layout: the parameters, and the
+        optimizer's state when given. Not collective (every rank reads the same file).
+        KeyError or ValueError when it is another model's or optimizer's."""
         if self.grid is None:
-            optimizer.load_state_dict(state)
-        else:
-            from mpidl.parallel.tensor import load_full_optimizer_state
+            if optimizer_state is None:
+                model.load_state_dict(params)
+            else:
+                optimizer.load_state_dict(optimizer_state)
+            return
+        from mpidl.parallel.tensor import take_state
 
-            load_full_optimizer_state(optimizer, model, state)
+        local, local_optimizer = take_state(model, params, optimizer_state)
+        if self.plan.zero:
+            from mpidl.parallel.zero import load_full_state
+
+            load_full_state(wrapper, local, local_optimizer, optimizer)
+        elif optimizer_state is None:
+            model.load_state_dict(local)
+        else:
+            optimizer.load_state_dict(local_optimizer)
 
     def clip_grad_norm_(self, wrapper: Any, max_norm: float) -> Any:
         """Clip the averaged gradients to a global 2-norm of ``max_norm`` (every shard
-        counted once); returns the norm before. Collective over the tensor group."""
+        counted once); returns the norm before. Collective over the tensor group (and
+        the replicas under ZeRO)."""
         if self.grid is None:
             return wrapper.clip_grad_norm_(max_norm)
+        if self.plan.zero:
+            return wrapper.clip_grad_norm_(max_norm, tensor=self.grid.tensor)
         from mpidl.parallel.tensor import clip_grad_norm_
 
         return clip_grad_norm_(wrapper.parameters(), max_norm, self.grid.tensor)

@@ -213,6 +213,8 @@ class ParallelLanguageModel(LanguageModel):
 
     def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
         module = getattr(model, "module", model)  # the wrapper's hooks sit on parameters
+        if module is not model:
+            model.before_forward()  # ZeRO 1-2: the updated parameters; not model.__call__
         return module.loss(x, reduction="sum"), module.count_targets(x), 0
 
     def global_count(self, comm: Any, samples: int, local: int) -> int:

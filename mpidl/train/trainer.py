@@ -76,21 +76,20 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_model_state(model: Any, state: ckpt.Checkpoint, config: Config, doing: str,
-                     layout: Any = None) -> None:
-    """Load a checkpoint's parameters into ``model`` (this rank's shards of them under a
-    split ``layout``); ConfigError naming the checkpoint when it holds another model
-    (other parameter names or shapes)."""
+def _another_model(path: str, config: Config, doing: str, error: BaseException) -> ConfigError:
+    return ConfigError(
+        f"cannot {doing} {path}: it holds another model than the configured "
+        f"{config.model.name!r} ({_first_line(error)}); use the model options it was saved "
+        "with (the run's config.toml) or another --run-dir for a new model")
+
+
+def load_model_state(model: Any, state: ckpt.Checkpoint, config: Config, doing: str) -> None:
+    """Load a checkpoint's parameters into ``model``; ConfigError naming the checkpoint
+    when it holds another model (other parameter names or shapes)."""
     try:
-        if layout is not None:
-            layout.load_model_state(model, state.model)
-        else:
-            model.load_state_dict(state.model)
+        model.load_state_dict(state.model)
     except (KeyError, ValueError) as e:
-        raise ConfigError(
-            f"cannot {doing} {state.path}: it holds another model than the configured "
-            f"{config.model.name!r} ({_first_line(e)}); use the model options it was saved "
-            "with (the run's config.toml) or another --run-dir for a new model") from None
+        raise _another_model(state.path, config, doing, e) from None
 
 
 def build_optimizer(config: Config, params: list) -> Any:
@@ -187,11 +186,10 @@ class Trainer:
                                      block_size=config.data.block_size)
         self.loader = DataLoader(self.train_set, sampler, self.objective.features, xp=self.xp,
                                  prefetch=config.data.prefetch)
-        eval_sampler = DistributedSampler(len(self.test_set), EVAL_BATCH, data.rank,
-                                          data.size, seed=0, shuffle="none")
-        self.eval_loader = DataLoader(self.test_set, eval_sampler, self.objective.features,
-                                      xp=self.xp,
-                                      prefetch=config.data.prefetch)
+        from mpidl.train.evaluation import evaluation_loader
+
+        self.eval_loader = evaluation_loader(self.test_set, data, self.xp,
+                                             config.data.prefetch, self.objective.features)
         steps = config.epochs * len(self.loader)
         self.total_steps = min(steps, config.steps) if config.steps else steps
         self.step = 0
@@ -291,7 +289,7 @@ class Trainer:
         extra = {"ranks": self.comm.size, "total_steps": self.total_steps,
                  "train_window": window, "skipped_steps": self.skipped_steps,
                  "loss_scale": self.loss_scale.state_dict() if self.loss_scale else None}
-        if self.config.zero:
+        if self.config.zero and self.layout.grid is None:
             # Every rank writes its own pieces (nobody gathers the model); rank 0 writes
             # the checkpoint itself once all parts are on disk.
             from mpidl.parallel.zero import state_pieces
@@ -309,8 +307,7 @@ class Trainer:
             with patience("the ranks write their checkpoint parts"):
                 self.comm.check(error is None, str(error))
         else:  # the single-rank model's state, whatever the layout
-            model = self.layout.model_state(self.model)
-            optimizer = self.layout.optimizer_state(self.optimizer, self.model)
+            model, optimizer = self.layout.full_state(self.dp, self.optimizer, self.model)
             if self.layout.grid is not None:
                 extra["layout"] = {"kind": "full", "grid": self.layout.plan.describe()}
         if self.comm.rank == 0:
@@ -376,25 +373,21 @@ class Trainer:
         another sample order.
         """
         path = state.path
-        if self.config.zero:
+        if self.config.zero and self.layout.grid is None:
             from mpidl.parallel.zero import load_full_state
 
-            try:  # any checkpoint: data-parallel or sharded at any rank count
-                load_full_state(self.dp, state.model, None, self.optimizer)
-            except (KeyError, ValueError) as e:
-                raise ConfigError(
-                    f"cannot resume from {path}: it holds another model than the configured "
-                    f"{self.config.model.name!r} ({_first_line(e)}); use the model options it "
-                    "was saved with, or another --run-dir for a new model") from None
+            def load(optimizer_state: Any) -> None:  # any checkpoint: DP or any stage
+                load_full_state(self.dp, state.model, optimizer_state, self.optimizer)
         else:
-            load_model_state(self.model, state, self.config, "resume from", self.layout)
+            def load(optimizer_state: Any) -> None:  # full state, into any layout
+                self.layout.load_state(self.dp, self.optimizer, self.model, state.model,
+                                       optimizer_state)
         try:
-            if self.config.zero:
-                from mpidl.parallel.zero import load_full_state
-
-                load_full_state(self.dp, state.model, state.optimizer, self.optimizer)
-            else:
-                self.layout.load_optimizer_state(self.optimizer, self.model, state.optimizer)
+            load(None)
+        except (KeyError, ValueError) as e:
+            raise _another_model(path, self.config, "resume from", e) from None
+        try:
+            load(state.optimizer)
         except (KeyError, ValueError, IndexError) as e:
             raise ConfigError(
                 f"cannot resume from {path}: its optimizer state does not fit the configured "

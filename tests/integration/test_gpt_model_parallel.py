@@ -83,6 +83,11 @@ LAYOUTS = [
     (4, ["--tensor-parallel=2", "--sequence-parallel=ring"]),           # tensor x sequence
     (4, ["--tensor-parallel=2", "--megatron-sequence-parallel"]),      # data x tensor
     (4, ["--sequence-parallel=ring", "--sequence-parallel-size=2"]),    # data x sequence
+    (2, ["--tensor-parallel=2", "--zero=3"]),                           # ZeRO over 1 replica
+    (4, ["--tensor-parallel=2", "--zero=1"]),                           # ... over 2
+    (4, ["--tensor-parallel=2", "--megatron-sequence-parallel", "--zero=2"]),
+    (4, ["--tensor-parallel=2", "--zero=3"]),
+    (4, ["--sequence-parallel=ring", "--sequence-parallel-size=2", "--zero=3"]),
 ]
 
 
@@ -104,35 +109,50 @@ def test_every_layout_trains_the_single_rank_models_steps(tmp_path, gpt_cache, s
     assert "test_accuracy" not in ours  # the logits are split: no next-token accuracy
 
 
+def test_mpidl_eval_scores_a_split_run_as_its_training_did(tmp_path, gpt_cache):
+    run = str(tmp_path / "run")
+    result = train(2, run, gpt_cache, "--steps=6", "--tensor-parallel=2")
+    assert result.returncode == 0, result.output
+    done = mpiexec(1, [sys.executable, "-m", "mpidl", "eval", run, "--json"], timeout=120)
+    assert done.returncode == 0, done.output
+    scored = json.loads(done.stdout)
+    assert scored["test_loss"] == pytest.approx(evals(run)[-1]["test_loss"], rel=1e-9)
+    assert scored["test_targets"] == evals(run)[-1]["test_targets"]
+    assert 0 <= scored["test_accuracy"] <= 1  # the whole model: next-token accuracy again
+
+
 def test_clipping_counts_every_shard_once(tmp_path, gpt_cache):
     args = [f"--steps={STEPS}", "--clip-grad-norm=0.05"]
-    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    whole = str(tmp_path / "whole")
     assert train(1, whole, gpt_cache, *args).returncode == 0
-    result = train(2, split, gpt_cache, *args, "--tensor-parallel=2")
-    assert result.returncode == 0, result.output
-    assert_same_model(parameters(split, STEPS), parameters(whole, STEPS), "clipped")
-
-
-def test_a_tensor_parallel_checkpoint_resumes_at_other_layouts(tmp_path, gpt_cache, single):
-    """Tensor parallel for 6 steps, then ring attention to 12 (same world size), or plain
-    data parallelism at 3 ranks: the single-rank run's steps either way."""
-    for name, second in (("ring", (2, ["--sequence-parallel=ring"])),
-                         ("dp3", (3, []))):
-        run = str(tmp_path / name)
-        first = train(2, run, gpt_cache, f"--steps={STEPS}", "--stop-at-step=6",
-                      "--tensor-parallel=2")
-        assert first.returncode == 0, first.output
-        n, layout = second
-        result = train(n, run, gpt_cache, f"--steps={STEPS}", *layout)
+    for n, layout in ((2, ["--tensor-parallel=2"]), (4, ["--tensor-parallel=2", "--zero=2"]),
+                      (4, ["--tensor-parallel=2", "--zero=3"])):
+        split = str(tmp_path / "-".join(layout))
+        result = train(n, split, gpt_cache, *args, *layout)
         assert result.returncode == 0, result.output
-        assert "resumed from" in result.output
-        assert_same_model(parameters(run, STEPS), parameters(single, STEPS), name)
-    # and a data-parallel checkpoint into a tensor x sequence split
-    run = str(tmp_path / "from-dp")
-    assert train(1, run, gpt_cache, f"--steps={STEPS}", "--stop-at-step=6").returncode == 0
-    result = train(2, run, gpt_cache, f"--steps={STEPS}", "--tensor-parallel=2")
+        assert_same_model(parameters(split, STEPS), parameters(whole, STEPS), str(layout))
+
+
+RESUMES = {  # name: (ranks, layout) for steps 1-6, then for steps 7-12
+    "tensor-to-ring": ((2, ["--tensor-parallel=2"]), (2, ["--sequence-parallel=ring"])),
+    "tensor-to-dp3": ((2, ["--tensor-parallel=2"]), (3, [])),
+    "tensor-to-zero3": ((2, ["--tensor-parallel=2"]), (4, ["--tensor-parallel=2", "--zero=3"])),
+    "zero2-tensor-to-one-rank": ((4, ["--tensor-parallel=2", "--zero=2"]), (1, [])),
+    "one-rank-to-tensor": ((1, []), (2, ["--tensor-parallel=2", "--megatron-sequence-parallel"])),
+}
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_a_checkpoint_resumes_at_another_layout(tmp_path, gpt_cache, single, name):
+    """Steps 1-6 at one layout, 7-12 at another: the single-rank run's steps either way."""
+    (n1, first), (n2, second) = RESUMES[name]
+    run = str(tmp_path / name)
+    result = train(n1, run, gpt_cache, f"--steps={STEPS}", "--stop-at-step=6", *first)
     assert result.returncode == 0, result.output
-    assert_same_model(parameters(run, STEPS), parameters(single, STEPS), "from dp")
+    result = train(n2, run, gpt_cache, f"--steps={STEPS}", *second)
+    assert result.returncode == 0, result.output
+    assert "resumed from" in result.output
+    assert_same_model(parameters(run, STEPS), parameters(single, STEPS), name)
 
 
 @pytest.mark.parametrize("n,args,says", [
@@ -142,7 +162,6 @@ def test_a_tensor_parallel_checkpoint_resumes_at_other_layouts(tmp_path, gpt_cac
     (2, ["--sequence-parallel=ulysses", "--model.heads=3"], "--sequence-parallel=ring"),
     (4, ["--sequence-parallel=ring", "--data.seq-len=4"], "use at most 3 sequence ranks"),
     (2, ["--sequence-parallel-size=2"], "add --sequence-parallel=ulysses"),
-    (2, ["--tensor-parallel=2", "--zero=1"], "not supported yet"),
     (1, ["--megatron-sequence-parallel"], "needs --tensor-parallel >= 2"),
 ])
 def test_an_impossible_layout_is_a_configuration_error_saying_what_works(

@@ -67,6 +67,13 @@ def test_a_regression_dataset_from_csv_columns_trains(tmp_path):
     record = last_eval(run)
     assert record["test_r2"] >= 0.9, record  # measured: 0.97-0.99
     assert len(record["test_r2_per_output"]) == 2 and "final test R²" in result.stdout
+    # `mpidl eval` of the run scores it as the trainer did, at another rank count
+    done = mpiexec(1, [sys.executable, "-m", "mpidl", "eval", run, "--json"], timeout=120)
+    assert done.returncode == 0, done.output
+    scored = json.loads(done.stdout)
+    assert scored["test_r2"] == pytest.approx(record["test_r2"], rel=1e-6)
+    assert scored["test_mse_per_output"] == pytest.approx(record["test_mse_per_output"],
+                                                          rel=1e-6)
 
 
 def test_a_csv_column_that_is_not_a_number_is_named(tmp_path):
