@@ -55,11 +55,13 @@ CASES = {
 N_BATCHES = 4  # distinct pre-generated inputs, cycled
 
 
-def make_batches(case: str) -> list[tuple[numpy.ndarray, numpy.ndarray]]:
+def make_batches(case: str, seed: int = 0,
+                 count: int = N_BATCHES) -> list[tuple[numpy.ndarray, numpy.ndarray]]:
+    """``count`` pre-generated (input, target) batches of ``case`` drawn from ``seed``."""
     c = CASES[case]
-    rng = numpy.random.default_rng(0)
+    rng = numpy.random.default_rng(seed)
     out = []
-    for _ in range(N_BATCHES):
+    for _ in range(count):
         x = rng.standard_normal((c["batch"],) + c["shape"]).astype(numpy.float32)
         if case == "cnn":
             y = rng.integers(0, c["outputs"], size=c["batch"])
@@ -95,7 +97,9 @@ def mpidl_step(case: str) -> tuple[Callable[[Any], None], int]:
     return sgd_step(model, SGD(model.parameters(), lr=0.01), loss_fn), model.num_parameters()
 
 
-def torch_model(case: str) -> Any:
+def torch_model(case: str, batch_norm: bool = False) -> Any:
+    """PyTorch's ``case`` model; ``batch_norm``: cosmoflow's (mpidl's ``batch_norm=True``),
+    a bias-free convolution then ``BatchNorm3d`` in each block."""
     from torch import nn
 
     c = CASES[case]
@@ -110,8 +114,10 @@ def torch_model(case: str) -> Any:
     layers, cin, side = [], c["shape"][0], c["shape"][1]
     for i in range(3):  # the blocks mpidl's cosmoflow builds for a 32^3 input
         width = 32 * 2 ** i
-        layers += [nn.Conv3d(cin, width, 2, padding="same"), nn.MaxPool3d(2),
-                   nn.LeakyReLU(0.3)]
+        layers.append(nn.Conv3d(cin, width, 2, padding="same", bias=not batch_norm))
+        if batch_norm:
+            layers.append(nn.BatchNorm3d(width))
+        layers += [nn.MaxPool3d(2), nn.LeakyReLU(0.3)]
         cin, side = width, side // 2
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(cin * side ** 3, 128),
                          nn.LeakyReLU(0.3), nn.Linear(128, 64), nn.LeakyReLU(0.3),

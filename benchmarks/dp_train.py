@@ -1,18 +1,38 @@
 """Data-parallel training throughput: mpidl DataParallel vs PyTorch DDP (gloo), same run.
 
 Protocol (DESIGN.md "Reference models and benchmark protocol"): the reference models,
-float32, batch per rank 128 (mlp) / 64 (bow) / 32 (transformer), synthetic
-pre-generated batches (different on every rank), per step forward + softmax
-cross-entropy + backward (+ gradient allreduce) + SGD step (lr 0.01) + zero_grad, one
-thread per rank, a warm-up, then timed windows. A window's time is the slowest rank's;
-samples/s counts every rank's samples (weak scaling: the global batch grows with the
-ranks). Weak-scaling efficiency = samples/s at N ranks / (N x samples/s at 1 rank).
+float32, batch per rank 128 (mlp) / 64 (bow) / 32 (transformer) / 8 (cosmoflow),
+synthetic pre-generated batches (different on every rank), per step forward + loss
+(softmax cross-entropy; cosmoflow: mean squared error against 4 float targets) +
+backward (+ gradient allreduce) + SGD step (lr 0.01) + zero_grad, one thread per rank,
+a warm-up, then timed windows. A window's time is the slowest rank's; samples/s counts
+every rank's samples (weak scaling: the global batch grows with the ranks). Weak-scaling
+efficiency = samples/s at N ranks / (N x samples/s at 1 rank). Samples per CPU-second
+divides by the process CPU time of all ranks (threads included) over the whole timed
+run, warm-up included: the fairer ratio when the machine is shared.
 
 - mpidl: ``loss = softmax_cross_entropy(dp(x), y, reduction="sum");
   dp.backward(loss, global_count=n); opt.step(); opt.zero_grad()`` with
-  :class:`mpidl.parallel.DataParallel` (at 1 rank too: the same user code).
+  :class:`mpidl.parallel.DataParallel` (at 1 rank too: the same user code); cosmoflow:
+  ``regression_loss(dp(x), y, reduction="sum")`` with ``global_count`` = values in the
+  global batch (samples x 4 outputs), as ``mpidl.train.objective.Regression``.
 - PyTorch: ``DistributedDataParallel`` on gloo over loopback at 2 ranks, the plain model
   at 1 rank (the stronger baseline). PyTorch's embedding gradients are dense.
+
+The 3-D CNN (``mpidl.models.cosmoflow`` on 4 x 32^3 volumes; PyTorch: ``conv.py``'s
+``torch_model``, the same layers in the same order) comes in three cases:
+
+- ``cosmoflow``: no batch norm (the MLPerf reference's default configuration).
+- ``cosmoflow-bn``: ``BatchNorm3d`` after each (bias-free) convolution, per-rank
+  statistics on both sides (``DataParallel(sync_batchnorm=False)``, DDP), rank 0's
+  running statistics broadcast before each forward by both.
+- ``cosmoflow-syncbn``: the same model, mpidl with ``DataParallel(sync_batchnorm=True)``
+  (statistics of the global batch), PyTorch with ``SyncBatchNorm.convert_sync_batchnorm``
+  under DDP. PyTorch 2.13 refuses SyncBatchNorm on CPU (DDP: "SyncBatchNorm layers only
+  work with GPU modules"; the layer alone: "SyncBatchNorm expected input tensor to be on
+  GPU ..."), so at 2 ranks its side falls back to what a CPU user is left with, DDP with
+  per-rank ``BatchNorm3d``; the record says so (``batchnorm``, ``batchnorm_note``) and
+  the table marks the row. At 1 rank both are plain batch norm.
 
 Token ids: real text follows Zipf's law, so by default ``bow`` and ``transformer``
 batches draw ids with probability proportional to 1/rank (over a fixed random
@@ -23,7 +43,8 @@ Every (framework, ranks) pair is one ``mpiexec`` launch; PyTorch's ranks find ea
 through MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE taken from Open MPI's environment.
 Run from the repository root::
 
-    .venv/bin/python benchmarks/dp_train.py                    # all models, 1 and 2 ranks
+    .venv/bin/python benchmarks/dp_train.py                    # mlp, bow, transformer; 1, 2 ranks
+    .venv/bin/python benchmarks/dp_train.py --models cosmoflow,cosmoflow-bn,cosmoflow-syncbn
     .venv/bin/python benchmarks/dp_train.py --models bow --ids uniform
     .venv/bin/python benchmarks/dp_train.py --malloc keep     # glibc keeps freed memory (both)
     .venv/bin/python benchmarks/dp_train.py --malloc default  # glibc's default policy (both)
@@ -48,16 +69,23 @@ import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
+from functools import partial  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import numpy  # noqa: E402
 
+import conv  # noqa: E402
 import mpi_timing as mt  # noqa: E402
 
+COSMOFLOW = conv.CASES["cosmoflow"]  # batch 8, 4 x 32^3 volumes, 4 targets
 CASES = {
     "mlp": {"batch": 128, "classes": 10},
     "bow": {"batch": 64, "tokens": 256, "vocab": 20000, "classes": 2},
     "transformer": {"batch": 32, "tokens": 128, "vocab": 8000, "classes": 2},
+    # batchnorm: none, per-rank (plain BatchNorm3d under data parallelism), sync
+    "cosmoflow": {"batch": COSMOFLOW["batch"], "batchnorm": "none"},
+    "cosmoflow-bn": {"batch": COSMOFLOW["batch"], "batchnorm": "per-rank"},
+    "cosmoflow-syncbn": {"batch": COSMOFLOW["batch"], "batchnorm": "sync"},
 }
 N_BATCHES = 8
 
@@ -65,6 +93,8 @@ N_BATCHES = 8
 def make_batches(model: str, rank: int, ids: str) -> list[tuple[numpy.ndarray, numpy.ndarray]]:
     """This rank's pre-generated batches (a different stream on every rank)."""
     case = CASES[model]
+    if "batchnorm" in case:
+        return conv.make_batches("cosmoflow", seed=1000 + rank, count=N_BATCHES)
     rng = numpy.random.default_rng(1000 + rank)
     if "vocab" in case:
         vocab = case["vocab"]
@@ -92,21 +122,31 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
     from mpidl.parallel.data import DataParallel
 
     comm = mpidl.comm.world()
-    model = models.build(args.model, seed=0)
+    case = CASES[args.model]
     kwargs: dict = {} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}
+    if "batchnorm" in case:
+        model = models.build("cosmoflow", in_shape=COSMOFLOW["shape"],
+                             outputs=COSMOFLOW["outputs"],
+                             batch_norm=case["batchnorm"] != "none", seed=0)
+        kwargs["sync_batchnorm"] = case["batchnorm"] == "sync"
+        loss_fn = partial(F.regression_loss, reduction="sum")
+        global_count = case["batch"] * comm.size * COSMOFLOW["outputs"]  # values, not samples
+    else:
+        model = models.build(args.model, seed=0)
+        loss_fn = partial(F.softmax_cross_entropy, reduction="sum")
+        global_count = case["batch"] * comm.size
     # "own" and "keep": DataParallel's default; "default": glibc's policy as torch has it.
     kwargs["keep_freed_memory"] = args.malloc != "default"
     if args.overlap is not None:
         kwargs["overlap"] = args.overlap == "on"
     dp = DataParallel(model, comm, **kwargs)
     opt = SGD(model.parameters(), lr=0.01)
-    global_count = CASES[args.model]["batch"] * comm.size
     state = {"i": 0, "wait": [], "sparse": 0}
 
     def step() -> None:
         x, y = batches[state["i"] % N_BATCHES]
         state["i"] += 1
-        loss = F.softmax_cross_entropy(dp(x), y, reduction="sum")
+        loss = loss_fn(dp(x), y)
         with dp.no_sync() if args.no_sync else contextlib.nullcontext():
             dp.backward(loss, global_count=global_count)
         opt.step()
@@ -118,25 +158,45 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
         return {"bucket_mb": dp.bucket_mb, "overlap": dp.overlap, "buckets": len(dp.buckets),
                 "comm_wait_ms": 1e3 * statistics.median(state["wait"]) if state["wait"] else 0,
                 "sparse_step_share": state["sparse"] / max(1, state["i"])}
-    return step, {"extra": extra, "params": model.num_parameters()}
+    return step, {"extra": extra, "params": model.num_parameters(),
+                  "batchnorm": case.get("batchnorm")}
 
 
 def torch_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], None], dict]:
+    import copy
+    import warnings
+
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
     from engine import torch_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
-    model = torch_model(args.model)
+    case = CASES[args.model]
+    batchnorm, note = case.get("batchnorm"), None
+    if batchnorm is not None:
+        warnings.filterwarnings("ignore", message="Using padding='same'")
+        model = conv.torch_model("cosmoflow", batch_norm=batchnorm != "none")
+        loss_fn = torch.nn.functional.mse_loss  # mean over the values; DDP averages ranks
+    else:
+        model = torch_model(args.model)
+        loss_fn = torch.nn.functional.cross_entropy
     n_params = sum(p.numel() for p in model.parameters())
     if world > 1:
         os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
         os.environ["WORLD_SIZE"] = str(world)
         dist.init_process_group("gloo", init_method="env://")
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = None
+        if batchnorm == "sync":
+            try:  # convert_sync_batchnorm rewires the model in place: convert a copy
+                ddp = DistributedDataParallel(
+                    torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)))
+            except ValueError as e:  # raised on every rank, after the same collectives
+                batchnorm, note = "per-rank", f"torch.nn.SyncBatchNorm refused: {e}"
+        model = ddp if ddp is not None else DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
     state = {"i": 0}
@@ -145,12 +205,13 @@ def torch_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
         x, y = batches[state["i"] % N_BATCHES]
         state["i"] += 1
         with model.no_sync() if args.no_sync and world > 1 else contextlib.nullcontext():
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = loss_fn(model(x), y)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, {"extra": lambda: {}, "params": n_params}
+    return step, {"extra": lambda: {"batchnorm_note": note} if note else {},
+                  "params": n_params, "batchnorm": batchnorm}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -162,18 +223,23 @@ def worker(args: argparse.Namespace) -> int:
     batches = make_batches(args.model, comm.rank, args.ids)
     make = torch_step if args.framework == "torch" else mpidl_step
     step, meta = make(args, batches)
-    c0 = time.process_time()
+    c0, t0 = time.process_time(), time.perf_counter()
     times = mt.timed_windows(comm, step, args.window_s, args.windows, args.warmup_s)
+    wall = time.perf_counter() - t0
     cpu = comm.allreduce(time.process_time() - c0, op=MPI.SUM)
     if comm.rank == 0:
-        batch = CASES[args.model]["batch"]
+        case = CASES[args.model]
+        batch = case["batch"]
         rates = [batch * comm.size / t for t in times]
+        cpu_share = cpu / (comm.size * wall)  # CPU-s per rank per wall-second
         mt.emit({"bench": "dp_train", "model": args.model, "framework": args.framework,
                  "world": comm.size, "threads_per_rank": 1, "batch_per_rank": batch,
-                 "ids": args.ids if args.model != "mlp" else None, "params": meta["params"],
+                 "ids": args.ids if "vocab" in case else None, "params": meta["params"],
+                 "batchnorm": meta["batchnorm"],
                  "samples_per_s": mt.stats(rates), "step_ms": mt.stats([1e3 * t for t in times]),
-                 "cpu_s_all_ranks": cpu, "machine": info, "mca": args.mca_note,
-                 "malloc": args.malloc,
+                 "cpu_s_all_ranks": cpu, "cpu_share": cpu_share,
+                 "samples_per_cpu_s": statistics.median(rates) / (cpu_share * comm.size),
+                 "machine": info, "mca": args.mca_note, "malloc": args.malloc,
                  **meta["extra"]()})
     if args.framework == "torch" and comm.size > 1:
         import torch.distributed as dist
@@ -219,10 +285,13 @@ def _merge(acc: dict | None, rec: dict) -> dict:
     """Pool the windows of several rounds (median over all windows)."""
     rates = [rec["samples_per_s"]["median"]] if acc is None else \
         acc["_rates"] + [rec["samples_per_s"]["median"]]
+    cpu_rates = [rec["samples_per_cpu_s"]] if acc is None else \
+        acc["_cpu_rates"] + [rec["samples_per_cpu_s"]]
     best = rec["samples_per_s"]["max"] if acc is None else \
         max(acc["best"], rec["samples_per_s"]["max"])
-    rec = dict(rec, _rates=rates, best=best)
+    rec = dict(rec, _rates=rates, _cpu_rates=cpu_rates, best=best)
     rec["samples_per_s_rounds"] = mt.stats(rates)
+    rec["samples_per_cpu_s_rounds"] = statistics.median(cpu_rates)
     return rec
 
 
@@ -241,6 +310,10 @@ def _best(r: dict | None) -> float:
 
 def _med(r: dict | None) -> float:
     return r["samples_per_s_rounds"]["median"] if r else float("nan")
+
+
+def _per_cpu(r: dict | None) -> float:
+    return r["samples_per_cpu_s_rounds"] if r else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,14 +373,18 @@ def main(argv: list[str] | None = None) -> int:
                     res[(model, fw, n)] = _merge(res.get((model, fw, n)), rec)
 
     loadavg = next(iter(res.values()))['machine'].get('loadavg', 0)
-    print(f"\nids: {args.ids}; rounds: {args.rounds}; glibc heap policy: {args.malloc}; "
+    ids = f"ids: {args.ids}; " if any("vocab" in CASES[m] for m in models) else ""
+    print(f"\n{ids}rounds: {args.rounds}; glibc heap policy: {args.malloc}; "
           f"{'NO gradient exchange (--no-sync); ' if args.no_sync else ''}"
           f"load average at the first launch: {loadavg:.2f}")
     print("\nsamples/s: median (min–max) over launches of each launch's median window; "
-          "best = the fastest window of any launch (the least disturbed by other load)")
-    print("\n| model | ranks | mpidl samples/s | torch samples/s | mpidl / torch | best mpidl "
-          "| best torch | best ratio | mpidl eff. (best) | torch eff. (best) | mpidl sync ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "best = the fastest window of any launch (the least disturbed by other load); "
+          "per CPU-s: samples per second of all ranks' process CPU time")
+    print("\n| model | ranks | mpidl samples/s | torch samples/s | mpidl / torch | ratio per CPU-s "
+          "| best mpidl | best torch | best ratio | mpidl eff. (best) | torch eff. (best) "
+          "| mpidl sync ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    notes = {}
     for model in models:
         for n in ranks:
             m, t = res.get((model, "mpidl", n)), res.get((model, "torch", n))
@@ -316,9 +393,18 @@ def main(argv: list[str] | None = None) -> int:
             eff_t = _med(t) / (n * _med(t1)) if t and t1 else float("nan")
             bm, bt, bm1, bt1 = (_best(r) for r in (m, t, m1, t1))
             wait = f"{m['comm_wait_ms']:.1f}" if m else "–"
-            print(f"| {model} | {n} | {_fmt(m)} | {_fmt(t)} | {_med(m) / _med(t):.2f}x | "
+            name = model
+            if m and t and m.get("batchnorm") != t.get("batchnorm"):  # not like for like
+                mark = "*" * (len(notes) + 1)
+                notes[mark] = (f"{model} at {n} ranks: mpidl {m['batchnorm']} batch norm, "
+                               f"torch {t['batchnorm']} ({t.get('batchnorm_note', '')})")
+                name = f"{model} (torch: {t['batchnorm']} BN){mark}"
+            print(f"| {name} | {n} | {_fmt(m)} | {_fmt(t)} | {_med(m) / _med(t):.2f}x | "
+                  f"{_per_cpu(m) / _per_cpu(t):.2f}x | "
                   f"{bm:,.0f} | {bt:,.0f} | {bm / bt:.2f}x | {eff_m:.2f} ({bm / (n * bm1):.2f}) | "
                   f"{eff_t:.2f} ({bt / (n * bt1):.2f}) | {wait} |")
+    for mark, text in notes.items():
+        print(f"\n{mark} {text}")
     return 0
 
 
