@@ -94,6 +94,16 @@ def test_a_queue_longer_than_the_saving_is_not_worth_it():
     assert "each run saves nothing: not worth it" in plan.verdict(rows, 0.0, 5.0)
 
 
+def test_a_step_of_a_few_milliseconds_is_flagged_as_an_optimistic_prediction():
+    work = plan.Workload(samples=6400, epochs=1, global_batch=64, params=10, grad_bytes=40,
+                         bucket_bytes=1024)
+    slow = plan.predict(work, lambda b: 1e-3 * b, [1, 2], _net(), _net())   # 32 ms at 2
+    fast = plan.predict(work, lambda b: 2e-5 * b, [1, 2, 4], _net(), _net())  # 0.6 ms at 2
+    assert plan.caveats(slow) == []
+    (note,) = plan.caveats(fast)
+    assert note.startswith("the step at 2, 4 ranks is under 5 ms") and "optimistic" in note
+
+
 @pytest.mark.parametrize("kind", ["network", "device"])
 def test_every_shipped_profile_parses_and_names_its_source(kind):
     names = costmodel.list_profiles(kind)
