@@ -34,6 +34,11 @@ def _chains(vocab: int, topics: int, branching: int, rng: numpy.random.Generator
     return succ, probs
 
 
+# The smallest corpus the chains make sense for: <pad>, <unk>, <eos> and five words; a
+# topic word, a word and <eos> in a row.
+MIN_VOCAB, MIN_SEQ_LEN = 8, 4
+
+
 def generate_language(num_train: int, num_test: int, seq_len: int = 32, vocab: int = 64,
                       topics: int = 4, branching: int = 3, seed: int = 0
                       ) -> tuple[numpy.ndarray, numpy.ndarray, float]:
@@ -43,9 +48,9 @@ def generate_language(num_train: int, num_test: int, seq_len: int = 32, vocab: i
     gives the same corpus. The perplexity is the generating chain's, per predicted
     token (every real token after the first two), the best any model can do.
     """
-    if vocab < 8 or seq_len < 4:
-        raise ValueError(f"generate_language needs vocab >= 8 and seq_len >= 4, got {vocab}, "
-                         f"{seq_len}")
+    if vocab < MIN_VOCAB or seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"generate_language needs vocab >= {MIN_VOCAB} and seq_len >= "
+                         f"{MIN_SEQ_LEN}, got {vocab}, {seq_len}")
     rng = numpy.random.default_rng(seed)
     succ, probs = _chains(vocab, topics, branching, rng)
     n = num_train + num_test

@@ -247,6 +247,13 @@ def _validate(config: Config) -> None:
     for key in ("seed", "prefetch"):
         if getattr(d, key) < 0:
             raise ConfigError(f"config key 'data.{key}' must be >= 0, got {getattr(d, key)}")
+    if config.task == "gpt" and not d.path:  # the generated corpus's own limits
+        from mpidl.data.language import MIN_SEQ_LEN, MIN_VOCAB
+
+        for key, least in (("seq_len", MIN_SEQ_LEN), ("vocab_size", MIN_VOCAB)):
+            if getattr(d, key) < least:
+                raise ConfigError(f"config key 'data.{key}' must be >= {least} for the "
+                                  f"generated language corpus, got {getattr(d, key)}")
 
 
 def config_from_dict(table: dict) -> Config:

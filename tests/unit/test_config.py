@@ -139,6 +139,15 @@ def test_toml_file_values_are_type_checked(tmp_path):
         load_config(str(path))
 
 
+def test_the_generated_language_corpus_limits_are_config_errors():
+    with pytest.raises(ConfigError, match="'data.seq_len' must be >= 4 .*language.*got 3"):
+        load_config("gpt", ["--data.seq-len=3"])
+    with pytest.raises(ConfigError, match="'data.vocab_size' must be >= 8 .*got 5"):
+        load_config("gpt", ["--data.vocab-size=5"])
+    assert load_config("gpt", ["--data.seq-len=4"]).data.seq_len == 4
+    assert load_config("gpt", ["--data.seq-len=3", "--data=somewhere"]).data.seq_len == 3
+
+
 def test_missing_file_is_named(tmp_path):
     missing = str(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="nope.toml.*does not exist"):
