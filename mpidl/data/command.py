@@ -245,8 +245,10 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
         arrays = sources.read_csv_arrays(
             args.from_csv, args.feature_cols.split(","), args.target_cols.split(","),
             delimiter=_delimiter(args), header=not args.no_header)
+        targets = args.target_cols.split(",")  # names (or numbers): what predict prints
         return write_shards(args.out_dir, arrays, test_fraction=args.test_fraction,
-                            labels=None, source=args.from_csv, **common)
+                            labels=None, source=args.from_csv,
+                            metadata={"targets": targets}, **common)
     if args.from_csv:
         texts, labels = sources.read_csv(
             args.from_csv,

@@ -24,7 +24,11 @@ Output (rank 0, in input order): one line per input, the label and its probabili
 (softmax), tab-separated; with ``--json`` one JSON object per line,
 ``{"index": 0, "label": "positive", "probability": 0.97, "probabilities": {...}}``.
 No input, no output (exit 0). The predicted label is the argmax of the scores, the same
-rule as ``mpidl eval``'s (:func:`~mpidl.data.evaluate.predicted_classes`).
+rule as ``mpidl eval``'s (:func:`~mpidl.data.evaluate.predicted_classes`). A regression
+run (float targets) writes its predicted values instead, tab-separated, or
+``{"index": 0, "prediction": [0.12, -0.5], "targets": ["t1", "t2"]}`` (``targets``: the
+target names, when the dataset stored them). A language model (``gpt``) has no
+per-input answer to give: refused (exit 2), ``mpidl eval`` scores it.
 
 On several ranks the inputs go in rounds of ``--batch`` per rank, each round split
 over the ranks by :func:`~mpidl.comm.split_counts`; rank 0 gathers a round's scores
@@ -208,6 +212,15 @@ def format_line(index: int, probabilities: numpy.ndarray, label: int, names: Seq
                        "probabilities": {n: float(p) for n, p in zip(names, probabilities)}})
 
 
+def format_values(index: int, values: numpy.ndarray, names: Sequence[str] | None,
+                  as_json: bool) -> str:
+    """One output line of a regression run: the predicted values, or their JSON object."""
+    if not as_json:
+        return "\t".join(f"{float(v):.6g}" for v in values)
+    return json.dumps({"index": index, "prediction": [float(v) for v in values],
+                       **({"targets": list(names)} if names else {})})
+
+
 def predict(model: Any, inputs: Any, comm: Any, xp: Any, batch: int,
             write: Any) -> None:
     """Score every input in rounds of ``batch`` per rank; call ``write(start, logits)``
@@ -228,6 +241,20 @@ def predict(model: Any, inputs: Any, comm: Any, xp: Any, batch: int,
         closed = comm.rank == 0 and not write(start, gathered)
         if comm.agree_each(closed)[0]:
             break
+
+
+def _objective(run: Any, description: Any) -> Any:
+    """The run's objective (classification or regression); a language model refused."""
+    from mpidl.data import DataError
+    from mpidl.train.objective import LanguageModel, objective_for
+
+    objective = objective_for(run.config, description)
+    if isinstance(objective, LanguageModel):
+        raise DataError(f"{run.run_dir} is a language model ({run.config.model.name!r}): it "
+                        "continues sequences, it has no label or value per input to "
+                        f"predict; score it with `mpidl eval {run.run_dir}` (test loss and "
+                        "perplexity)")
+    return objective
 
 
 def main(argv: Sequence[str]) -> int:
@@ -260,21 +287,30 @@ def main(argv: Sequence[str]) -> int:
     try:
         run = agreed(comm, prog, lambda: open_run(args.run_dir, args.checkpoint, args.data))
         description = agreed(comm, prog, lambda: run_description(run, args.data))
+        objective = agreed(comm, prog, lambda: _objective(run, description))
         xp = devices(run.config, comm)
         model, _ = agreed(comm, prog, lambda: load_model(run, description, xp, "predict with"))
         inputs = agreed(comm, prog, lambda: read_inputs(args.input, description, comm))
     except Refused:
         return EXIT_CONFIG
 
-    def write(start: int, logits: numpy.ndarray) -> bool:
+    from mpidl.train.objective import Regression
+
+    def lines(start: int, logits: numpy.ndarray) -> list[str]:
+        if isinstance(objective, Regression):
+            names = description.metadata.get("targets")
+            return [format_values(start + i, v, names, args.json)
+                    for i, v in enumerate(logits.reshape(len(logits), -1))]
         with no_grad():
             probabilities = F.softmax(logits).data
         labels = predicted_classes(logits)
         names = [description.class_name(c) for c in range(logits.shape[1])]
+        return [format_line(start + i, p, int(label), names, args.json)
+                for i, (p, label) in enumerate(zip(probabilities, labels))]
+
+    def write(start: int, logits: numpy.ndarray) -> bool:
         try:
-            sys.stdout.write("".join(format_line(start + i, p, int(label), names, args.json)
-                                     + "\n" for i, (p, label)
-                                     in enumerate(zip(probabilities, labels))))
+            sys.stdout.write("".join(line + "\n" for line in lines(start, logits)))
             sys.stdout.flush()
         except BrokenPipeError:
             # The reader left (`| head`): stop quietly, as command-line tools do. Standard

@@ -118,6 +118,11 @@ def test_mpidl_eval_scores_a_split_run_as_its_training_did(tmp_path, gpt_cache):
     scored = json.loads(done.stdout)
     assert scored["test_loss"] == pytest.approx(evals(run)[-1]["test_loss"], rel=1e-9)
     assert scored["test_targets"] == evals(run)[-1]["test_targets"]
+    # a language model has no answer per input: `mpidl predict` says so and points to eval
+    refused = mpiexec(2, [sys.executable, "-m", "mpidl", "predict", run, os.devnull],
+                      timeout=120)
+    assert refused.returncode == 2, refused.output
+    assert "is a language model" in refused.stderr and f"mpidl eval {run}" in refused.stderr
     assert 0 <= scored["test_accuracy"] <= 1  # the whole model: next-token accuracy again
 
 

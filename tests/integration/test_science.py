@@ -74,6 +74,27 @@ def test_a_regression_dataset_from_csv_columns_trains(tmp_path):
     assert scored["test_r2"] == pytest.approx(record["test_r2"], rel=1e-6)
     assert scored["test_mse_per_output"] == pytest.approx(record["test_mse_per_output"],
                                                           rel=1e-6)
+    # `mpidl predict` writes the values the evaluation scored: the test rows' squared
+    # errors from its output are the eval record's MSE per target
+    from mpidl.data import ShardedDataset
+
+    test = ShardedDataset(os.path.join(data, "test"))
+    ids = numpy.arange(len(test))
+    rows = tmp_path / "rows.npz"
+    numpy.savez(rows, x=test.read("x", ids))
+    done = mpiexec(2, [sys.executable, "-m", "mpidl", "predict", run, str(rows), "--json"],
+                   timeout=120)
+    assert done.returncode == 0, done.output
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["index"] for r in lines] == list(range(len(test)))
+    assert all(r["targets"] == ["t1", "t2"] for r in lines)
+    predicted = numpy.array([r["prediction"] for r in lines])
+    mse = ((predicted - test.read("y", ids)) ** 2).mean(axis=0)
+    assert mse.tolist() == pytest.approx(record["test_mse_per_output"], rel=1e-4)
+    plain = mpiexec(1, [sys.executable, "-m", "mpidl", "predict", run, str(rows)], timeout=120)
+    first = plain.stdout.splitlines()[0].split("\t")
+    assert plain.returncode == 0 and len(first) == 2
+    assert [float(v) for v in first] == pytest.approx(lines[0]["prediction"], rel=1e-5)
 
 
 def test_a_csv_column_that_is_not_a_number_is_named(tmp_path):
