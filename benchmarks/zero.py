@@ -1,9 +1,10 @@
-"""ZeRO stages against data parallelism, and against PyTorch's ZeroRedundancyOptimizer.
+"""ZeRO stages against data parallelism, PyTorch's ZeroRedundancyOptimizer and FSDP.
 
 Per model (the reference transformer, and the `gpt` preset's model) and mode (mpidl
-DataParallel, ShardedDataParallel stage 1, 2, 3; PyTorch DDP and DDP with
-ZeroRedundancyOptimizer on gloo), one ``mpiexec`` launch at 2 ranks: AdamW, float32,
-synthetic batches, warm-up, timed windows (the slowest rank's), one thread per rank.
+DataParallel, ShardedDataParallel stage 1, 2, 3; PyTorch DDP, DDP with
+ZeroRedundancyOptimizer, and FSDP2's ``fully_shard`` per layer, on gloo), one
+``mpiexec`` launch at 2 ranks: AdamW, float32, synthetic batches, warm-up, timed
+windows (the slowest rank's), one thread per rank.
 Reports samples/s, the ratio to mpidl's DataParallel, the model state each rank holds
 (parameters + gradients + optimizer state, from the arrays) and the peak of the memory
 Python allocated during the steps (tracemalloc; NumPy's arrays included; for PyTorch,
@@ -35,7 +36,7 @@ CASES = {
     "transformer": {"batch": 32, "kind": "classifier"},
     "gpt": {"batch": 32, "kind": "lm"},
 }
-MODES = ("dp", "zero1", "zero2", "zero3", "torch-ddp", "torch-zero")
+MODES = ("dp", "zero1", "zero2", "zero3", "torch-ddp", "torch-zero", "torch-fsdp")
 
 
 def _mpidl_model(name: str):
@@ -120,7 +121,17 @@ def torch_step(args, batches):
         from engine import torch_model
 
         body = torch_model("transformer")
-    model = torch.nn.parallel.DistributedDataParallel(body)
+    if args.mode == "torch-fsdp":
+        # FSDP2 (fully_shard; runs on CPU over gloo): each transformer layer a unit, as
+        # mpidl's stage 3 makes each ModuleList block one, then the rest at the root.
+        from torch.distributed.fsdp import fully_shard
+
+        layers = body[1].layers if args.model == "gpt" else body.layers
+        for layer in layers:
+            fully_shard(layer)
+        model = fully_shard(body)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(body)
     if args.mode == "torch-zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -148,11 +159,17 @@ def torch_step(args, batches):
     step()
     step()
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-    n = sum(p.numel() for p in model.parameters())
-    shard = 1 if args.mode == "torch-ddp" else int(os.environ["WORLD_SIZE"])
+    if args.mode == "torch-fsdp":  # DTensor parameters: this rank's shards, as held
+        n = sum(p.to_local().numel() for p in model.parameters())
+        params, grads = 4 * n, 4 * n  # gradients reduce-scattered into shards too
+        shard = 1  # n is the shard already
+    else:
+        n = sum(p.numel() for p in model.parameters())
+        params, grads = 4 * n, 4 * n
+        shard = 1 if args.mode == "torch-ddp" else int(os.environ["WORLD_SIZE"])
 
     def extra():
-        return {"state_bytes": {"parameters": 4 * n, "gradients": 4 * n,
+        return {"state_bytes": {"parameters": params, "gradients": grads,
                                 "optimizer": 8 * n // shard},
                 "peak_step_bytes": grown, "peak_note": "RSS growth over two steps"}
 
