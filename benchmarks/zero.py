@@ -161,7 +161,9 @@ def torch_step(args, batches):
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
     if args.mode == "torch-fsdp":  # DTensor parameters: this rank's shards, as held
         n = sum(p.to_local().numel() for p in model.parameters())
-        params, grads = 4 * n, 4 * n  # gradients reduce-scattered into shards too
+        # gradients: reduce-scattered into shards, then freed by zero_grad(set_to_none)
+        # between steps, as mpidl's stage 3 frees its shards' (both report 0 held)
+        params, grads = 4 * n, 0
         shard = 1  # n is the shard already
     else:
         n = sum(p.numel() for p in model.parameters())
