@@ -40,7 +40,7 @@ from mpidl.parallel.mappings import copy_to_region, gathered_linear
 from mpidl.parallel.sequence import SequenceLayout
 from mpidl.parallel.tensor import (ColumnParallelLinear, Shard, VocabParallelEmbedding,
                                    check_same_layer, full_state_dict, load_full_state_dict,
-                                   vocab_parallel_cross_entropy)
+                                   vocab_parallel_cross_entropy, vocab_parallel_hits)
 from mpidl.parallel.transformer import (ATTENTION, ParallelLayerNorm, ParallelTransformerLayer,
                                         Tokens)
 
@@ -127,7 +127,7 @@ class ParallelGPT(Module):
             return gathered_linear(tensor, x, self.tok.weight, None, layout.shard_length)
         return linear(copy_to_region(tensor, x), self.tok.weight)  # (B, T_r, V_r)
 
-    def loss(self, ids: Any, reduction: str = "sum") -> Tensor:
+    def loss(self, ids: Any, reduction: str = "sum", hits: bool = False) -> Any:
         """This rank's share of the next-token cross-entropy of full ids ``(B, T + 1)``.
 
         ``"sum"``: the sum over this rank's targets (padding, of the data or of the
@@ -135,6 +135,9 @@ class ParallelGPT(Module):
         shares of the sequence group add up to :meth:`GPT.loss`. ``"mean"``: that sum
         over the number of real targets of the whole input (:meth:`count_targets`), so
         the shares add up to the mean. ``"none"``: per token ``(B, T_r)``.
+        ``hits``: return ``(loss, hits)``, hits this rank's share of the targets that are
+        the argmax of their full logits (:func:`vocab_parallel_hits`; shared as the
+        loss is: the sequence group's add up to the single-rank count).
         Collective over the tensor and sequence groups.
         """
         ids = as_input(ids)
@@ -147,7 +150,10 @@ class ParallelGPT(Module):
             ignore_index=ignore, reduction="sum" if reduction == "mean" else reduction)
         if reduction == "mean":
             loss = F.mul(loss, 1.0 / max(self.count_targets(ids), 1))
-        return loss
+        if not hits:
+            return loss
+        return loss, vocab_parallel_hits(logits, targets, self.grid.tensor,
+                                         self.tok.vocab_start, ignore)
 
     def count_targets(self, ids: Any) -> int:
         """How many next-token targets of the full ``ids`` count (not collective)."""

@@ -354,6 +354,32 @@ def vocab_parallel_cross_entropy(logits: Any, labels: Any, comm: Communicator, v
         ignore_index=ignore_index, reduction=reduction, logits_shape=tuple(logits.shape))
 
 
+def vocab_parallel_hits(logits: Any, labels: Any, comm: Communicator, vocab_start: int,
+                        ignore_index: int | None = None) -> int:
+    """How many rows of logits split over the class axis (as
+    :func:`vocab_parallel_cross_entropy` takes them) have their label as the argmax of
+    the full row: the first of equal maxima, as ``argmax`` on the gathered logits. Rows
+    labelled ``ignore_index`` count nothing. The same on every rank of ``comm``;
+    collective over it (two allreduces of ``N`` values); no gradient."""
+    data = as_input(logits)
+    xp = get_array_module(data)
+    x = data.reshape(-1, data.shape[-1])
+    t = to_device(as_input(labels), xp).reshape(-1)
+    m = x.max(axis=1)
+    if comm.size > 1:
+        comm.allreduce_(m, op="max")
+    at = x == m[:, None]
+    none_here = numpy.iinfo(numpy.int64).max  # no maximum in this rank's classes
+    first = xp.where(at.any(axis=1), at.argmax(axis=1).astype(numpy.int64) + vocab_start,
+                     none_here)
+    if comm.size > 1:
+        comm.allreduce_(first, op="min")
+    hit = first == t
+    if ignore_index is not None:
+        hit &= t != ignore_index
+    return int(xp.count_nonzero(hit))
+
+
 # -- full (unsharded) state ----------------------------------------------------------------
 def full_state_dict(model: Module) -> dict[str, Any]:
     """``{name: full array}`` of every parameter, under the single-rank model's names.

@@ -201,11 +201,8 @@ class ParallelLanguageModel(LanguageModel):
     """The language model split over a tensor x sequence grid (``ParallelGPT``): each
     rank computes its share of the loss; shares add up over the sequence group and are
     replicated over the tensor group, so sums go over the data axis (the count) and
-    over the replicas, data x sequence (the loss). The logits are sharded over the
-    vocabulary, so records carry no next-token accuracy."""
-
-    final_scores = (("test_perplexity", "test perplexity"),)
-    accuracy = False
+    over the replicas, data x sequence (the loss and the next-token hits, whose argmax
+    over the vocabulary-sharded logits one small allreduce finds)."""
 
     def __init__(self, pad_id: int | None, grid: Any) -> None:
         super().__init__(pad_id)
@@ -215,18 +212,19 @@ class ParallelLanguageModel(LanguageModel):
         module = getattr(model, "module", model)  # the wrapper's hooks sit on parameters
         if module is not model:
             model.before_forward()  # ZeRO 1-2: the updated parameters; not model.__call__
-        return module.loss(x, reduction="sum"), module.count_targets(x), 0
+        loss, hits = module.loss(x, reduction="sum", hits=True)
+        return loss, module.count_targets(x), hits
 
     def global_count(self, comm: Any, samples: int, local: int) -> int:
         """Real targets over the data axis (the tensor x sequence group shares each)."""
         return super().global_count(self.grid.data, samples, local)
 
     def sum_totals(self, comm: Any, totals: Any) -> None:
-        loss = numpy.array([totals[0]])
-        self.grid.replicas.allreduce_(loss)  # data x sequence: the shares of every sample
-        counts = numpy.array(totals[1:])
-        self.grid.data.allreduce_(counts)    # the same on every rank of a replica group
-        totals[0], totals[1:] = loss[0], counts
+        shares = numpy.array(totals[:2], dtype=numpy.float64)  # loss, hits
+        self.grid.replicas.allreduce_(shares)  # data x sequence: the shares of every sample
+        counts = numpy.array(totals[2:])
+        self.grid.data.allreduce_(counts)      # the same on every rank of a sequence group
+        totals[:2], totals[2:] = shares, counts
 
 
 def _perplexity(loss: float) -> float:

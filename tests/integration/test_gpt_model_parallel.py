@@ -51,6 +51,11 @@ def losses(run):
         return [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
 
 
+def accuracies(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [r["accuracy"] for r in map(json.loads, f) if r["kind"] == "train"]
+
+
 def evals(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["kind"] == "eval"]
@@ -106,7 +111,9 @@ def test_every_layout_trains_the_single_rank_models_steps(tmp_path, gpt_cache, s
     ours, theirs = evals(run)[-1], evals(single)[-1]
     assert ours["test_targets"] == theirs["test_targets"]
     assert ours["test_loss"] == pytest.approx(theirs["test_loss"], rel=1e-9)
-    assert "test_accuracy" not in ours  # the logits are split: no next-token accuracy
+    # next-token accuracy: the argmax over the vocabulary-split logits, as one rank's
+    assert ours["test_accuracy"] == theirs["test_accuracy"]
+    assert accuracies(run) == accuracies(single)
 
 
 def test_mpidl_eval_scores_a_split_run_as_its_training_did(tmp_path, gpt_cache):
@@ -123,7 +130,7 @@ def test_mpidl_eval_scores_a_split_run_as_its_training_did(tmp_path, gpt_cache):
                       timeout=120)
     assert refused.returncode == 2, refused.output
     assert "is a language model" in refused.stderr and f"mpidl eval {run}" in refused.stderr
-    assert 0 <= scored["test_accuracy"] <= 1  # the whole model: next-token accuracy again
+    assert scored["test_accuracy"] == evals(run)[-1]["test_accuracy"]
 
 
 def test_clipping_counts_every_shard_once(tmp_path, gpt_cache):

@@ -148,6 +148,23 @@ def test_untied_output_projection_is_split_like_the_vocabulary(comm):
     grid.free()
 
 
+def test_vocab_parallel_hits_are_the_full_logits_argmax_hits_ties_included(comm):
+    from mpidl.parallel.tensor import vocab_parallel_hits
+
+    rng = numpy.random.default_rng(0)
+    vocab, n = 7, 40
+    logits = rng.integers(0, 3, size=(n, vocab)).astype(numpy.float64)  # ties in most rows
+    labels = rng.integers(0, vocab, size=n)
+    labels[::5] = -1  # ignored
+    counts = split_counts(vocab, comm.size)
+    start = sum(counts[:comm.rank])
+    mine = logits[:, start:start + counts[comm.rank]].reshape(4, 10, -1)
+    got = vocab_parallel_hits(mine, labels.reshape(4, 10), comm, start, ignore_index=-1)
+    want = int(((logits.argmax(axis=1) == labels) & (labels != -1)).sum())  # first maximum
+    assert_all_ranks(comm, got == want and 0 < want < n,
+                     f"{got} hits over the split vocabulary; the full logits give {want}")
+
+
 def test_a_grid_that_does_not_divide_the_world_is_an_error_on_every_rank(comm):
     with raises_all_ranks(comm, ValueError, match="does not divide"):
         ProcessGrid(comm, tensor=comm.size + 1)
