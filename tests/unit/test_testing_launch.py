@@ -1,0 +1,48 @@
+"""The test launcher tries again only when Open MPI's launcher failed before any rank ran.
+
+The real startup failure cannot be provoked on demand, so the launches here are scripted
+outcomes: the failure CI saw (its text as `prterun` printed it), then what came next.
+"""
+from __future__ import annotations
+
+from mpidl.testing.launch import Launched, launcher_failed_to_start, retry_startup
+
+PMIX = ("--------------------------------------------------------------------------\n"
+        "The PMIx server's listener thread failed to start. We cannot\ncontinue.\n"
+        "--------------------------------------------------------------------------\n")
+
+
+def scripted(*outcomes):
+    """A launch that returns ``outcomes`` in turn, and the list of launches made."""
+    calls = []
+
+    def launch():
+        calls.append(len(calls))
+        return outcomes[len(calls) - 1]
+    return launch, calls
+
+
+def test_a_startup_failure_is_launched_again_and_the_next_outcome_returned(capsys):
+    ok = Launched(0, "trained\n", "", 1.0)
+    launch, calls = scripted(Launched(213, "", PMIX, 0.01), ok)
+    assert retry_startup(launch) is ok
+    assert len(calls) == 2
+    assert "the launcher failed to start (exit 213" in capsys.readouterr().err
+
+
+def test_retries_are_bounded_and_the_last_failure_is_returned():
+    failed = Launched(213, "", PMIX, 0.01)
+    launch, calls = scripted(failed, failed, failed, failed)
+    assert retry_startup(launch, retries=2) is failed
+    assert len(calls) == 3
+
+
+def test_a_failure_of_the_job_itself_is_never_retried():
+    # A rank ran (stdout), or the message is another one: the job's own outcome.
+    ran = Launched(1, "step 1\n", PMIX, 2.0)
+    refused = Launched(2, "", "mpidl train: error: bad data\n", 0.5)
+    for outcome in (ran, refused, Launched(0, "", PMIX, 0.01)):
+        assert not launcher_failed_to_start(outcome)
+        launch, calls = scripted(outcome, outcome)
+        assert retry_startup(launch) is outcome
+        assert len(calls) == 1
