@@ -42,7 +42,7 @@ and 3 (which hold no full gradient). Embedding gradients are exchanged dense.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy
 
@@ -514,13 +514,18 @@ def state_pieces(sdp: "ShardedDataParallel", optimizer: Any) -> tuple[dict, dict
     """This rank's part of the model and optimizer state, keyed by parameter name.
 
     ``model[name] = {"start": e, "shape": full shape, "data": elements e..}`` for every
-    parameter this rank's blocks touch; ``optimizer`` has ``step``, ``lr`` and
+    parameter this rank's blocks touch (rank 0 adds the model's buffers whole);
+    ``optimizer`` has ``step``, ``lr`` and
     ``state[name][array]`` pieces alike (and the per-parameter ints). Not collective:
     each rank writes its own (:mod:`mpidl.train.checkpoint` companions), nobody gathers.
     """
     names = {id(p): n for n, p in sdp.named}
     shapes = {names[id(p)]: list(s) for u in sdp.units for p, s in zip(u.params, u.shapes)}
     model: dict[str, Any] = {}
+    if sdp.comm.rank == 0:  # buffers (running statistics, input scales) are not sharded:
+        for name, b in sdp.module.named_buffers():  # rank 0's whole, as DP saves them
+            b = numpy.asarray(backend.as_numpy(b))
+            model[name] = {"start": 0, "shape": list(b.shape), "data": b.reshape(-1)}
     opt_state: dict[str, Any] = {}
     full = optimizer.state_dict()
     index = {id(s): i for i, s in enumerate(optimizer.params)}
@@ -554,12 +559,20 @@ def load_full_state(sdp: "ShardedDataParallel", model: dict[str, Any],
     xp = sdp.units[0].xp if sdp.units else numpy
     order = {n: i for i, (n, _) in enumerate(sdp.named)}
     names = {id(p): n for n, p in sdp.named}
-    missing = [n for n, _ in sdp.named if n not in model]
-    unexpected = [n for n in model if n not in order]
+    buffers = dict(sdp.module.named_buffers())
+    missing = [n for n, _ in sdp.named if n not in model] + [n for n in buffers
+                                                            if n not in model]
+    unexpected = [n for n in model if n not in order and n not in buffers]
     if missing or unexpected:
-        raise KeyError(f"the state lacks parameters {missing[:5]} and has others "
-                       f"{unexpected[:5]}" if unexpected else
-                       f"the state lacks parameters {missing[:5]}")
+        raise KeyError(f"the state lacks parameters or buffers {missing[:5]} and has "
+                       f"others {unexpected[:5]}" if unexpected else
+                       f"the state lacks parameters or buffers {missing[:5]}")
+    for name, b in buffers.items():
+        v = numpy.asarray(backend.as_numpy(model[name]))
+        if tuple(v.shape) != tuple(b.shape):
+            raise ValueError(f"buffer {name!r} has shape {tuple(v.shape)} in the state, "
+                             f"{tuple(b.shape)} in the model")
+        b[...] = xp.asarray(v)  # in place: the module keeps its array
     new_opt: dict[str, Any] = {"step": 0, "lr": optimizer.lr}
     if optimizer_state is not None:
         new_opt.update(step=optimizer_state["step"], lr=optimizer_state["lr"])
@@ -628,12 +641,14 @@ def assemble(pieces: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
 
 
 def pieces_to_full(model_pieces: list[dict[str, Any]], optimizer_pieces: list[dict[str, Any]],
-                   order: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+                   order: list[str], buffers: Sequence[str] = ()
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every rank's pieces (as :func:`state_pieces` wrote them) back into full state:
-    the model by name, the optimizer in its data-parallel layout (``state.<i>.<name>``
-    with ``i`` in ``order``), so that data parallelism, evaluation and any stage at any
-    rank count load a sharded checkpoint alike."""
-    model = assemble(model_pieces, order)
+    the model by name (parameters in ``order``, then the ``buffers``), the optimizer in
+    its data-parallel layout (``state.<i>.<name>`` with ``i`` in ``order``), so that data
+    parallelism, evaluation and any stage at any rank count load a sharded checkpoint
+    alike."""
+    model = assemble(model_pieces, [*order, *buffers])
     first = next((o for o in optimizer_pieces if o), {"step": 0, "lr": 0.0})
     optimizer: dict[str, Any] = {"step": first["step"], "lr": first["lr"]}
     states = [o.get("state", {}) for o in optimizer_pieces]

@@ -344,7 +344,8 @@ def _assemble_pieces(state: Checkpoint, layout: dict[str, Any]) -> None:
         models.append(piece.model)
         optimizers.append(piece.optimizer)
     try:
-        state.model, state.optimizer = pieces_to_full(models, optimizers, layout["order"])
+        state.model, state.optimizer = pieces_to_full(models, optimizers, layout["order"],
+                                                      layout.get("buffers", ()))
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {state.path}: its parts do not fit together "
                               f"({e}); resume from an earlier checkpoint") from None

@@ -297,7 +297,8 @@ class Trainer:
             model, optimizer = state_pieces(self.dp, self.optimizer)
             extra["layout"] = {"kind": "pieces", "ranks": self.comm.size,
                                "zero": self.config.zero,
-                               "order": [n for n, _ in self.model.named_parameters()]}
+                               "order": [n for n, _ in self.model.named_parameters()],
+                               "buffers": [n for n, _ in self.model.named_buffers()]}
             if self.comm.rank != 0:
                 try:
                     ckpt.save_companion(self.checkpoint_dir, self.step, self.comm.rank,
