@@ -70,10 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("text inputs (--from-csv, --from-folder)")
     t.add_argument("--text-col", help="text column: a header name or a 0-based number")
     t.add_argument("--feature-cols", help="numeric CSV instead of text: the feature columns "
-                   "(comma-separated names or 0-based numbers), with --target-cols")
+                   "(comma-separated names or 0-based numbers), with --target-cols or "
+                   "--label-col")
     t.add_argument("--target-cols", help="with --feature-cols: the float target columns "
                    "(regression: mpidl train fits them with a squared-error loss)")
-    t.add_argument("--label-col", help="label column: a header name or a 0-based number")
+    t.add_argument("--label-col", help="label column: a header name or a 0-based number "
+                   "(class names, or integers)")
     t.add_argument(
         "--delimiter",
         help="field separator (default: tab for .tsv, else ','); '\\t' or 'tab' for tab",
@@ -242,13 +244,17 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
         "classes": classes,
     }
     if args.from_csv and args.feature_cols:
-        arrays = sources.read_csv_arrays(
-            args.from_csv, args.feature_cols.split(","), args.target_cols.split(","),
-            delimiter=_delimiter(args), header=not args.no_header)
-        targets = args.target_cols.split(",")  # names (or numbers): what predict prints
+        targets = args.target_cols.split(",") if args.target_cols else []
+        arrays, names = sources.read_csv_arrays(
+            args.from_csv, args.feature_cols.split(","), targets, label_col=args.label_col,
+            classes=classes, delimiter=_delimiter(args), header=not args.no_header)
+        if names is None:  # regression: the target names (or numbers) are what predict prints
+            return write_shards(args.out_dir, arrays, test_fraction=args.test_fraction,
+                                labels=None, source=args.from_csv,
+                                metadata={"targets": targets}, **common)
         return write_shards(args.out_dir, arrays, test_fraction=args.test_fraction,
-                            labels=None, source=args.from_csv,
-                            metadata={"targets": targets}, **common)
+                            labels="y", num_classes=len(names), source=args.from_csv,
+                            metadata={"classes": names}, **common)
     if args.from_csv:
         texts, labels = sources.read_csv(
             args.from_csv,
@@ -315,9 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.out_dir:
             print("mpidl shard: OUT_DIR is required when writing a dataset", file=sys.stderr)
             return 2
-        if args.from_csv and args.feature_cols and not args.target_cols:
-            print("mpidl shard: --feature-cols needs --target-cols (the regression "
-                  "targets)", file=sys.stderr)
+        if args.from_csv and args.feature_cols and \
+                bool(args.target_cols) == (args.label_col is not None):
+            print("mpidl shard: --feature-cols needs either --target-cols (regression "
+                  "targets) or --label-col (a class label per row)", file=sys.stderr)
             return 2
         if args.from_csv and not args.feature_cols and (args.text_col is None
                                                         or args.label_col is None):

@@ -142,19 +142,30 @@ def _read_rows(path: str, delimiter: str | None, header: bool, quoting: str | No
 
 
 def read_csv_arrays(path: str, feature_cols: Sequence[str | int],
-                    target_cols: Sequence[str | int], *, delimiter: str | None = None,
-                    header: bool = True, encoding: str = "utf-8") -> dict[str, numpy.ndarray]:
+                    target_cols: Sequence[str | int] = (), *, label_col: str | int | None = None,
+                    classes: Sequence[str] | None = None, delimiter: str | None = None,
+                    header: bool = True, encoding: str = "utf-8"
+                    ) -> tuple[dict[str, numpy.ndarray], list[str] | None]:
     """Numeric columns of a CSV file as arrays: ``x`` (float32, one row per line) from
-    ``feature_cols`` and ``y`` (float32) from ``target_cols``, regression targets: one
-    value per row, or a vector.
+    ``feature_cols``, and ``y`` from either ``target_cols`` (float32 regression targets:
+    one value per row, or a vector) or ``label_col`` (class labels, int64 ids as
+    :func:`mpidl.data.text.encode_labels` gives them: the sorted names, or ``classes``).
+
+    Returns:
+        ``({"x": ..., "y": ...}, class names)``; the names are None for regression.
 
     Raises:
-        DataError: a column that is not there, or a field that is not a number (naming
-            the file, the line and the column).
+        DataError: a column that is not there, a field that is not a number, or a label
+            not among ``classes`` (naming the file, the line and the column).
     """
+    from mpidl.data.text import encode_labels
+
+    if bool(target_cols) == (label_col is not None):
+        raise ValueError("read_csv_arrays: give either target_cols or label_col")
     names, rows = _read_rows(path, delimiter, header, "minimal", encoding)
     fi = [_column(names, c, path, "feature column") for c in feature_cols]
     ti = [_column(names, c, path, "target column") for c in target_cols]
+    li = None if label_col is None else _column(names, label_col, path, "label column")
     if not rows:
         raise DataError(f"{path}: no records")
 
@@ -170,8 +181,20 @@ def read_csv_arrays(path: str, feature_cols: Sequence[str | int],
                                     "number") from None
         return out
 
-    y = numbers(ti, "target column")
-    return {"x": numbers(fi, "feature column"), "y": y[:, 0] if len(ti) == 1 else y}
+    x = numbers(fi, "feature column")
+    if li is None:
+        y = numbers(ti, "target column")
+        return {"x": x, "y": y[:, 0] if len(ti) == 1 else y}, None
+    labels = [row[li].strip() for _, row in rows]
+    if classes is not None:
+        known = set(classes)
+        for (line, _), label in zip(rows, labels):
+            if label not in known:
+                col = names[li] if names is not None else li
+                raise DataError(f"{path}:{line}: label column {col!r} holds {label!r}, not one "
+                                f"of the classes {list(classes)} (--classes)")
+    ids, found = encode_labels(labels, classes)
+    return {"x": x, "y": ids}, found
 
 
 def _class_dirs(root: str) -> list[str]:

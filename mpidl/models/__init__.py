@@ -36,8 +36,16 @@ from mpidl.models.mlp import MLP
 from mpidl.models.textclf import BagOfWords, TransformerClassifier
 
 
-def mlp(sizes: tuple[int, ...] = (784, 1024, 1024, 10), **kwargs: Any) -> MLP:
-    """The reference MLP (784 -> 1024 -> ReLU -> 1024 -> ReLU -> 10) or other ``sizes``."""
+def mlp(sizes: tuple[int, ...] = (784, 1024, 1024, 10), standardize: bool = True,
+        **kwargs: Any) -> MLP:
+    """The reference MLP (784 -> 1024 -> ReLU -> 1024 -> ReLU -> 10) or other ``sizes``.
+
+    ``mpidl train`` passes the train split's column statistics as ``input_scale`` and
+    (regression) ``output_scale`` (:func:`mpidl.train.model.data_scales`);
+    ``standardize=False`` builds the model without them."""
+    if not standardize:
+        kwargs.pop("input_scale", None)
+        kwargs.pop("output_scale", None)
     return MLP(sizes, **kwargs)
 
 

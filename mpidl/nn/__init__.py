@@ -7,8 +7,9 @@ Public names: :class:`Module`, :class:`Parameter`, layers (:class:`Linear`,
 :class:`AvgPool1d`/2d/3d, :class:`AdaptiveAvgPool1d`/2d/3d), batch normalisation
 (:class:`BatchNorm1d`/2d/3d, any rank: :class:`BatchNorm`; running statistics are
 buffers), containers (:class:`Sequential`, :class:`ModuleList`), :class:`Flatten`,
-activation modules (:class:`ReLU`, :class:`LeakyReLU`, :class:`GELU`, :class:`Tanh`) and
-the initialisers in :mod:`mpidl.nn.init`.
+activation modules (:class:`ReLU`, :class:`LeakyReLU`, :class:`GELU`, :class:`Tanh`),
+:class:`Standardize` (a fixed per-column scale: the train split's statistics) and the
+initialisers in :mod:`mpidl.nn.init`.
 """
 from mpidl.nn import init
 from mpidl.nn.activation import GELU, LeakyReLU, ReLU, Tanh
@@ -32,6 +33,7 @@ from mpidl.nn.pool import (
     MaxPool2d,
     MaxPool3d,
 )
+from mpidl.nn.standardize import Standardize
 from mpidl.nn.transformer import TransformerEncoderLayer
 
 __all__ = [
@@ -42,5 +44,5 @@ __all__ = [
     "Conv1d", "Conv2d", "Conv3d",
     "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
     "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
-    "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+    "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Standardize",
 ]

@@ -8,6 +8,13 @@ width, the first and last of the mlp's ``sizes``. An option the user sets explic
 must agree with the data, or it is a :class:`~mpidl.train.config.ConfigError` naming
 both values (a 784-input mlp on 64-feature rows fails at its first matmul otherwise;
 a bag of words with a smaller vocabulary indexes past its table).
+
+The train split's statistics shape the ``mlp`` too: its inputs are standardised per
+column, and a regression's targets predicted in standard units, with the column means
+and deviations ``mpidl shard`` stored (:func:`data_scales`; ``--model.standardize=false``
+leaves them raw). On the real wine table (13 columns from 0.13 to 1,680) the mlp reaches
+0.94 test accuracy in 3 epochs standardised, 0.22 raw (0.83 after 30 epochs); see
+``tests/integration/test_own_data.py``.
 """
 from __future__ import annotations
 
@@ -44,6 +51,25 @@ def data_shapes(dataset: Any) -> dict[str, Any]:
     return shapes
 
 
+SCALE_OPTIONS = ("input_scale", "output_scale")  # set from the data, never by the user
+
+
+def data_scales(dataset: Any) -> dict[str, Any]:
+    """``input_scale`` (the inputs' column mean and std) and, for regression targets,
+    ``output_scale``, from the split's stored statistics
+    (:func:`mpidl.data.stats.column_scale`); a split without them gives neither."""
+    from mpidl.data.stats import column_scale
+
+    manifest = getattr(dataset, "manifest", None)
+    if manifest is None:
+        return {}
+    scales = {"input_scale": column_scale(manifest, "x")}
+    y = dataset.features.get("y")
+    if not dataset.num_classes and y is not None and y.dtype.kind == "f":
+        scales["output_scale"] = column_scale(manifest, "y")
+    return {k: v for k, v in scales.items() if v is not None}
+
+
 def _contradiction(key: str, given: Any, dataset: Any, what: str) -> ConfigError:
     return ConfigError(f"--model.{key}={given} contradicts the data: {dataset.path} has "
                        f"{what}; leave model.{key} out, the data sets it")
@@ -78,6 +104,13 @@ def model_options(config: Config, dataset: Any) -> dict[str, Any]:
         kwargs[key] = given if key in kwargs else wanted
     if "sizes" in accepted and "inputs" in shapes:
         kwargs["sizes"] = _mlp_sizes(kwargs, shapes, dataset)
+    given = [k for k in SCALE_OPTIONS if k in kwargs]
+    if given:
+        raise ConfigError(f"--model.{given[0]} is not an option: the train split's column "
+                          "statistics set it; --model.standardize=false leaves the data "
+                          "unscaled")
+    if "standardize" in accepted and "inputs" in shapes:
+        kwargs.update(data_scales(dataset))
     return kwargs
 
 

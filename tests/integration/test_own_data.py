@@ -4,8 +4,9 @@ The path a new user takes, end to end on real ranks: 3,000 real review sentences
 "Sentiment Labelled Sentences", tests/data) written to a `review,sentiment` CSV, then
 `mpidl shard --from-csv`, then `mpidl train` with the bag of words and with the
 transformer, no model options; and a dense array dataset whose width is not 784 and
-whose classes are not 10, with the mlp. The accuracy bars sit below what these models
-reach here (measured; see each test), far above chance.
+whose classes are not 10, with the mlp; a real table whose columns are in different
+units (the UCI wine data) from a numeric CSV, with the mlp. The accuracy bars sit below
+what these models reach here (measured; see each test), far above chance.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 import numpy
 import pytest
 
+from mpidl.testing.datasets import write_test_rows
 from mpidl.testing.launch import mpiexec
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -84,6 +86,46 @@ def test_a_dense_dataset_of_64_features_and_7_classes_trains_with_the_plain_mlp(
     result = _train(data, run, "--model=mlp", "--epochs=3")
     assert result.returncode == 0, result.output
     assert _evals(run)[-1]["test_accuracy"] >= 0.9  # measured: 0.99 (separable clusters)
+
+
+# The UCI wine table (178 real wines, 13 measurements from 0.13 to 1,680: hue about 1,
+# proline about 1,000; 3 cultivars), shipped inside scikit-learn, as a user's CSV.
+# Measured here (2 ranks, the defaults: 3 epochs): 0.94 test accuracy with the columns
+# standardised (one error in 18 held-out wines; a standardised logistic regression gets
+# 1.0), 0.22-0.28 raw at 3-10 epochs (--model.standardize=false): the proline column
+# swamps the others.
+def test_a_real_table_with_columns_in_different_units_trains_with_the_mlp(tmp_path):
+    datasets = pytest.importorskip("sklearn.datasets")
+    wine = datasets.load_wine()
+    names = [n.replace("/", "_") for n in wine.feature_names]
+    path = tmp_path / "wine.csv"
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow([*names, "cultivar"])
+        for row, t in zip(wine.data, wine.target):
+            out.writerow([f"{v:g}" for v in row] + [wine.target_names[t]])
+    data = str(tmp_path / "data")
+    shard = mpiexec(1, [sys.executable, "-m", "mpidl", "shard", "--from-csv", str(path),
+                        "--feature-cols", ",".join(names), "--label-col", "cultivar", data],
+                    timeout=120)
+    assert shard.returncode == 0, shard.output
+    scaled, raw = str(tmp_path / "scaled"), str(tmp_path / "raw")
+    result = _train(data, scaled, "--model=mlp")
+    assert result.returncode == 0, result.output
+    accuracy = _evals(scaled)[-1]["test_accuracy"]
+    assert accuracy >= 0.85, result.output
+    result = _train(data, raw, "--model=mlp", "--model.standardize=false")
+    assert result.returncode == 0, result.output
+    assert _evals(raw)[-1]["test_accuracy"] <= 0.7 < accuracy
+    # the checkpoint carries the train split's scale: new raw rows are scaled with it
+    rows = tmp_path / "rows.npz"
+    test, ids = write_test_rows(data, rows)
+    done = mpiexec(1, [sys.executable, "-m", "mpidl", "predict", scaled, str(rows), "--json"],
+                   timeout=120)
+    assert done.returncode == 0, done.output
+    labels = [json.loads(line)["label"] for line in done.stdout.splitlines()]
+    truth = [test.class_name(int(k)) for k in test.read("y", ids)]
+    assert numpy.mean([a == b for a, b in zip(labels, truth)]) == pytest.approx(accuracy)
 
 
 @pytest.mark.parametrize("option,message", [

@@ -10,6 +10,7 @@ import sys
 import numpy
 import pytest
 
+from mpidl.testing.datasets import write_test_rows
 from mpidl.testing.launch import mpiexec
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -76,12 +77,8 @@ def test_a_regression_dataset_from_csv_columns_trains(tmp_path):
                                                           rel=1e-6)
     # `mpidl predict` writes the values the evaluation scored: the test rows' squared
     # errors from its output are the eval record's MSE per target
-    from mpidl.data import ShardedDataset
-
-    test = ShardedDataset(os.path.join(data, "test"))
-    ids = numpy.arange(len(test))
     rows = tmp_path / "rows.npz"
-    numpy.savez(rows, x=test.read("x", ids))
+    test, ids = write_test_rows(data, rows)
     done = mpiexec(2, [sys.executable, "-m", "mpidl", "predict", run, str(rows), "--json"],
                    timeout=120)
     assert done.returncode == 0, done.output
@@ -114,3 +111,35 @@ def test_the_cosmology_task_learns_the_spectra_of_gaussian_random_fields(tmp_pat
     record = last_eval(run)
     # Measured: R² 0.84 after 120 steps at 2 ranks here (0.86 after the preset's 6 epochs).
     assert record["test_r2"] >= 0.3, record
+
+
+def test_batch_norm_running_statistics_travel_in_sharded_checkpoints(tmp_path):
+    # A ZeRO checkpoint is every rank's pieces of the parameters; the model's buffers
+    # (the cnn's running statistics) are not sharded and go in whole, so the checkpoint
+    # of a ZeRO run equals the data-parallel run's, buffers included (float64), and
+    # resumes, evaluates and predicts under any layout.
+    rng = numpy.random.default_rng(5)
+    y = numpy.arange(96) % 2
+    x = (rng.standard_normal((96, 1, 8, 8)) + 3.0 * y[:, None, None, None]).astype(numpy.float32)
+    numpy.savez(tmp_path / "img.npz", x=x, y=y)
+    data = str(tmp_path / "data")
+    shard("--from-npz", str(tmp_path / "img.npz"), data, "--test-fraction", "0.25")
+    common = [f"--data={data}", "--model=cnn", "--model.dtype=float64", "--steps=6",
+              "--global-batch=16"]
+    runs = {zero: str(tmp_path / f"z{zero}") for zero in (0, 2)}
+    for zero, run in runs.items():
+        result = train(run, *common, f"--zero={zero}")
+        assert result.returncode == 0, result.output
+    from mpidl.train.checkpoint import load_checkpoint
+
+    plain, sharded = (load_checkpoint(os.path.join(r, "checkpoints", "checkpoint-00000006.h5"))
+                      for r in runs.values())
+    assert set(sharded.model) == set(plain.model)
+    assert any(name.endswith("running_mean") for name in plain.model)
+    for name, value in plain.model.items():
+        numpy.testing.assert_allclose(sharded.model[name], value, rtol=1e-9, atol=1e-12,
+                                      err_msg=name)
+    result = train(runs[2], *common[:-2], "--steps=8", "--global-batch=16", n=1)
+    assert result.returncode == 0 and "resumed from" in result.output, result.output
+    done = mpiexec(1, [sys.executable, "-m", "mpidl", "eval", runs[2], "--json"], timeout=120)
+    assert done.returncode == 0, done.output

@@ -154,6 +154,28 @@ def test_csv_round_trip_with_quoted_commas_and_newlines(tmp_path):
     assert (got["y"] == 1).sum() == 10
 
 
+def test_a_numeric_csv_with_a_label_column_is_a_classification_dataset(tmp_path, capsys):
+    rows = [(f"{i % 7}", f"{i * 100}", ("red", "blue", "green")[i % 3]) for i in range(30)]
+    write_csv(tmp_path / "t.csv", rows, header=("hue", "proline", "kind"))
+    base = ["--from-csv", str(tmp_path / "t.csv"), "--feature-cols", "hue,proline",
+            "--label-col", "kind", "--test-fraction", "0", "--no-shuffle"]
+    assert shard_main([*base, str(tmp_path / "d")]) == 0
+    ds, got = read_all(tmp_path / "d" / "train")
+    assert ds.classes == ["blue", "green", "red"] and ds.num_classes == 3
+    assert got["x"].dtype == numpy.float32 and got["x"][4].tolist() == [4.0, 400.0]
+    assert got["y"].dtype == numpy.int64 and got["y"][:3].tolist() == [2, 0, 1]
+    # --classes fixes the ids; a label outside them names the file and the label
+    assert shard_main([*base, "--classes", "red,green,blue", str(tmp_path / "e")]) == 0
+    assert read_all(tmp_path / "e" / "train")[1]["y"][:3].tolist() == [0, 2, 1]
+    capsys.readouterr()
+    assert shard_main([*base, "--classes", "red,blue", str(tmp_path / "f")]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 't.csv'}:4: label column 'kind' holds 'green'" in err
+    # targets and a label column at once: which is it?
+    assert shard_main([*base, "--target-cols", "hue", str(tmp_path / "g")]) == 2
+    assert "either --target-cols" in capsys.readouterr().err
+
+
 def test_text_writer_is_deterministic_and_builds_vocab_on_train_only(tmp_path):
     train = ["good film", "bad film", "good good plot", "bad acting"]
     test = ["unseenword good"]

@@ -1,0 +1,114 @@
+"""Standardised inputs and targets: the train split's column statistics, the fixed layer
+that applies them, and the mlp `mpidl train` builds with them."""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from mpidl.autograd import Tensor
+from mpidl.data import write_shards
+from mpidl.data.format import read_manifest
+from mpidl.data.hdf5 import ShardedDataset
+from mpidl.data.stats import MAX_COLUMNS, column_scale, column_stats
+from mpidl.models import mlp
+from mpidl.nn import Standardize
+from mpidl.train.config import ConfigError, load_config
+from mpidl.train.model import build_model
+
+
+def test_column_stats_are_each_positions_mean_and_std_over_the_finite_values():
+    rng = numpy.random.default_rng(0)
+    # columns in very different units, more rows than one block, a NaN and an inf
+    x = (rng.standard_normal((7000, 3)) * [0.01, 1.0, 1000.0] + [5.0, -2.0, 1e6])
+    x = x.astype(numpy.float32)
+    x[3, 0], x[10, 2] = numpy.nan, numpy.inf
+    got = column_stats(x)
+    for j in range(3):
+        finite = x[:, j][numpy.isfinite(x[:, j])].astype(numpy.float64)
+        assert got["mean"][j] == pytest.approx(finite.mean(), rel=1e-12)
+        assert got["std"][j] == pytest.approx(finite.std(), rel=1e-9)
+    images = rng.random((20, 2, 3)).astype(numpy.float32)  # value positions in C order
+    assert column_stats(images)["mean"] == pytest.approx(
+        images.reshape(20, -1).mean(0).tolist(), rel=1e-6)
+
+
+def test_column_stats_of_a_column_without_finite_values_and_of_what_has_none():
+    x = numpy.array([[1.0, numpy.nan], [3.0, numpy.nan]])
+    assert column_stats(x) == {"mean": [2.0, None], "std": [1.0, None]}
+    assert column_stats(numpy.zeros((4, MAX_COLUMNS + 1), numpy.float32)) is None
+    assert column_stats(numpy.zeros((0, 3))) is None
+    assert column_stats(numpy.array(["a", "b"])) is None
+
+
+def test_the_writer_stores_column_stats_for_features_and_regression_targets(tmp_path):
+    rng = numpy.random.default_rng(1)
+    x = rng.standard_normal((50, 4)).astype(numpy.float32) * 10
+    y = rng.standard_normal((50, 2)).astype(numpy.float32) + 100
+    write_shards(str(tmp_path / "d"), {"x": x, "y": y}, labels=None)
+    m = read_manifest(str(tmp_path / "d" / "train"))
+    mean, std = column_scale(m, "y")
+    assert mean == pytest.approx(y.mean(0).tolist(), rel=1e-6)
+    assert std == pytest.approx(y.std(0).tolist(), rel=1e-5)
+    assert column_scale(m, "x")[0] == pytest.approx(x.mean(0).tolist(), rel=1e-5, abs=1e-6)
+    assert column_scale(m, "labels") is None
+
+
+def test_standardize_and_its_inverse():
+    layer = Standardize([1.0, None, 5.0], [2.0, 3.0, 0.0], dtype=numpy.float64)
+    x = numpy.array([[3.0, 7.0, 6.0]])
+    # unknown mean: kept as it is; zero std (a constant column): only centred
+    assert layer(x).data.tolist() == [[1.0, 7.0, 1.0]]
+    back = Standardize([1.0, None, 5.0], [2.0, 3.0, 0.0], inverse=True, dtype=numpy.float64)
+    assert back(layer(x)).data.tolist() == x.tolist()
+    assert sorted(layer.state_dict()) == ["mean", "std"]  # buffers: saved, not trained
+    assert layer.parameters() == []
+    with pytest.raises(ValueError, match="has 2 values per sample"):
+        layer(numpy.zeros((1, 2)))
+
+
+def test_the_inverse_passes_the_gradient_scaled_by_std():
+    back = Standardize([10.0, -1.0], [4.0, 0.5], inverse=True, dtype=numpy.float64)
+    z = Tensor(numpy.array([[0.3, -0.2], [1.0, 2.0]]), requires_grad=True)
+    back(z).sum().backward()
+    assert z.grad.tolist() == [[4.0, 0.5], [4.0, 0.5]]
+
+
+def test_an_mlp_with_scales_is_the_plain_mlp_on_standardised_data():
+    rng = numpy.random.default_rng(2)
+    x = rng.standard_normal((8, 3)) * [1.0, 100.0, 0.01] + [0.0, 500.0, 1.0]
+    mean, std = x.mean(0), x.std(0)
+    scaled = mlp([3, 5, 2], seed=0, dtype=numpy.float64, input_scale=(mean, std),
+                 output_scale=([10.0, 20.0], [2.0, 3.0]))
+    plain = mlp([3, 5, 2], seed=0, dtype=numpy.float64)
+    z = plain((x - mean) / std).data
+    assert numpy.allclose(scaled(x).data, z * [2.0, 3.0] + [10.0, 20.0], rtol=1e-12)
+    assert mlp([3, 5, 2], seed=0, standardize=False, input_scale=(mean, std)).inputs is None
+    with pytest.raises(ValueError, match="input_scale has 2 values, the input width is 3"):
+        mlp([3, 5, 2], input_scale=([0, 0], [1, 1]))
+
+
+def _dataset(tmp_path, y):
+    rng = numpy.random.default_rng(3)
+    x = (rng.standard_normal((40, 3)) * [1, 1000, 0.001]).astype(numpy.float32)
+    write_shards(str(tmp_path / "d"), {"x": x, "y": y}, test_fraction=0.25)
+    return ShardedDataset(str(tmp_path / "d" / "train"))
+
+
+def test_the_trainers_mlp_takes_the_train_splits_scales(tmp_path):
+    train = _dataset(tmp_path, numpy.arange(40, dtype=numpy.float32) * 7)
+    model = build_model(load_config("reviews", ["--model=mlp"]), train)
+    mean, std = column_scale(train.manifest, "x")
+    assert model.inputs.mean.tolist() == pytest.approx(mean, rel=1e-6)
+    assert model.inputs.std.tolist() == pytest.approx(std, rel=1e-6)
+    assert model.outputs.mean.tolist() == pytest.approx(column_scale(train.manifest, "y")[0])
+    raw = build_model(load_config("reviews", ["--model=mlp", "--model.standardize=false"]),
+                      train)
+    assert raw.inputs is None and raw.outputs is None
+    with pytest.raises(ConfigError, match="--model.input_scale is not an option"):
+        build_model(load_config("reviews", ["--model=mlp", "--model.input_scale=[1]"]), train)
+
+
+def test_a_classifiers_outputs_are_logits_not_rescaled(tmp_path):
+    train = _dataset(tmp_path, numpy.arange(40) % 2)
+    model = build_model(load_config("reviews", ["--model=mlp"]), train)
+    assert model.inputs is not None and model.outputs is None
