@@ -560,8 +560,8 @@ def load_full_state(sdp: "ShardedDataParallel", model: dict[str, Any],
     order = {n: i for i, (n, _) in enumerate(sdp.named)}
     names = {id(p): n for n, p in sdp.named}
     buffers = dict(sdp.module.named_buffers())
-    missing = [n for n, _ in sdp.named if n not in model] + [n for n in buffers
-                                                            if n not in model]
+    missing = [n for n, _ in sdp.named if n not in model]
+    missing += [n for n in buffers if n not in model]
     unexpected = [n for n in model if n not in order and n not in buffers]
     if missing or unexpected:
         raise KeyError(f"the state lacks parameters or buffers {missing[:5]} and has "

@@ -265,6 +265,7 @@ def eval_main(argv: Sequence[str]) -> int:
     from mpidl.comm import world
     from mpidl.train.evaluation import evaluate_model, evaluation_loader
     from mpidl.train.log import Logger
+    from mpidl.train.objective import objective_for
     from mpidl.train.task import prepare_data
 
     comm, prog = world(), "mpidl eval"
@@ -273,6 +274,8 @@ def eval_main(argv: Sequence[str]) -> int:
         data_dir = prepare_data(run.config, comm, Logger(comm.rank, comm.size, sys.stderr))
         test, objective = agreed(comm, prog, lambda: _test_split(data_dir, comm, run.config))
         description = agreed(comm, prog, lambda: _eval_description(run, data_dir, test))
+        # scored as in training: a regression's standard units are the train split's
+        objective = objective_for(run.config, description)
         xp = devices(run.config, comm)
         model, state = agreed(comm, prog, lambda: load_model(run, description, xp, "evaluate"))
     except Refused:

@@ -7,9 +7,17 @@ The trainer's step and evaluation ask the run's objective, chosen from the task:
   global batch (the sampler's count); evaluation is the exact per-class count of
   :func:`mpidl.train.evaluation.evaluate_model`.
 - :class:`Regression` (a dataset whose ``y`` is floating point, scalar or a vector per
-  sample): squared error (or Huber), summed over samples and outputs and averaged over
-  the global batch's values; evaluation gives MSE, MAE and R² per output, exact over
-  the ranks (per-output sums, one allreduce).
+  sample): squared error (or Huber), in standard units (each output's error divided by
+  its standard deviation over the train split), summed over samples and outputs and
+  averaged over the global batch's values; evaluation gives MSE, MAE and R² per output
+  in the data's units, exact over the ranks (per-output sums, one allreduce).
+
+  Why standard units: in the data's units each output's share of the loss grows with
+  the square of its scale, so a target of spread 1,000 beside one of spread 1 leaves
+  the small one unlearned (measured, 2 targets from 4 features, 10 epochs: R² 0.28 and
+  0.995 in the data's units, both high standardised), and Huber's threshold of 1 means
+  one standard deviation whatever the units. The loss is then about 1 for predicting
+  the mean, 0 for an exact fit.
 - :class:`LanguageModel` (task ``gpt``): the model reads ``x[:, :-1]`` and predicts
   ``x[:, 1:]``; padded targets count nothing, so the global count of real targets takes
   one small allreduce per step (the mean is over every rank's real tokens, exactly);
@@ -77,17 +85,27 @@ class Regression(Objective):
     accuracy = False
     final_scores = (("test_r2", "test R²"), ("test_mse", "test MSE"))
 
-    def __init__(self, kind: str = "mse", outputs: int = 1) -> None:
+    def __init__(self, kind: str = "mse", outputs: int = 1, scale: Any = None) -> None:
+        """``scale``: each output's standard deviation (the train split's; None, a
+        missing or a zero one count as 1): errors are divided by it."""
         self.kind, self.outputs = kind, int(outputs)
+        std = numpy.ones(self.outputs) if scale is None else numpy.array(
+            [numpy.nan if v is None else v for v in scale], numpy.float64)
+        self.inverse = numpy.where(numpy.isfinite(std) & (std > 0), 1 / std, 1.0)
 
     def _targets(self, pred: Any, y: Any) -> Any:
         return y.reshape(pred.shape)  # (B,) scalar targets against (B, 1) predictions
 
+    def _loss(self, pred: Any, target: Any) -> Any:
+        """The summed loss of ``pred`` against ``target``, in standard units."""
+        inv = _xp(target).asarray(self.inverse.astype(pred.dtype))  # (outputs,): last axis
+        return F.regression_loss(F.mul(pred, inv), target * inv, kind=self.kind,
+                                 reduction="sum")
+
     def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
         pred = model(x)
         target = self._targets(pred, y)
-        loss = F.regression_loss(pred, target, kind=self.kind, reduction="sum")
-        return loss, int(target.size), 0
+        return self._loss(pred, target), int(target.size), 0
 
     def global_count(self, comm: Any, samples: int, local: int) -> int:
         """Values in the global batch: samples times outputs."""
@@ -109,7 +127,7 @@ class Regression(Objective):
                     continue
                 pred = model(x)
                 target = self._targets(pred, y)
-                loss = F.regression_loss(pred, target, kind=self.kind, reduction="sum")
+                loss = self._loss(pred, target)
                 p = as_numpy(pred.data).reshape(-1, k).astype(numpy.float64)
                 t = as_numpy(target).reshape(-1, k).astype(numpy.float64)
                 e = p - t
@@ -128,8 +146,8 @@ class Regression(Objective):
                   "test_r2_per_output": [None if not numpy.isfinite(v) else float(v)
                                          for v in r2]}
         r2_text = "-" if record["test_r2"] is None else f"{record['test_r2']:.4f}"
-        line = (f"test loss {record['test_loss']:.4f}, MSE {record['test_mse']:.4g}, MAE "
-                f"{record['test_mae']:.4g}, R² {r2_text}")
+        line = (f"test loss {record['test_loss']:.4f} (standard units), MSE "
+                f"{record['test_mse']:.4g}, MAE {record['test_mae']:.4g}, R² {r2_text}")
         return {"record": record, "line": line, "scores": None}
 
 
@@ -238,10 +256,16 @@ def _xp(x: Any) -> Any:
 
 
 def objective_for(config: Any, dataset: Any) -> Any:
-    """The objective of ``config.task`` (the dataset gives the padding id)."""
+    """The objective of ``config.task``; ``dataset``, the train split (or its
+    description), gives the padding id, or the targets' standard deviations."""
     if config.task == "gpt":
         return LanguageModel(getattr(dataset, "pad_id", None))
     y = dataset.features.get("y")
     if y is not None and y.dtype.kind == "f":
-        return Regression(config.regression_loss, int(math.prod(y.shape)) if y.shape else 1)
+        from mpidl.data.stats import column_scale
+
+        manifest = getattr(dataset, "manifest", None)
+        scale = column_scale(manifest, "y") if manifest is not None else None
+        return Regression(config.regression_loss, int(math.prod(y.shape)) if y.shape else 1,
+                          scale=None if scale is None else scale[1])
     return Classification()

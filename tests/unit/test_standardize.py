@@ -112,3 +112,22 @@ def test_a_classifiers_outputs_are_logits_not_rescaled(tmp_path):
     train = _dataset(tmp_path, numpy.arange(40) % 2)
     model = build_model(load_config("reviews", ["--model=mlp"]), train)
     assert model.inputs is not None and model.outputs is None
+
+
+def test_the_regression_loss_is_in_standard_units_of_the_train_split(tmp_path):
+    from mpidl.train.objective import objective_for
+
+    rng = numpy.random.default_rng(4)
+    y = (rng.standard_normal((40, 2)) * [1.0, 1000.0]).astype(numpy.float32)
+    train = _dataset(tmp_path, y)
+    objective = objective_for(load_config("reviews", ["--model=mlp"]), train)
+    std = numpy.array(column_scale(train.manifest, "y")[1])
+
+    class Constant:  # predicts 0: the loss is the targets' squared z-scores
+        def __call__(self, x):
+            return Tensor(numpy.zeros((len(x), 2)))
+
+    x = numpy.zeros((5, 3), numpy.float32)
+    loss, count, _ = objective.step(Constant(), x, y[:5].astype(numpy.float64), numpy)
+    assert count == 10
+    assert float(loss.data) == pytest.approx(float(((y[:5] / std) ** 2).sum()), rel=1e-6)
