@@ -36,17 +36,21 @@ from mpidl.models.mlp import MLP
 from mpidl.models.textclf import BagOfWords, TransformerClassifier
 
 
+def _standardized(standardize: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the data's statistics when ``standardize`` is False. ``mpidl
+    train`` passes the train split's as ``input_stats`` (the mlp's inputs, per column)
+    and, for regression, ``target_stats`` (:func:`mpidl.train.model.data_stats`)."""
+    if not standardize:
+        kwargs.pop("input_stats", None)
+        kwargs.pop("target_stats", None)
+    return kwargs
+
+
 def mlp(sizes: tuple[int, ...] = (784, 1024, 1024, 10), standardize: bool = True,
         **kwargs: Any) -> MLP:
-    """The reference MLP (784 -> 1024 -> ReLU -> 1024 -> ReLU -> 10) or other ``sizes``.
-
-    ``mpidl train`` passes the train split's column statistics as ``input_scale`` and
-    (regression) ``output_scale`` (:func:`mpidl.train.model.data_scales`);
-    ``standardize=False`` builds the model without them."""
-    if not standardize:
-        kwargs.pop("input_scale", None)
-        kwargs.pop("output_scale", None)
-    return MLP(sizes, **kwargs)
+    """The reference MLP (784 -> 1024 -> ReLU -> 1024 -> ReLU -> 10) or other ``sizes``;
+    ``standardize``: use the data's statistics (inputs and regression targets)."""
+    return MLP(sizes, **_standardized(standardize, kwargs))
 
 
 def bow(vocab: int = 20000, dim: int = 128, hidden: int = 256, classes: int = 2,
@@ -68,17 +72,23 @@ def gpt(vocab: int = 8000, seq_len: int = 128, dim: int = 128, layers: int = 2,
     return GPT(vocab, seq_len, dim, layers, heads, **kwargs)
 
 
-def cnn(in_shape: tuple = (1, 28, 28), outputs: int = 10, **kwargs: Any) -> CNN:
+def cnn(in_shape: tuple = (1, 28, 28), outputs: int = 10, standardize: bool = True,
+        **kwargs: Any) -> CNN:
     """The reference 2-D CNN for samples of ``in_shape`` (``(C, H, W)`` or ``(H, W)``)
-    with ``outputs`` classes or regression targets (see :class:`CNN`)."""
-    return CNN(in_shape, outputs, **kwargs)
+    with ``outputs`` classes or regression targets (see :class:`CNN`); ``standardize``:
+    predict regression targets in the data's standard units."""
+    return CNN(in_shape, outputs, **_standardized(standardize, kwargs))
 
 
-def cosmoflow(in_shape: tuple = (4, 32, 32, 32), outputs: int = 4,
+def cosmoflow(in_shape: tuple = (4, 32, 32, 32), outputs: int = 4, standardize: bool = True,
               **kwargs: Any) -> CosmoFlow:
     """The CosmoFlow-like 3-D CNN for volumes of ``in_shape`` (``(C, D, H, W)`` or
-    ``(D, H, W)``) with ``outputs`` regression targets or classes (see :class:`CosmoFlow`)."""
-    return CosmoFlow(in_shape, outputs, **kwargs)
+    ``(D, H, W)``) with ``outputs`` regression targets or classes (see :class:`CosmoFlow`);
+    ``standardize``: predict regression targets in the data's standard units (not with
+    a bounded ``output_scale``)."""
+    if kwargs.get("output_scale") is not None:
+        standardize = False  # the bound is in the targets' own units
+    return CosmoFlow(in_shape, outputs, **_standardized(standardize, kwargs))
 
 
 MODELS = {"mlp": mlp, "bow": bow, "transformer": transformer, "gpt": gpt, "cnn": cnn,

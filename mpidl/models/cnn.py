@@ -24,6 +24,7 @@ from mpidl.nn.linear import Linear
 from mpidl.nn.module import Module, default_dtype
 from mpidl.nn.norm import BatchNorm2d
 from mpidl.nn.pool import AdaptiveAvgPool2d, MaxPool2d
+from mpidl.nn.standardize import Standardize
 
 
 def sample_shape(in_shape: Any, spatial: int, model: str) -> tuple[int, ...]:
@@ -72,14 +73,17 @@ class CNN(Module):
         channels: output channels of the blocks, one block each.
         batch_norm: a ``BatchNorm2d`` after each convolution (its bias is then dropped,
             the batch norm's shift replaces it).
+        target_stats: ``(mean, std)`` per regression target: the head predicts standard
+            units, returned in the targets' (:class:`~mpidl.nn.Standardize`, buffers
+            ``targets.*``); None: the head's outputs as they are.
         seed, rng: where the initial values come from (see :mod:`mpidl.nn.init`).
         dtype: parameter dtype (float32 by default).
     """
 
     def __init__(self, in_shape: Sequence[int] = (1, 28, 28), outputs: int = 10,
                  channels: Sequence[int] = (32, 64, 128), batch_norm: bool = True, *,
-                 seed: int | None = None, rng: numpy.random.Generator | None = None,
-                 dtype: Any = None) -> None:
+                 target_stats: tuple | None = None, seed: int | None = None,
+                 rng: numpy.random.Generator | None = None, dtype: Any = None) -> None:
         super().__init__()
         self.in_shape = sample_shape(in_shape, 2, "cnn")
         self.outputs = int(outputs)
@@ -106,10 +110,13 @@ class CNN(Module):
         self.features = Sequential(*layers)
         self.pool = Sequential(AdaptiveAvgPool2d(1), Flatten())
         self.head = Linear(c, self.outputs, rng=rng, dtype=self.dtype)
+        self.targets = Standardize.of(target_stats, self.outputs, "cnn targets", inverse=True,
+                                      dtype=self.dtype)
 
     def forward(self, x: Any) -> Tensor:
         x = as_batch(x, self.in_shape, self.dtype, "cnn")  # (B, C, H, W)
-        return self.head(self.pool(self.features(x)))  # (B, C') -> (B, outputs)
+        y = self.head(self.pool(self.features(x)))  # (B, C') -> (B, outputs)
+        return y if self.targets is None else self.targets(y)
 
     def extra_repr(self) -> str:
         return f"in_shape={self.in_shape}, outputs={self.outputs}"

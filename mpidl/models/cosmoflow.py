@@ -30,6 +30,7 @@ from mpidl.nn.linear import Linear
 from mpidl.nn.module import Module, default_dtype
 from mpidl.nn.norm import BatchNorm3d
 from mpidl.nn.pool import MaxPool3d
+from mpidl.nn.standardize import Standardize
 
 
 def default_blocks(in_shape: Sequence[int]) -> int:
@@ -57,6 +58,9 @@ class CosmoFlow(Module):
         output_scale: ``tanh(y) * output_scale`` on the output (1.2 in the reference, for
             targets normalised to [-1, 1]); None keeps the last layer linear (logits, or
             unbounded targets).
+        target_stats: ``(mean, std)`` per regression target: the head predicts standard
+            units, returned in the targets' (buffers ``targets.*``; not with
+            ``output_scale``, whose bound is in the targets' own units).
         negative_slope: the LeakyReLU slope: 0.3, Keras' default, which the reference's
             ``hidden_activation='LeakyReLU'`` gets (PyTorch's default would be 0.01).
         seed, rng: where the initial values (and the dropout masks) come from.
@@ -67,7 +71,8 @@ class CosmoFlow(Module):
                  blocks: int | None = None, base_channels: int = 32, kernel_size: int = 2,
                  hidden: Sequence[int] = (128, 64), dropout: float = 0.0,
                  batch_norm: bool = False, output_scale: float | None = None,
-                 negative_slope: float = 0.3, *, seed: int | None = None,
+                 negative_slope: float = 0.3, *, target_stats: tuple | None = None,
+                 seed: int | None = None,
                  rng: numpy.random.Generator | None = None, dtype: Any = None) -> None:
         super().__init__()
         self.in_shape = sample_shape(in_shape, 3, "cosmoflow")
@@ -112,13 +117,18 @@ class CosmoFlow(Module):
             width = h
         dense.append(Linear(width, self.outputs, rng=rng, dtype=self.dtype))
         self.head = Sequential(*dense)
+        if target_stats is not None and self.output_scale is not None:
+            raise ValueError("cosmoflow: output_scale bounds the outputs in the targets' own "
+                             "units; it does not combine with target_stats (standard units)")
+        self.targets = Standardize.of(target_stats, self.outputs, "cosmoflow targets",
+                                      inverse=True, dtype=self.dtype)
 
     def forward(self, x: Any) -> Tensor:
         x = as_batch(x, self.in_shape, self.dtype, "cosmoflow")  # (B, C, D, H, W)
         y = self.head(self.features(x))  # (B, C' D' H' W') -> (B, outputs)
         if self.output_scale is not None:
             y = F.mul(F.tanh(y), self.output_scale)
-        return y
+        return y if self.targets is None else self.targets(y)
 
     def extra_repr(self) -> str:
         return f"in_shape={self.in_shape}, outputs={self.outputs}, blocks={self.blocks}"

@@ -21,39 +21,35 @@ class MLP(Module):
     (anything of ``sizes[0]`` features per sample: images are flattened), outputs
     ``(B, sizes[-1])`` logits.
 
-    With ``input_scale`` the inputs are standardised first (buffers ``inputs.mean`` /
-    ``inputs.std``); with ``output_scale`` the last layer predicts standard units and the
-    outputs are returned in the targets' (``outputs.mean`` / ``outputs.std``): see
+    With ``input_stats`` the inputs are standardised first (buffers ``inputs.mean`` /
+    ``inputs.std``); with ``target_stats`` the last layer predicts standard units and the
+    outputs are returned in the targets' (``targets.mean`` / ``targets.std``): see
     :class:`~mpidl.nn.Standardize`. ``mpidl train`` passes the train split's column
     statistics; without them the model is the reference MLP.
 
     Args:
         sizes: layer widths, input first.
-        input_scale, output_scale: ``(mean, std)``, one number per input feature / per
-            output, or None (no scaling).
+        input_stats, target_stats: ``(mean, std)``, one number per input feature / per
+            regression target, or None (no scaling).
         seed, rng: where the initial values come from (see :mod:`mpidl.nn.init`).
         dtype: parameter dtype (float32 by default).
     """
 
-    def __init__(self, sizes: Sequence[int], *, input_scale: tuple | None = None,
-                 output_scale: tuple | None = None, seed: int | None = None,
+    def __init__(self, sizes: Sequence[int], *, input_stats: tuple | None = None,
+                 target_stats: tuple | None = None, seed: int | None = None,
                  rng: numpy.random.Generator | None = None, dtype: Any = None) -> None:
         super().__init__()
         if len(sizes) < 2:
             raise ValueError(f"MLP needs at least an input and an output size, got {sizes}")
         rng = init.make_rng(seed, rng)
         self.sizes = tuple(int(s) for s in sizes)
-        for scale, width, which in ((input_scale, self.sizes[0], "input"),
-                                    (output_scale, self.sizes[-1], "output")):
-            if scale is not None and len(scale[0]) != width:
-                raise ValueError(f"MLP {self.sizes}: {which}_scale has {len(scale[0])} "
-                                 f"values, the {which} width is {width}")
-        self.inputs = None if input_scale is None else Standardize(*input_scale, dtype=dtype)
+        self.inputs = Standardize.of(input_stats, self.sizes[0], f"MLP {self.sizes} inputs",
+                                     dtype=dtype)
         self.layers = ModuleList(
             Linear(a, b, rng=rng, dtype=dtype) for a, b in zip(self.sizes, self.sizes[1:])
         )
-        self.outputs = None if output_scale is None else Standardize(
-            *output_scale, inverse=True, dtype=dtype)
+        self.targets = Standardize.of(target_stats, self.sizes[-1],
+                                      f"MLP {self.sizes} targets", inverse=True, dtype=dtype)
 
     def forward(self, x: Any) -> Tensor:
         if self.inputs is not None:
@@ -66,7 +62,7 @@ class MLP(Module):
             x = layer(x)
             if i < n - 1:
                 x = F.relu(x)
-        return x if self.outputs is None else self.outputs(x)
+        return x if self.targets is None else self.targets(x)
 
     def extra_repr(self) -> str:
         return " -> ".join(map(str, self.sizes))

@@ -52,6 +52,17 @@ class Standardize(Module):
         self.register_buffer("mean", m.astype(dtype))
         self.register_buffer("std", s.astype(dtype))
 
+    @classmethod
+    def of(cls, stats: tuple | None, width: int, what: str, *, inverse: bool = False,
+           dtype: Any = None) -> "Standardize | None":
+        """A Standardize from ``stats = (mean, std)`` checked to hold ``width`` values
+        (``what`` names them in the error), or None when ``stats`` is None."""
+        if stats is None:
+            return None
+        if len(stats[0]) != width:
+            raise ValueError(f"{what}: {len(stats[0])} statistics for a width of {width}")
+        return cls(*stats, inverse=inverse, dtype=dtype)
+
     def forward(self, x: Any) -> Tensor:
         shape = tuple(x.shape)
         width = int(numpy.prod(shape[1:]))  # not -1: the batch may be empty on some rank

@@ -9,12 +9,12 @@ must agree with the data, or it is a :class:`~mpidl.train.config.ConfigError` na
 both values (a 784-input mlp on 64-feature rows fails at its first matmul otherwise;
 a bag of words with a smaller vocabulary indexes past its table).
 
-The train split's statistics shape the ``mlp`` too: its inputs are standardised per
-column, and a regression's targets predicted in standard units, with the column means
-and deviations ``mpidl shard`` stored (:func:`data_scales`; ``--model.standardize=false``
-leaves them raw). On the real wine table (13 columns from 0.13 to 1,680) the mlp reaches
-0.94 test accuracy in 3 epochs standardised, 0.22 raw (0.83 after 30 epochs); see
-``tests/integration/test_own_data.py``.
+The train split's statistics shape the models too: the ``mlp`` standardises its inputs
+per column, and every feature model predicts a regression's targets in standard units,
+with the column means and deviations ``mpidl shard`` stored (:func:`data_stats`;
+``--model.standardize=false`` leaves them raw). On the real wine table (13 columns from
+0.13 to 1,680) the mlp reaches 0.94 test accuracy in 3 epochs standardised, 0.22 raw
+(0.83 after 30 epochs); see ``tests/integration/test_own_data.py``.
 """
 from __future__ import annotations
 
@@ -51,23 +51,23 @@ def data_shapes(dataset: Any) -> dict[str, Any]:
     return shapes
 
 
-SCALE_OPTIONS = ("input_scale", "output_scale")  # set from the data, never by the user
+STATS_OPTIONS = ("input_stats", "target_stats")  # set from the data, never by the user
 
 
-def data_scales(dataset: Any) -> dict[str, Any]:
-    """``input_scale`` (the inputs' column mean and std) and, for regression targets,
-    ``output_scale``, from the split's stored statistics
+def data_stats(dataset: Any) -> dict[str, Any]:
+    """``input_stats`` (the inputs' column mean and std) and, for regression targets,
+    ``target_stats``, from the split's stored statistics
     (:func:`mpidl.data.stats.column_scale`); a split without them gives neither."""
     from mpidl.data.stats import column_scale
 
     manifest = getattr(dataset, "manifest", None)
     if manifest is None:
         return {}
-    scales = {"input_scale": column_scale(manifest, "x")}
+    stats = {"input_stats": column_scale(manifest, "x")}
     y = dataset.features.get("y")
     if not dataset.num_classes and y is not None and y.dtype.kind == "f":
-        scales["output_scale"] = column_scale(manifest, "y")
-    return {k: v for k, v in scales.items() if v is not None}
+        stats["target_stats"] = column_scale(manifest, "y")
+    return {k: v for k, v in stats.items() if v is not None}
 
 
 def _contradiction(key: str, given: Any, dataset: Any, what: str) -> ConfigError:
@@ -104,13 +104,13 @@ def model_options(config: Config, dataset: Any) -> dict[str, Any]:
         kwargs[key] = given if key in kwargs else wanted
     if "sizes" in accepted and "inputs" in shapes:
         kwargs["sizes"] = _mlp_sizes(kwargs, shapes, dataset)
-    given = [k for k in SCALE_OPTIONS if k in kwargs]
+    given = [k for k in STATS_OPTIONS if k in kwargs and k in accepted]
     if given:
         raise ConfigError(f"--model.{given[0]} is not an option: the train split's column "
                           "statistics set it; --model.standardize=false leaves the data "
                           "unscaled")
     if "standardize" in accepted and "inputs" in shapes:
-        kwargs.update(data_scales(dataset))
+        kwargs.update({k: v for k, v in data_stats(dataset).items() if k in accepted})
     return kwargs
 
 

@@ -112,7 +112,8 @@ def test_the_cosmology_task_learns_the_spectra_of_gaussian_random_fields(tmp_pat
                    "--data.num-train=1600", "--data.num-test=320")
     assert result.returncode == 0, result.output
     record = last_eval(run)
-    # Measured: R² 0.84 after 120 steps at 2 ranks here (0.86 after the preset's 6 epochs).
+    # Measured: R² 0.78-0.85 after 120 steps at 2 ranks here (seeds 0-2; 0.86 after the
+    # preset's 6 epochs).
     assert record["test_r2"] >= 0.3, record
 
 

@@ -77,14 +77,14 @@ def test_an_mlp_with_scales_is_the_plain_mlp_on_standardised_data():
     rng = numpy.random.default_rng(2)
     x = rng.standard_normal((8, 3)) * [1.0, 100.0, 0.01] + [0.0, 500.0, 1.0]
     mean, std = x.mean(0), x.std(0)
-    scaled = mlp([3, 5, 2], seed=0, dtype=numpy.float64, input_scale=(mean, std),
-                 output_scale=([10.0, 20.0], [2.0, 3.0]))
+    scaled = mlp([3, 5, 2], seed=0, dtype=numpy.float64, input_stats=(mean, std),
+                 target_stats=([10.0, 20.0], [2.0, 3.0]))
     plain = mlp([3, 5, 2], seed=0, dtype=numpy.float64)
     z = plain((x - mean) / std).data
     assert numpy.allclose(scaled(x).data, z * [2.0, 3.0] + [10.0, 20.0], rtol=1e-12)
-    assert mlp([3, 5, 2], seed=0, standardize=False, input_scale=(mean, std)).inputs is None
-    with pytest.raises(ValueError, match="input_scale has 2 values, the input width is 3"):
-        mlp([3, 5, 2], input_scale=([0, 0], [1, 1]))
+    assert mlp([3, 5, 2], seed=0, standardize=False, input_stats=(mean, std)).inputs is None
+    with pytest.raises(ValueError, match="inputs: 2 statistics for a width of 3"):
+        mlp([3, 5, 2], input_stats=([0, 0], [1, 1]))
 
 
 def _dataset(tmp_path, y):
@@ -100,18 +100,18 @@ def test_the_trainers_mlp_takes_the_train_splits_scales(tmp_path):
     mean, std = column_scale(train.manifest, "x")
     assert model.inputs.mean.tolist() == pytest.approx(mean, rel=1e-6)
     assert model.inputs.std.tolist() == pytest.approx(std, rel=1e-6)
-    assert model.outputs.mean.tolist() == pytest.approx(column_scale(train.manifest, "y")[0])
+    assert model.targets.mean.tolist() == pytest.approx(column_scale(train.manifest, "y")[0])
     raw = build_model(load_config("reviews", ["--model=mlp", "--model.standardize=false"]),
                       train)
-    assert raw.inputs is None and raw.outputs is None
-    with pytest.raises(ConfigError, match="--model.input_scale is not an option"):
-        build_model(load_config("reviews", ["--model=mlp", "--model.input_scale=[1]"]), train)
+    assert raw.inputs is None and raw.targets is None
+    with pytest.raises(ConfigError, match="--model.input_stats is not an option"):
+        build_model(load_config("reviews", ["--model=mlp", "--model.input_stats=[1]"]), train)
 
 
 def test_a_classifiers_outputs_are_logits_not_rescaled(tmp_path):
     train = _dataset(tmp_path, numpy.arange(40) % 2)
     model = build_model(load_config("reviews", ["--model=mlp"]), train)
-    assert model.inputs is not None and model.outputs is None
+    assert model.inputs is not None and model.targets is None
 
 
 def test_the_regression_loss_is_in_standard_units_of_the_train_split(tmp_path):
@@ -131,3 +131,28 @@ def test_the_regression_loss_is_in_standard_units_of_the_train_split(tmp_path):
     loss, count, _ = objective.step(Constant(), x, y[:5].astype(numpy.float64), numpy)
     assert count == 10
     assert float(loss.data) == pytest.approx(float(((y[:5] / std) ** 2).sum()), rel=1e-6)
+
+
+def test_the_conv_models_predict_regression_targets_in_standard_units(tmp_path):
+    rng = numpy.random.default_rng(6)
+    x = rng.standard_normal((40, 1, 8, 8)).astype(numpy.float32)
+    y = (rng.standard_normal((40, 2)) * [3.0, 300.0] + 1000).astype(numpy.float32)
+    write_shards(str(tmp_path / "v"), {"x": x, "y": y})
+    train = ShardedDataset(str(tmp_path / "v" / "train"))
+    mean, std = column_scale(train.manifest, "y")
+    cnn = build_model(load_config("reviews", ["--model=cnn"]), train)
+    assert cnn.targets.mean.tolist() == pytest.approx(mean, rel=1e-6)
+    assert cnn.targets.std.tolist() == pytest.approx(std, rel=1e-6)
+    assert build_model(load_config("reviews", ["--model=cnn", "--model.standardize=false"]),
+                       train).targets is None
+    # cosmoflow too; a bounded head is in the targets' own units: no standardising then
+    volumes = rng.standard_normal((40, 1, 4, 4, 4)).astype(numpy.float32)
+    write_shards(str(tmp_path / "w"), {"x": volumes, "y": y})
+    train3 = ShardedDataset(str(tmp_path / "w" / "train"))
+    assert build_model(load_config("reviews", ["--model=cosmoflow"]),
+                       train3).targets is not None
+    bounded = build_model(load_config("reviews", ["--model=cosmoflow",
+                                                  "--model.output_scale=1.2"]), train3)
+    assert bounded.targets is None and bounded.output_scale == 1.2
+    out = cnn(x[:3])
+    assert out.shape == (3, 2) and numpy.isfinite(out.data).all()
