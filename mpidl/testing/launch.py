@@ -1,7 +1,8 @@
 """Launch a command on k MPI ranks from a test, with a wall-clock limit.
 
 A hang must become a failure, never a stuck CI: every launch has a timeout, after which
-the whole process group is killed and :class:`LaunchTimeout` says what was running.
+the whole process group is stopped (SIGTERM, then SIGKILL) and :class:`LaunchTimeout`
+says what was running.
 """
 from __future__ import annotations
 
@@ -31,6 +32,30 @@ class Launched:
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+
+# Seconds a timed-out job gets to end on SIGTERM before the SIGKILL: Open MPI's mpiexec
+# removes its session directory (/tmp/ompi.<pid>) on SIGTERM, and a SIGKILL leaves it
+# behind (seen: one per hang test of a suite run).
+STOP_GRACE_S = 5.0
+
+
+def _stop_group(proc: subprocess.Popen) -> tuple[str, str]:
+    """End ``proc``'s process group: SIGCONT (a stopped rank must see the rest) and
+    SIGTERM, then SIGKILL whatever is left after :data:`STOP_GRACE_S`; its output."""
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # already gone
+            break
+    try:
+        return proc.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.communicate()
 
 
 def mpiexec_command(n: int, args: Sequence[str]) -> list[str]:
@@ -69,8 +94,7 @@ def run(cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None
     try:
         out, err = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = _stop_group(proc)
         raise LaunchTimeout(
             f"{' '.join(cmd)} did not finish in {timeout:.0f} s (killed).\n"
             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}") from None

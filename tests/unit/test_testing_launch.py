@@ -1,9 +1,12 @@
-"""The test launcher tries again only when Open MPI's launcher failed before any rank ran.
+"""The test launcher: it tries again only when Open MPI's launcher failed before any rank
+ran, and it stops a job that outlives its limit with SIGTERM before SIGKILL.
 
-The real startup failure cannot be provoked on demand, so the launches here are scripted
+The real startup failure cannot be provoked on demand, so those launches are scripted
 outcomes: the failure CI saw (its text as `prterun` printed it), then what came next.
 """
 from __future__ import annotations
+
+import pytest
 
 from mpidl.testing.launch import Launched, launcher_failed_to_start, retry_startup
 
@@ -46,3 +49,26 @@ def test_a_failure_of_the_job_itself_is_never_retried():
         launch, calls = scripted(outcome, outcome)
         assert retry_startup(launch) is outcome
         assert len(calls) == 1
+
+
+def test_a_timed_out_job_is_sent_sigterm_first_so_that_it_can_clean_up(tmp_path):
+    # (Open MPI's mpiexec removes its session directory on SIGTERM, not on SIGKILL.)
+    from mpidl.testing.launch import LaunchTimeout, run
+
+    marker = tmp_path / "term"
+    script = f"trap 'echo cleaned > {marker}; exit 0' TERM; sleep 30 & wait"
+    with pytest.raises(LaunchTimeout, match="did not finish in 1 s"):
+        run(["sh", "-c", script], timeout=1)
+    assert marker.read_text() == "cleaned\n"
+
+
+def test_a_job_that_ignores_sigterm_is_killed_after_the_grace(monkeypatch):
+    import time
+
+    import mpidl.testing.launch as launch
+
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(launch.LaunchTimeout):
+        launch.run(["sh", "-c", "trap '' TERM; sleep 30 & wait; sleep 30"], timeout=0.5)
+    assert time.monotonic() - t0 < 10
