@@ -135,3 +135,25 @@ def mpiexec(n: int, args: Sequence[str], timeout: float = 120,
     launch that fails in the launcher's own startup is retried (:func:`retry_startup`)."""
     cmd, full_env = mpiexec_command(n, args), launch_env(env)
     return retry_startup(lambda: run(cmd, timeout, full_env, cwd))
+
+
+def start(cmd: Sequence[str], env: Mapping[str, str] | None = None,
+          settle: float = 1.0) -> subprocess.Popen:
+    """Start ``cmd`` (a launch a test will signal) in its own process group, with piped
+    text output, and return it running. A launch that ends within ``settle`` seconds in
+    the launcher's own startup failure (:func:`launcher_failed_to_start`) is started
+    again, up to :data:`STARTUP_RETRIES` times; one that ends then for another reason
+    is an AssertionError with its output (the test wanted a running job)."""
+    for attempt in range(STARTUP_RETRIES + 1):
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=dict(env or launch_env()),
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=settle)
+        except subprocess.TimeoutExpired:
+            return proc
+        out, err = proc.communicate()
+        if not launcher_failed_to_start(Launched(proc.returncode, out, err, 0.0)):
+            break
+    raise AssertionError(f"{' '.join(cmd)} ended at once (exit {proc.returncode}) after "
+                         f"{attempt + 1} launch(es):\n{out[-4000:]}{err[-4000:]}")

@@ -17,7 +17,7 @@ from trainjob import (EPOCH, SLOW, SMALL, evals, final_parameters, train,
                       wait_for_first_record)
 
 from mpidl.testing import tolerance
-from mpidl.testing.launch import launch_env, mpiexec, mpiexec_command
+from mpidl.testing.launch import mpiexec, mpiexec_command, start
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -173,14 +173,11 @@ def _rank_pid(marker, rank):
 
 
 def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly_then_resumes_exactly(tmp_path, cache):
-    import subprocess
-
     whole, run = str(tmp_path / "whole"), str(tmp_path / "preempted")
     assert train(2, whole, cache, *SLOW).returncode == 0
     cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *SLOW,
                               f"--data.cache-dir={cache}", f"--run-dir={run}"])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=launch_env(), start_new_session=True)
+    proc = start(cmd)
     try:
         wait_for_first_record(proc, run)
         pid = _rank_pid(run, 1)

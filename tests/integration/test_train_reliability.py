@@ -282,7 +282,7 @@ def test_a_full_disk_at_resume_is_named_and_leaves_the_run_directory_as_it_was(
 def test_a_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, cache, how):
     import signal
 
-    from mpidl.testing.launch import launch_env, mpiexec_command
+    from mpidl.testing.launch import mpiexec_command, start
 
     run = str(tmp_path / "run")
     cmd = mpiexec_command(2, [sys.executable, "-m", "mpidl", "train", *SMALL, *SLOW,
@@ -290,8 +290,7 @@ def test_a_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, cache, how)
     sig = signal.SIGUSR1
     if how.endswith("mpidl launch"):
         cmd, sig = [sys.executable, "-m", "mpidl", "launch", *cmd[1:]], signal.SIGTERM
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=launch_env(), start_new_session=True)
+    proc = start(cmd)
     try:
         wait_for_first_record(proc, run)
         proc.send_signal(sig)

@@ -72,3 +72,14 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_grace(monkeypatch):
     with pytest.raises(launch.LaunchTimeout):
         launch.run(["sh", "-c", "trap '' TERM; sleep 30 & wait; sleep 30"], timeout=0.5)
     assert time.monotonic() - t0 < 10
+
+
+def test_start_returns_a_running_job_and_names_one_that_ends_at_once():
+    from mpidl.testing.launch import start
+
+    proc = start(["sleep", "5"], settle=0.2)
+    assert proc.poll() is None
+    proc.kill()
+    proc.wait()
+    with pytest.raises(AssertionError, match=r"ended at once \(exit 3\) after 1 launch"):
+        start(["sh", "-c", "echo nope >&2; exit 3"], settle=2)
