@@ -29,12 +29,17 @@ class Standardize(Module):
     A position without statistics (None, or not finite) keeps its value (mean 0); one of
     standard deviation 0 or None (a constant column) is only centred (std 1).
 
+    The buffers never change in training (``constant_buffers``): data parallelism does
+    not broadcast them each step as it does batch norm's running statistics.
+
     Args:
         mean, std: one number per value position of a sample (a sample of shape
             ``(C, H, W)`` has ``C*H*W``; its values are read in C order).
         inverse: undo the standardisation instead.
         dtype: the buffers' dtype (float32 by default).
     """
+
+    constant_buffers = True
 
     def __init__(self, mean: Sequence[float | None], std: Sequence[float | None], *,
                  inverse: bool = False, dtype: Any = None) -> None:

@@ -508,3 +508,26 @@ def test_a_loss_scale_multiplies_the_averaged_gradients_exactly(comm):
         dp.close()
     same = all(numpy.array_equal(a * 1024.0, b) for a, b in zip(*grads))
     assert_all_ranks(comm, same, "scale=1024 did not multiply the gradients by 1024 exactly")
+
+
+def test_a_standardized_mlp_trains_like_one_rank_without_broadcasting_its_fixed_scale(comm):
+    # The input and target scales are buffers that never change: N ranks x b == 1 rank
+    # x N*b as for the plain mlp, and no buffer broadcast per step (batch norm's
+    # running statistics are broadcast; these would cost two bcasts a step for nothing).
+    from mpidl.testing.counting import CountingCommunicator
+
+    scales = dict(input_stats=(list(numpy.linspace(-1, 1, 12)), list(numpy.linspace(1, 5, 12))),
+                  target_stats=([0.5, -2.0, 3.0], [1.0, 10.0, 0.1]))
+    model, reference = (mlp(sizes=(12, 16, 16, 3), seed=7, dtype="float64", **scales)
+                        for _ in range(2))
+    counting = CountingCommunicator(comm)
+    dp = DataParallel(model, counting)
+    opt, ref_opt = SGD(model.parameters(), lr=0.05), SGD(reference.parameters(), lr=0.05)
+    data = list(batches("mlp", 4, 12))
+    before = counting.counts["bcast_"].calls if "bcast_" in counting.counts else 0
+    train_parallel(comm, dp, opt, data)
+    train_reference(reference, ref_opt, data)
+    after = counting.counts["bcast_"].calls if "bcast_" in counting.counts else 0
+    assert_all_ranks(comm, after == before, f"{after - before} buffer broadcasts in 4 steps")
+    assert_same_parameters(comm, model, reference)
+    dp.close()
