@@ -70,6 +70,28 @@ def data_stats(dataset: Any) -> dict[str, Any]:
     return {k: v for k, v in stats.items() if v is not None}
 
 
+def unscaled_note(config: Config, dataset: Any) -> str | None:
+    """What a run should say when its model would standardise but ``dataset`` has no
+    column statistics to do it with (written by an mpidl before they were stored), else
+    None: the model then trains on the data's own scale, which must not pass silently."""
+    accepted = model_parameters(check_model(config))
+    if "standardize" not in accepted or config.model.kwargs.get("standardize") is False \
+            or "inputs" not in data_shapes(dataset):
+        return None
+    wanted = {"input_stats"} & accepted
+    y = dataset.features.get("y")
+    if not dataset.num_classes and y is not None and y.dtype.kind == "f":
+        wanted |= {"target_stats"} & accepted
+    missing = sorted(wanted - set(data_stats(dataset)))
+    if not missing:
+        return None
+    what = " and ".join({"input_stats": "inputs", "target_stats": "regression targets"}[k]
+                        for k in missing)
+    return (f"note: {dataset.path} has no column statistics (written by an older mpidl), so "
+            f"the {config.model.name}'s {what} are not standardised; write the dataset "
+            "again with `mpidl shard` to have them")
+
+
 def _contradiction(key: str, given: Any, dataset: Any, what: str) -> ConfigError:
     return ConfigError(f"--model.{key}={given} contradicts the data: {dataset.path} has "
                        f"{what}; leave model.{key} out, the data sets it")

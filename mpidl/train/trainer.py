@@ -40,7 +40,7 @@ from hpc.files import write_text
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.config import Config, ConfigError, to_toml
 from mpidl.train.log import Logger, ProgressBar, format_summary
-from mpidl.train.model import build_model
+from mpidl.train.model import build_model, unscaled_note
 from mpidl.train.metrics import MetricsWriter, StepTimer, Throughput, read_metrics, trim_metrics
 from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag
 from mpidl.train.timeline import Timeline
@@ -147,6 +147,9 @@ class Trainer:
         # The same files: alike on every rank.
         _check_splits(self.train_set, self.test_set, self.objective.features)
         self._warn_if_one_class_dominates()
+        note = unscaled_note(config, self.train_set)
+        if note:
+            self.log.info(note)
         model = build_model(config, self.train_set)
         # Where the model lives: whole on every rank, or split over a tensor x sequence
         # grid (mpidl.train.layout); an impossible layout is a ConfigError (exit 2).

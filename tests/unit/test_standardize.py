@@ -156,3 +156,24 @@ def test_the_conv_models_predict_regression_targets_in_standard_units(tmp_path):
     assert bounded.targets is None and bounded.output_scale == 1.2
     out = cnn(x[:3])
     assert out.shape == (3, 2) and numpy.isfinite(out.data).all()
+
+
+def test_a_dataset_without_column_statistics_is_announced_not_silently_unscaled(tmp_path):
+    from mpidl.testing.datasets import edit_manifest
+    from mpidl.train.model import unscaled_note
+
+    rng = numpy.random.default_rng(7)
+    x = rng.standard_normal((20, 3)).astype(numpy.float32)
+    write_shards(str(tmp_path / "d"), {"x": x, "y": numpy.arange(20, dtype=numpy.float32)})
+    split = tmp_path / "d" / "train"
+    config = load_config("reviews", ["--model=mlp"])
+    assert unscaled_note(config, ShardedDataset(str(split))) is None
+    edit_manifest(split, lambda m: [f.pop("columns") for f in
+                                    m["metadata"]["stats"]["features"].values()])
+    old = ShardedDataset(str(split))
+    note = unscaled_note(config, old)
+    assert note.startswith(f"note: {split} has no column statistics")
+    assert "mlp's inputs and regression targets are not standardised" in note
+    assert build_model(config, old).inputs is None  # and the model is the raw one
+    off = load_config("reviews", ["--model=mlp", "--model.standardize=false"])
+    assert unscaled_note(off, old) is None
