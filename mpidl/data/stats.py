@@ -22,9 +22,10 @@ over the finite values; NaN and infinite values are counted, not hidden: they ar
 in a dataset, but a model trained on them gets a NaN loss. ``columns`` holds the mean
 and standard deviation of each value position of a sample (a CSV's columns; an image's
 pixels), over the finite values, for features of at most :data:`MAX_COLUMNS` values per
-sample: the train split's are what the ``mlp`` standardises its inputs and regression
-targets with (:func:`column_scale`), so that a table whose columns are in different units
-(the wine data: hue about 1, proline about 1,000) trains as well as a standardised one.
+sample: the train split's are what the ``mlp`` standardises its inputs with, and the
+feature models and the regression loss their targets (:func:`column_scale`), so that a
+table whose columns are in different units (the wine data: hue about 1, proline about
+1,000) trains as well as a standardised one.
 
 Cost: one pass over each feature in blocks of 64 Ki values, each block in cache for its
 few reductions: 1M rows x 64 float32 (256 MiB) take 0.12-0.14 s on one core, against

@@ -92,13 +92,18 @@ class Regression(Objective):
         std = numpy.ones(self.outputs) if scale is None else numpy.array(
             [numpy.nan if v is None else v for v in scale], numpy.float64)
         self.inverse = numpy.where(numpy.isfinite(std) & (std > 0), 1 / std, 1.0)
+        self._inverse_on: dict[tuple, Any] = {}  # (array module, dtype) -> its copy
 
     def _targets(self, pred: Any, y: Any) -> Any:
         return y.reshape(pred.shape)  # (B,) scalar targets against (B, 1) predictions
 
     def _loss(self, pred: Any, target: Any) -> Any:
         """The summed loss of ``pred`` against ``target``, in standard units."""
-        inv = _xp(target).asarray(self.inverse.astype(pred.dtype))  # (outputs,): last axis
+        xp = _xp(target)
+        key = (xp.__name__, str(pred.dtype))
+        inv = self._inverse_on.get(key)
+        if inv is None:  # once per device and dtype, not a host-to-device copy per step
+            inv = self._inverse_on[key] = xp.asarray(self.inverse.astype(pred.dtype))
         return F.regression_loss(F.mul(pred, inv), target * inv, kind=self.kind,
                                  reduction="sum")
 
