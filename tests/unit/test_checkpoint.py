@@ -205,3 +205,44 @@ def test_many_small_values_fit_in_a_group(tmp_path):
     optimizer.update({"step": 5000, "lr": 1e-3})
     ckpt = load_checkpoint(_save(tmp_path, 1, optimizer=optimizer))
     assert ckpt.optimizer == optimizer and list(ckpt.optimizer) == list(optimizer)
+
+
+# -- integrity: a changed byte anywhere in what was saved is named, never loaded --------
+# Each test changes the file behind the checksum's back, as flipped bits on a disk would
+# (HDF5 itself reads such data without complaint): only the CRC-32 check can notice.
+
+def test_a_changed_array_element_fails_its_checksum_naming_file_and_dataset(tmp_path):
+    path = _save(tmp_path, 3, model={"layer.weight": numpy.arange(6.0).reshape(2, 3)})
+    with h5py.File(path, "r+") as f:
+        f["model/layer.weight"][1, 2] = 5.000001          # data only: the CRC attr stays
+    with pytest.raises(CheckpointError, match=r"checkpoint-00000003.h5 is corrupt: "
+                                              r"/model/layer.weight .*fails its checksum"):
+        load_checkpoint(path)
+
+
+def test_a_changed_plain_value_fails_its_checksum_naming_the_group(tmp_path):
+    path = _save(tmp_path, 3)
+    with h5py.File(path, "r+") as f:
+        text = f["sampler"].attrs["__json__"]
+        f["sampler"].attrs["__json__"] = text.replace('"index": 3', '"index": 4')
+        assert f["sampler"].attrs["__json__"] != text   # the edit took
+    with pytest.raises(CheckpointError, match=r"checkpoint-00000003.h5 is corrupt: the plain "
+                                              r"values of /sampler fail their checksum"):
+        load_checkpoint(path)
+
+
+def test_a_changed_step_fails_the_root_checksum(tmp_path):
+    path = _save(tmp_path, 3)
+    with h5py.File(path, "r+") as f:
+        f.attrs["step"] = 4
+    with pytest.raises(CheckpointError, match=r"checkpoint-00000003.h5 is corrupt: its step, "
+                                              r"epoch and config fail their checksum"):
+        load_checkpoint(path)
+
+
+def test_an_intact_checkpoint_passes_every_checksum(tmp_path):
+    # The other side of the three above: the checks pass what was written, to the bit.
+    path = _save(tmp_path, 3, model={"layer.weight": numpy.arange(6.0).reshape(2, 3)})
+    ckpt = load_checkpoint(path)
+    assert ckpt.step == 3 and ckpt.sampler == {"epoch": 0, "index": 3}
+    numpy.testing.assert_array_equal(ckpt.model["layer.weight"], numpy.arange(6.0).reshape(2, 3))
