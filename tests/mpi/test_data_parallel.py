@@ -107,6 +107,54 @@ def test_uneven_and_empty_rank_batches_give_the_global_gradient(comm, global_bat
     assert_same_parameters(comm, model, ref, scale=100)
 
 
+@pytest.mark.parametrize("options", [{"overlap": False}, {"overlap": True},
+                                     {"overlap": False, "shared_memory": False}],
+                         ids=["blocking", "overlap", "mpi-allreduce"])
+def test_backward_without_global_count_averages_the_ranks_mean_losses(comm, options):
+    # The documented default: each rank's loss is its own mean, the gradient the mean of
+    # the ranks' gradients (the sum over ranks over N). Equal shares: the global mean.
+    model, ref = small_mlp(), small_mlp()
+    dp = DataParallel(model, comm, **options)
+    opt = make_opt("sgd", model.parameters())
+    data = list(batches("mlp", 2, 4 * comm.size))
+    for x, y in data:
+        xs, ys = my_share(comm, x, y)
+        dp.backward(softmax_cross_entropy(dp(xs), ys, reduction="mean"))
+        opt.step()
+        opt.zero_grad()
+    dp.close()
+    train_reference(ref, make_opt("sgd", ref.parameters()), data)
+    assert_same_parameters(comm, model, ref, scale=100)
+
+
+@pytest.mark.parametrize("transport", ["mpi", "hierarchical"])
+def test_a_bucket_sent_in_several_messages_is_summed_whole(comm, transport):
+    # A bucket larger than a message (piece_bytes) travels in pieces: every element of
+    # every piece, the last one short, must be summed. 10 float64 in messages of 3.
+    from mpidl.parallel.transport import HierarchicalTransport, MpiTransport
+
+    t = (MpiTransport(comm, piece_bytes=24) if transport == "mpi" else
+         HierarchicalTransport(comm, piece_bytes=24, ranks_per_node=2, wire_dtype=None))
+    flat = numpy.arange(10.0) * (comm.rank + 1)
+    t.allreduce_(flat)
+    t.close()
+    ranks = comm.size * (comm.size + 1) / 2
+    assert_allclose_all_ranks(comm, flat, numpy.arange(10.0) * ranks, what=transport)
+
+
+def test_data_parallel_sums_gradients_sent_in_several_messages(comm):
+    # bucket_mb=0.0002: messages of 26 float64, so the 16x12 weight's bucket goes in 8
+    # pieces; blocking MPI allreduces (no shared window, no overlap) are the path that
+    # splits a bucket into messages.
+    model, ref = small_mlp(), small_mlp()
+    dp = DataParallel(model, comm, bucket_mb=0.0002, shared_memory=False, overlap=False)
+    data = list(batches("mlp", 2, 2 * comm.size + 1))
+    train_parallel(comm, dp, make_opt("adamw", model.parameters()), data)
+    dp.close()
+    train_reference(ref, make_opt("adamw", ref.parameters()), data)
+    assert_same_parameters(comm, model, ref, scale=100)
+
+
 class _TwoHeads(Module):
     def __init__(self):
         super().__init__()

@@ -148,6 +148,33 @@ def test_untied_output_projection_is_split_like_the_vocabulary(comm):
     grid.free()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [None, 2])
+def test_vocab_parallel_cross_entropy_equals_the_full_logits_loss_on_every_rank(
+        comm, reduction, ignore_index):
+    # 11 classes split over the ranks unevenly (6+5, 4+4+3): each rank's loss and its
+    # slice of the gradient are those of softmax_cross_entropy on the full logits.
+    from mpidl.autograd import Tensor
+    from mpidl.parallel.tensor import vocab_parallel_cross_entropy
+
+    rng = numpy.random.default_rng(2)
+    vocab = 11
+    logits, labels = 3 * rng.standard_normal((3, 5, vocab)), rng.integers(0, vocab, (3, 5))
+    counts = split_counts(vocab, comm.size)
+    start = sum(counts[:comm.rank])
+    mine = Tensor(logits[..., start:start + counts[comm.rank]].copy(), requires_grad=True)
+    full = Tensor(logits, requires_grad=True)
+    got = vocab_parallel_cross_entropy(mine, labels, comm, start, vocab,
+                                       ignore_index=ignore_index, reduction=reduction)
+    want = F.softmax_cross_entropy(full, labels, ignore_index=ignore_index, reduction=reduction)
+    weights = rng.standard_normal(want.shape)  # a gradient that differs per element
+    F.sum(F.mul(got, weights)).backward()
+    F.sum(F.mul(want, weights)).backward()
+    assert_allclose_all_ranks(comm, got.data, want.data, what=f"{reduction} loss")
+    assert_allclose_all_ranks(comm, mine.grad, full.grad[..., start:start + counts[comm.rank]],
+                              what=f"{reduction} gradient of this rank's classes")
+
+
 def test_vocab_parallel_hits_are_the_full_logits_argmax_hits_ties_included(comm):
     from mpidl.parallel.tensor import vocab_parallel_hits
 

@@ -115,18 +115,21 @@ def test_each_stage_equals_the_single_rank_model(comm, stage, kind):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_each_stage_equals_data_parallel_with_sgd_momentum_and_clipping(comm, stage):
+    max_norm = 0.1  # the gradient norms here are 0.33-0.39: every step clips
     model = small_gpt()
     dp = DataParallel(model, comm)
     opt = sgd(model.parameters())
+    norms = []
     for x, y in data("gpt"):
         xs, ys = share(comm, x, y)
         dp.backward(softmax_cross_entropy(dp(xs), ys, reduction="sum"),
                     global_count=targets(y))
-        clip_grad_norm_(model.parameters(), 0.5)
+        norms.append(float(clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         opt.zero_grad()
     dp.close()
-    _, params = sharded(comm, "gpt", stage, sgd, clip=0.5)
+    assert_all_ranks(comm, min(norms) > 2 * max_norm, f"norms {norms}: no clipping to test")
+    _, params = sharded(comm, "gpt", stage, sgd, clip=max_norm)
     for (name, q), p in zip(model.named_parameters(), params):
         assert_allclose_all_ranks(comm, p, q.data, scale=10.0, what=f"stage {stage} {name}")
 
