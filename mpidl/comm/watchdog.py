@@ -45,7 +45,10 @@ DEFAULT_TIMEOUT = 600.0  # seconds; PyTorch's NCCL watchdog default is 10 minute
 POLL = 0.25              # seconds between the thread's looks
 ANSWER = 5.0             # seconds a reporter waits for the other ranks' answers
 EXIT_GRACE = 5.0         # seconds a wait may outlast the exit of a rank it needs
-EXIT_HUNG = 1            # the job's exit status after the watchdog aborts it
+# The job's exit status after the watchdog aborts it: 124, as timeout(1) ends a command
+# that ran past its limit, so that a batch script can tell a hang from a divergence or
+# a traceback (both 1). Open MPI's mpiexec exits with the MPI_Abort code (measured).
+EXIT_HUNG = 124
 
 _TAG_EXIT, _TAG_ASK, _TAG_STATE, _TAG_ALERT = 71, 72, 73, 74
 

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from mpidl.comm.watchdog import EXIT_HUNG
 from mpidl.testing.launch import mpiexec
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,7 +104,7 @@ def test_a_skipped_collective_in_check_mode_raises_on_every_rank_naming_the_call
 
 def test_a_skipped_collective_without_checks_is_ended_by_the_watchdog_naming_the_rank(tmp_path):
     result = _launch(tmp_path, 3, SKIP, env={"MPIDL_TIMEOUT": "3"})
-    assert result.returncode != 0, result.output
+    assert result.returncode == EXIT_HUNG == 124, result.output  # not 1, as a traceback
     assert result.seconds < 30, f"took {result.seconds:.1f} s"
     err = result.stderr
     assert "mpidl watchdog: rank" in err and "longer than the timeout (3 s" in err, err
@@ -126,7 +127,7 @@ def test_a_barrier_against_an_allreduce_is_named_in_check_mode(tmp_path):
 
 def test_a_barrier_against_an_allreduce_is_ended_by_the_watchdog(tmp_path):
     result = _launch(tmp_path, 2, BARRIER_VS_ALLREDUCE, env={"MPIDL_TIMEOUT": "3"})
-    assert result.returncode != 0 and result.seconds < 30, result.output
+    assert result.returncode == EXIT_HUNG and result.seconds < 30, result.output
     assert "rank 0: in barrier #1 at job.py:7" in result.stderr, result.stderr
     assert "rank 1: in allreduce_ #1 at job.py:9" in result.stderr, result.stderr
 
@@ -136,7 +137,7 @@ def test_a_barrier_against_an_allreduce_is_ended_by_the_watchdog(tmp_path):
 def test_a_rank_that_exits_while_others_wait_ends_the_job(tmp_path, how, status):
     # A long timeout: the exit notice, not the timeout, ends the job.
     result = _launch(tmp_path, 3, EXIT.format(how=how), env={"MPIDL_TIMEOUT": "300"})
-    assert result.returncode != 0, result.output
+    assert result.returncode == EXIT_HUNG, result.output
     assert result.seconds < 30, f"took {result.seconds:.1f} s"
     assert f"rank 1 has exited (status {status})" in result.stderr, result.stderr
     assert "never arrived: 1" in result.stderr
@@ -145,7 +146,7 @@ def test_a_rank_that_exits_while_others_wait_ends_the_job(tmp_path, how, status)
 
 def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
     result = _launch(tmp_path, 3, STOP, env={"MPIDL_TIMEOUT": "3"})
-    assert result.returncode != 0 and result.seconds < 40, result.output
+    assert result.returncode == EXIT_HUNG and result.seconds < 40, result.output
     assert "rank 2: no answer in 5 s: stopped, dead, or holding the GIL" in result.stderr
     assert "never arrived: 2" in result.stderr, result.stderr
 
