@@ -265,6 +265,13 @@ class VocabParallelCrossEntropy(Function):
         comm = self.comm
         n_local = logits.shape[-1]
         x = logits.reshape(-1, n_local)  # (N, V_r)
+        # 16-bit logits: the statistics in float32. MPI has no float16 max on every
+        # library (mpidl sums float16 only), and the sum of exponentials over a split
+        # vocabulary loses what float16 cannot hold; the loss and gradient come back in
+        # the logits' dtype.
+        self.dtype = x.dtype
+        if x.dtype.itemsize < 4:
+            x = x.astype(numpy.float32)
         t = labels.reshape(-1)
         valid = t != self.ignore_index if self.ignore_index is not None else None
         if xp is numpy:  # a device check would cost a sync, as in softmax_cross_entropy
@@ -298,13 +305,13 @@ class VocabParallelCrossEntropy(Function):
         if valid is not None:
             nll *= valid
         if self.reduction == "none":
-            return nll.reshape(labels.shape)
+            return nll.reshape(labels.shape).astype(self.dtype, copy=False)
         if self.reduction == "sum":
-            return xp.asarray(nll.sum())
+            return xp.asarray(nll.sum()).astype(self.dtype, copy=False)
         # On the device: reading the count back would cost a sync per step.
         self.count = xp.maximum(valid.sum(), 1).astype(x.dtype) if valid is not None \
             else max(t.shape[0], 1)
-        return xp.asarray(nll.sum() / self.count).astype(x.dtype, copy=False)
+        return xp.asarray(nll.sum() / self.count).astype(self.dtype, copy=False)
 
     def backward(self, gy):
         xp = get_array_module(gy)
@@ -318,7 +325,7 @@ class VocabParallelCrossEntropy(Function):
         g = self.probs * coef[:, None]
         hit = xp.nonzero(self.mine)[0]
         g[hit, self.local[hit]] -= coef[hit]
-        return g.reshape(self.logits_shape), None
+        return g.reshape(self.logits_shape).astype(self.dtype, copy=False), None
 
 
 def vocab_parallel_cross_entropy(logits: Any, labels: Any, comm: Communicator, vocab_start: int,
@@ -364,6 +371,8 @@ def vocab_parallel_hits(logits: Any, labels: Any, comm: Communicator, vocab_star
     data = as_input(logits)
     xp = get_array_module(data)
     x = data.reshape(-1, data.shape[-1])
+    if x.dtype.itemsize < 4:  # exact widening: MPI has no float16 max everywhere
+        x = x.astype(numpy.float32)
     t = to_device(as_input(labels), xp).reshape(-1)
     m = x.max(axis=1)
     if comm.size > 1:

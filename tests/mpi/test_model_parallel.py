@@ -175,6 +175,36 @@ def test_vocab_parallel_cross_entropy_equals_the_full_logits_loss_on_every_rank(
                               what=f"{reduction} gradient of this rank's classes")
 
 
+def test_vocab_parallel_cross_entropy_of_float16_logits_works_in_float32(comm):
+    # MPI has no float16 max everywhere: 16-bit logits are reduced in float32 and the
+    # loss and gradient come back in float16, close to the float32 loss of the same logits.
+    from mpidl.autograd import Tensor
+    from mpidl.parallel.tensor import vocab_parallel_cross_entropy
+
+    rng = numpy.random.default_rng(3)
+    vocab = 11
+    logits = (3 * rng.standard_normal((6, vocab))).astype(numpy.float16)
+    labels = rng.integers(0, vocab, 6)
+    counts = split_counts(vocab, comm.size)
+    start = sum(counts[:comm.rank])
+    mine = Tensor(logits[:, start:start + counts[comm.rank]].copy(), requires_grad=True)
+    full = Tensor(logits.astype(numpy.float32), requires_grad=True)
+    got = vocab_parallel_cross_entropy(mine, labels, comm, start, vocab)
+    want = F.softmax_cross_entropy(full, labels)
+    got.backward()
+    want.backward()
+    ok = got.data.dtype == mine.grad.dtype == numpy.float16
+    assert_all_ranks(comm, ok, f"loss {got.data.dtype}, gradient {mine.grad.dtype}")
+    assert_allclose_all_ranks(comm, got.data, want.data, dtype="float16", what="loss")
+    assert_allclose_all_ranks(comm, mine.grad, full.grad[:, start:start + counts[comm.rank]],
+                              dtype="float16", what="gradient")
+    from mpidl.parallel.tensor import vocab_parallel_hits
+
+    hits = vocab_parallel_hits(mine, labels, comm, start)
+    want_hits = int((logits.argmax(axis=1) == labels).sum())
+    assert_all_ranks(comm, hits == want_hits, f"{hits} float16 hits, {want_hits} by argmax")
+
+
 def test_vocab_parallel_hits_are_the_full_logits_argmax_hits_ties_included(comm):
     from mpidl.parallel.tensor import vocab_parallel_hits
 
