@@ -50,3 +50,20 @@ def check_same_parameters(comm: Any, named: Sequence[tuple[str, Any]]) -> None:
     detail = "; ".join(problems)
     comm.check(not bad, "the model differs between ranks: " + detail +
                ". Build the same model (same code, sizes and dtype) on every rank.")
+
+
+def drifting_buffers(model: Any) -> list:
+    """The model's buffers that replicas would let drift apart: batch norm's running
+    statistics, which each rank updates from its own share of the batch.
+
+    Not those kept identical by synced batch norm, nor those that never change in
+    training (a Standardize's scale, ``constant_buffers``): broadcasting those would
+    cost collectives for nothing. Data parallel wrappers broadcast rank 0's drifting
+    buffers before every training forward, as PyTorch DDP does. Not collective.
+    """
+    from mpidl.parallel.syncbn import SyncBatchNorm
+
+    kept = {id(b) for _, m in model.named_modules()
+            if isinstance(m, SyncBatchNorm) or getattr(m, "constant_buffers", False)
+            for b in m.buffers()}
+    return [b for b in model.buffers() if id(b) not in kept]

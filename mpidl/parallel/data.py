@@ -139,16 +139,9 @@ class DataParallel:
             convert_sync_batchnorm(model, comm)  # before the parameter list is taken
         self.module = model
         self.bucket_mb = bucket_mb
-        # Buffers (batch norm's running statistics) that the ranks would let drift apart:
-        # rank 0's are broadcast before every training forward, as PyTorch DDP does. Not
-        # those kept identical (synced batch norm's) or never changed (a Standardize's
-        # scale, ``constant_buffers``): two broadcasts a step for nothing otherwise.
-        from mpidl.parallel.syncbn import SyncBatchNorm
-
-        synced = {id(b) for _, m in model.named_modules()
-                  if isinstance(m, SyncBatchNorm) or getattr(m, "constant_buffers", False)
-                  for b in m.buffers()}
-        self._drifting = ([b for b in model.buffers() if id(b) not in synced]
+        # Rank 0's drifting buffers (batch norm's running statistics) are broadcast
+        # before every training forward, as PyTorch DDP does.
+        self._drifting = (agreement.drifting_buffers(model)
                           if broadcast_buffers and comm.size > 1 else [])
         self.compression = compression if comm.size > 1 else None
         self.named = list(model.named_parameters())

@@ -160,15 +160,20 @@ class ShardedDataParallel:
             reduce-scatter); parameters always travel in full precision.
         broadcast: copy rank 0's parameters to every rank first.
         keep_freed_memory: as DataParallel's (glibc keeps freed memory for reuse).
+        broadcast_buffers: as DataParallel's: rank 0's running statistics of batch norm
+            layers that are not synchronised go to every rank before each training
+            forward (:func:`~mpidl.parallel.agreement.drifting_buffers`), so that every
+            rank evaluates the same model.
     """
 
     def __init__(self, model: Module, comm: Communicator, stage: int = 1,
                  bucket_mb: float = 4.0, compression: str | None = None,
-                 broadcast: bool = True, keep_freed_memory: bool = True) -> None:
+                 broadcast: bool = True, keep_freed_memory: bool = True,
+                 broadcast_buffers: bool = True) -> None:
         self.comm, self.module = comm, model
         agreement.check_same_options(comm, "ShardedDataParallel", stage=stage,
                                      bucket_mb=bucket_mb, compression=compression,
-                                     broadcast=broadcast)
+                                     broadcast=broadcast, broadcast_buffers=broadcast_buffers)
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r}: ZeRO stages are 1, 2 and 3")
         if not bucket_mb > 0:
@@ -176,6 +181,8 @@ class ShardedDataParallel:
         if keep_freed_memory:
             backend.keep_freed_memory()
         self.stage = stage
+        self._drifting = (agreement.drifting_buffers(model)
+                          if broadcast_buffers and comm.size > 1 else [])
         self.named = list(model.named_parameters())
         agreement.check_same_parameters(comm, self.named)
         if broadcast:
@@ -325,8 +332,11 @@ class ShardedDataParallel:
     def before_forward(self) -> None:
         """What a forward of the model needs first (stages 1-2: the updated parameters),
         for a caller that runs another method of the model than ``forward`` (``gpt``'s
-        split loss). Collective."""
+        split loss), and rank 0's drifting buffers in training. Collective."""
         self.gather_parameters()
+        if self._drifting and self.module.training:
+            for b in self._drifting:
+                self.comm.bcast_(b, root=0)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.before_forward()

@@ -265,3 +265,48 @@ def test_loading_a_full_state_restores_the_buffers_and_every_shard(comm, stage):
         if name != "running":
             assert_allclose_all_ranks(comm, got[name], value, what=name)
     sdp.close()
+
+
+# -- buffers that ranks would let drift apart -----------------------------------------------
+
+class WithBatchNorm(Module):
+    def __init__(self):
+        super().__init__()
+        from mpidl.nn import BatchNorm1d
+
+        self.lin = Linear(4, 3, seed=1, dtype="float64")
+        self.norm = BatchNorm1d(3, dtype="float64")
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_plain_batch_norm_statistics_are_rank_0s_before_each_forward_as_data_parallel(
+        comm, stage):
+    # Without SyncBatchNorm each rank updates the running statistics from its own share;
+    # as DataParallel (and PyTorch DDP), ZeRO gives every rank rank 0's before each
+    # training forward, so evaluation sums counts from one model, not N.
+    from mpidl.parallel import DataParallel
+
+    rng = numpy.random.default_rng(5)
+    xs = [rng.standard_normal((3, 4)) * (comm.rank + 1) for _ in range(3)]  # differ by rank
+    held = {}
+    for kind in ("dp", "zero"):
+        model = WithBatchNorm()
+        wrapper = (DataParallel(model, comm, shared_memory=False) if kind == "dp"
+                   else ShardedDataParallel(model, comm, stage=stage))
+        opt = SGD(wrapper.parameters(), lr=0.1)
+        for x in xs:
+            y = wrapper(x)
+            wrapper.backward(F.sum(F.mul(y, y)), global_count=3 * comm.size)
+            opt.step()
+            opt.zero_grad()
+        wrapper.before_forward()  # what the next training forward does first
+        held[kind] = [b.copy() for b in model.buffers()]
+        wrapper.close()
+    first = comm.bcast_obj([b.tolist() for b in held["zero"]])
+    same = all(numpy.array_equal(b, numpy.array(f)) for b, f in zip(held["zero"], first))
+    assert_all_ranks(comm, same, "running statistics differ from rank 0's")
+    for a, b in zip(held["zero"], held["dp"]):
+        assert_allclose_all_ranks(comm, a, b, what="running statistics against DataParallel")
