@@ -200,6 +200,12 @@ class ShardedDataParallel:
         self._syncing = True
         self._in_backward = False
         self._order: list[Unit] = []   # stage 3: the units in forward order, as seen
+        # Stage 3 reduces the units in one order on every rank: backward's (the forward
+        # order reversed), each once it and all before it are final. Reducing each as
+        # soon as it is final would let a rank whose batch left a parameter without a
+        # gradient reduce in another order: a silent mis-sum where the sizes match.
+        self._reduce_order: list[Unit] = []
+        self._next_reduce = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
                          for _, p in self.named]
         if stage == 3:
@@ -377,6 +383,8 @@ class ShardedDataParallel:
             if u.grad_flat is None and (self.stage < 3 or u.module is self.module):
                 u.attach_grads(u.new_flat())
             u.pending, u.reduced = len(u.params), False
+        self._reduce_order = [u for u in reversed(self._order) if u.module is not self.module]
+        self._next_reduce = 0
         self._in_backward = True
         try:
             loss.backward(xp.full(loss.shape, seed, dtype=loss.dtype))
@@ -384,8 +392,9 @@ class ShardedDataParallel:
             self._in_backward = False
         t0 = time.perf_counter()
         if self._syncing:
-            for u in self.units:  # the fixed order: units backward did not finish
-                if not u.reduced:
+            rest = self._reduce_order[self._next_reduce:]
+            for u in rest + [u for u in self.units if u not in rest]:  # the same order on
+                if not u.reduced:                                      # every rank
                     self._reduce(u)
             self._stale = self.stage < 3
         self.comm_wait_start = t0
@@ -398,8 +407,10 @@ class ShardedDataParallel:
         if u is None:
             return
         u.pending -= 1
-        if u.pending == 0 and u.module is not self.module:
-            self._reduce(u)
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].pending == 0:
+            self._reduce(order[self._next_reduce])
+            self._next_reduce += 1
 
     def _reduce(self, u: Unit) -> None:
         """Reduce-scatter the unit's gradient into its shard's ``.grad`` (collective);

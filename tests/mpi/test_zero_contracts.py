@@ -310,3 +310,44 @@ def test_plain_batch_norm_statistics_are_rank_0s_before_each_forward_as_data_par
     assert_all_ranks(comm, same, "running statistics differ from rank 0's")
     for a, b in zip(held["zero"], held["dp"]):
         assert_allclose_all_ranks(comm, a, b, what="running statistics against DataParallel")
+
+
+# -- stage 3's reduction order ---------------------------------------------------------------
+
+class Blocks(Module):
+    """Three blocks of equal shapes (so equal unit sizes): a mis-ordered reduce-scatter
+    would pair one unit's gradient with another's and sum silently."""
+
+    def __init__(self):
+        super().__init__()
+        from mpidl.nn import ModuleList
+
+        self.blocks = ModuleList([TwoHeads() for _ in range(3)])
+
+    def forward(self, x, use_b):
+        for i, block in enumerate(self.blocks):
+            x = F.tanh(block(x, use_b and i == 1) @ numpy.ones((3, 4)) * 0.1)
+        return x
+
+
+def test_stage_3_reduces_in_one_order_when_a_rank_leaves_a_parameter_without_gradient(comm):
+    # Only rank 0's batch reaches the middle block's head b: elsewhere that unit is not
+    # final when the others are. Every rank must still reduce the units in one order.
+    sdp = ShardedDataParallel(Blocks(), comm, stage=3)
+    ref = Blocks()
+    opt, ref_opt = SGD(sdp.parameters(), lr=1.0), SGD(ref.parameters(), lr=1.0)
+    n = 2 * comm.size
+    for step in range(2):
+        sdp.backward(F.sum(sdp(numpy.full((2, 4), comm.rank + 1.0), comm.rank == 0)),
+                     global_count=n)
+        opt.step()
+        opt.zero_grad()
+        total = None
+        for r in range(comm.size):
+            out = F.sum(ref(numpy.full((2, 4), r + 1.0), r == 0))
+            total = out if total is None else F.add(total, out)
+        F.mul(total, 1.0 / n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_same_as(comm, sdp, ref, f"step {step}")
+    sdp.close()
