@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hpc.argtypes import nonnegative_float, nonnegative_int, output_file, positive_int
+
 OPS = ("allreduce", "allgather", "bcast", "reduce_scatter", "alltoall", "sendrecv")
 DTYPES = ("float32", "float64", "int32", "int64")
 GB = 1e9
@@ -182,6 +184,16 @@ class Result:
                 "busbw_GBps": self.busbw / GB}
 
 
+def _profile_name(text: str) -> str:
+    """``--save-profile NAME``, checked before the sweep rather than after it."""
+    from hpc import costmodel
+
+    try:
+        return costmodel.check_profile_name(text)
+    except costmodel.ProfileError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hpc.bench", description=__doc__.split("\n\n")[0],
@@ -192,12 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=parse_bytes, default=64 * 1024**2,
                    help="largest message")
     p.add_argument("--factor", type=int, default=4, help="ratio of consecutive sizes")
-    p.add_argument("--iters", type=int, default=100,
+    p.add_argument("--iters", type=positive_int, default=100,
                    help="iterations per timed window (fewer for large messages, see "
                         "--window-s)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed iterations per size")
-    p.add_argument("--windows", type=int, default=5, help="timed windows per size")
-    p.add_argument("--window-s", type=float, default=0.25,
+    p.add_argument("--warmup", type=nonnegative_int, default=10, help="untimed iterations per size")
+    p.add_argument("--windows", type=positive_int, default=5, help="timed windows per size")
+    p.add_argument("--window-s", type=nonnegative_float, default=0.25,
                    help="cap a window's iterations so it lasts about this long, judged "
                         "from the warm-up; 0: always --iters")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type")
@@ -205,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the buffers live; cupy measures CUDA-aware MPI")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per size, then one per fit, instead of a table")
-    p.add_argument("--plot", metavar="FILE", default=None,
+    p.add_argument("--plot", metavar="FILE", type=output_file, default=None,
                    help="draw time and bus bandwidth against message size into FILE (PNG)")
-    p.add_argument("--save-profile", metavar="NAME", default=None,
+    p.add_argument("--save-profile", metavar="NAME", type=_profile_name, default=None,
                    help="store the fits as network profile NAME for `mpidl plan --network "
                         "NAME` (in $MPIDL_PROFILE_DIR or ~/.config/mpidl/network)")
     return p
@@ -222,14 +234,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown or not ops:
         p.error(f"--op {args.op!r}: unknown {unknown}; choose from {', '.join(OPS)} or all")
     args.op = list(dict.fromkeys(ops))
-    for name, least in (("iters", 1), ("warmup", 0), ("windows", 1), ("factor", 2),
-                        ("min_bytes", 1)):
+    for name, least in (("factor", 2), ("min_bytes", 1)):
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {least}")
     if args.max_bytes < args.min_bytes:
         p.error(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}")
-    if args.window_s < 0:
-        p.error(f"--window-s {args.window_s} must be >= 0")
     return args
 
 

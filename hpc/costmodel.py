@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,6 +37,7 @@ else:  # pragma: no cover - Python 3.10
 
 SHIPPED = Path(__file__).resolve().parent / "profiles"
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "sendrecv")
+STAND_IN = "allreduce"  # whose numbers price a collective a profile lacks
 
 
 def steps(op: str, ranks: int) -> int:
@@ -95,12 +96,25 @@ class NetworkProfile:
     notes: str = ""
 
     def link(self, op: str) -> Link:
-        if op in self.links:
-            return self.links[op]
-        if "default" in self.links:
-            return self.links["default"]
-        raise KeyError(f"network profile {self.name!r} ({self.path}) has no numbers for {op} "
-                       f"and no [default]; it has {sorted(self.links)}")
+        """``op``'s own numbers, else ``[default]``, else the allreduce's (see
+        :meth:`stand_ins`); ProfileError when the profile has none of them."""
+        for name in (op, "default", STAND_IN):
+            if name in self.links:
+                return self.links[name]
+        lacks = ", ".join(f"[{name}]" for name in dict.fromkeys((op, "default", STAND_IN)))
+        raise ProfileError(f"network profile {self.name!r} ({self.path}) has no {lacks} "
+                           f"table, only {sorted(self.links)}: measure the collectives with "
+                           f"`mpidl bench --op all --save-profile {self.name}`")
+
+    def stand_ins(self, ops: Sequence[str]) -> list[str]:
+        """The collectives of ``ops`` priced with the allreduce's numbers, for want of
+        their own or a ``[default]`` (a profile saved by ``mpidl bench --op allreduce``).
+        Bus bandwidths are comparable across collectives (NCCL-tests), so it is an
+        estimate, not an error; ProfileError when the allreduce is missing too."""
+        missing = [op for op in ops if op not in self.links and "default" not in self.links]
+        for op in missing:
+            self.link(op)
+        return missing
 
     def time(self, op: str, nbytes: float, ranks: int) -> float:
         """Seconds of ``op`` on ``nbytes`` over ``ranks`` ranks of this network."""
@@ -215,11 +229,18 @@ def link_from_fit(op: str, alpha: float, beta: float, ranks: int) -> Link:
     return Link(alpha / steps(op, ranks), beta * volume(op, ranks))
 
 
+def check_profile_name(name: str) -> str:
+    """``name`` if it can name a profile file, else ProfileError saying what can."""
+    if not name or os.sep in name or name.startswith("."):
+        raise ProfileError(f"profile name {name!r}: use a plain name like 'mycluster' (no "
+                           "path, not starting with a dot)")
+    return name
+
+
 def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: int,
                          source: str) -> Path:
     """Write the fits of ``mpidl bench`` (op -> AlphaBeta) as network profile ``name``."""
-    if not name or os.sep in name or name.startswith("."):
-        raise ProfileError(f"profile name {name!r}: use a plain name like 'mycluster'")
+    check_profile_name(name)
     lines = [f"# Measured by `mpidl bench --save-profile {name}`; read by `mpidl plan "
              f"--network {name}`.", f"name = {_toml(name)}", f"source = {_toml(source)}",
              f"ranks = {ranks}", f"nodes = {nodes}", ""]

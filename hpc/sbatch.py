@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hpc.argtypes import output_file, positive_int
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the backport (a dependency there)
@@ -336,12 +338,6 @@ def render(template: str, profile: Profile, req: Request, env_sh: str,
     return "\n".join(out_lines) + "\n"
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
 def _extra(text: str) -> tuple[str, str | None]:
     option, eq, value = text.partition("=")
     return option.lstrip("-"), value if eq else None
@@ -358,17 +354,18 @@ def _parser() -> argparse.ArgumentParser:
                    "preemptible, test, bench) or a .sbatch file")
     p.add_argument("--profile", help="profile name in hpc/profiles or a .toml file "
                    "(default: generic-gpu for GPU templates, else generic-cpu)")
-    p.add_argument("-N", "--nodes", type=_positive)
-    p.add_argument("--tasks-per-node", type=_positive, help="MPI ranks per node")
-    p.add_argument("-n", "--ntasks", type=_positive, help="MPI ranks in all")
-    p.add_argument("-c", "--cpus-per-task", type=_positive)
+    p.add_argument("-N", "--nodes", type=positive_int)
+    p.add_argument("--tasks-per-node", type=positive_int, help="MPI ranks per node")
+    p.add_argument("-n", "--ntasks", type=positive_int, help="MPI ranks in all")
+    p.add_argument("-c", "--cpus-per-task", type=positive_int)
     p.add_argument("-t", "--time", help="time limit: MINUTES, HH:MM:SS or DAYS-HH:MM:SS")
     p.add_argument("-p", "--partition")
     p.add_argument("-A", "--account")
     p.add_argument("-J", "--job-name")
     p.add_argument("--set", dest="extra", action="append", type=_extra, default=[],
                    metavar="OPTION[=VALUE]", help="another #SBATCH option (qos=high, exclusive)")
-    p.add_argument("-o", "--output", help="write the script here instead of stdout")
+    p.add_argument("-o", "--output", type=output_file,
+                   help="write the script here instead of stdout")
     p.add_argument("--list", action="store_true", help="list templates and profiles")
     return p
 

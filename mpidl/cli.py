@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("mpidl.info:main", "report MPI, ranks, nodes, GPUs, library versions"),
     "sbatch": ("hpc.sbatch:main", "render a Slurm batch script for a site profile"),
     "bench": ("hpc.bench:main", "collective micro-benchmarks: latency, busbw, alpha-beta fit"),
-    "plan": ("mpidl.plan:main", "predict time, speedup and break-even for N ranks"),
+    "plan": ("mpidl.plan_command:main", "predict time, speedup and break-even for N ranks"),
     "demo": ("mpidl.demo:main", "a short demonstration of the communicator on all ranks"),
     "run": ("mpidl.cli:run_main", "run a Python script with the abort-all-ranks exception hook"),
     "launch": ("hpc.launch:main", "run mpiexec so that SIGTERM checkpoints and exits 75"),

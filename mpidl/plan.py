@@ -42,13 +42,10 @@ rank count; ``--json FILE`` the whole table, ``--plot FILE`` speedup and time to
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 import statistics
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -106,6 +103,15 @@ def per_rank_batch(global_batch: int, ranks: int) -> int:
     return -(-global_batch // ranks)
 
 
+def check_rank_counts(ranks: Sequence[int], global_batch: int) -> None:
+    """ValueError unless every rank count is >= 1 and gets a sample of each step's batch."""
+    bad = [r for r in ranks if r < 1 or r > global_batch]
+    if bad:
+        raise ValueError(f"{bad[0]} ranks for a global batch of {global_batch}: every rank "
+                         f"needs a sample per step; use at most {global_batch} ranks, or a "
+                         f"larger --global-batch (at least {max(bad)})")
+
+
 def comm_seconds(work: Workload, ranks: int, nodes: int, network: Any, node_link: Any) -> float:
     """Seconds of one step's gradient exchange (all buckets, not overlapped).
 
@@ -139,12 +145,9 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
         setup_hours: one-off hours to set the distributed runs up.
     """
     counts = sorted(set(ranks) | {1})
+    check_rank_counts(counts, work.global_batch)
     rows = []
     for r in counts:
-        if r < 1 or r > work.global_batch:
-            raise ValueError(f"{r} ranks for a global batch of {work.global_batch}: every rank "
-                             "needs a sample per step (use at most that many ranks, or a "
-                             "larger --global-batch)")
         nodes = -(-r // max(1, ranks_per_node))
         b = per_rank_batch(work.global_batch, r)
         c = compute(b)
@@ -234,7 +237,7 @@ def format_table(rows: list[Prediction]) -> str:
 
 # -- the model and its compute -------------------------------------------------------------
 
-def _data_dir_for(config: Any) -> str:
+def data_dir_for(config: Any) -> str:
     """The run's dataset directory: ``--data``'s, or the task's generated corpus, made
     and cached as `mpidl train` would (once): the model's shapes and the measured
     batches come from the real data (the corpus's vocabulary is far below
@@ -339,187 +342,6 @@ def _run_ranks(run_dir: str) -> int:
     return int(load_checkpoint(path).extra.get("ranks", 1)) if path else 1
 
 
-# -- the command ----------------------------------------------------------------------------
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpidl plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("preset", nargs="?", help="a preset or .toml config, as `mpidl train` takes")
-    p.add_argument("--samples", type=int, help="training samples per epoch (default: the "
-                   "dataset's, or the generated corpus's num_train)")
-    p.add_argument("--epochs", type=float, help="epochs (default: the config's)")
-    p.add_argument("--ranks", default="1,2,4,8", help="rank counts, comma-separated")
-    p.add_argument("--ranks-per-node", type=int, default=1,
-                   help="ranks sharing a node (GPUs or cores per node)")
-    p.add_argument("--network", default="10gbe", help="network profile between nodes")
-    p.add_argument("--node-network", default="shm",
-                   help="network profile within a node (shm: shared memory, measured here)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--device", help="device profile: compute from FLOPs, not measured here")
-    src.add_argument("--step-time", type=float, help="seconds of a 1-rank step at the "
-                     "global batch, measured elsewhere")
-    src.add_argument("--from-run", metavar="RUN_DIR", help="a run directory: its measured "
-                     "compute and input times and its config")
-    p.add_argument("--memory-gb", type=float, help="memory per rank for the largest model "
-                   "that fits (default: the device profile's, else this machine's memory "
-                   "over --ranks-per-node)")
-    p.add_argument("--setup-hours", type=float, default=0.0, help="one-off hours to set the "
-                   "distributed runs up")
-    p.add_argument("--queue-hours", type=float, default=0.0, help="hours each distributed "
-                   "run waits in the queue")
-    p.add_argument("--json", metavar="FILE", help="write the table as JSON")
-    p.add_argument("--plot", metavar="FILE", help="draw speedup and time to train (PNG)")
-    p.add_argument("--sbatch", metavar="FILE", help="write a batch script for the best rank "
-                   "count (`mpidl sbatch` templates)")
-    return p
-
-
-def main(argv: Sequence[str]) -> int:
-    """``mpidl plan [PRESET|CONFIG] [OPTIONS] [--key=value ...]``.
-
-    Planning is one process's work; under a launcher rank 0 plans and prints while the
-    others wait, and every rank exits with its status.
-    """
-    from hpc.env import detect
-
-    if detect().size <= 1:
-        return _plan(argv)
-    from mpidl.comm import world
-    from mpidl.comm.ledger import patience
-
-    comm = world()
-    code = _plan(argv) if comm.rank == 0 else None
-    with patience("rank 0 plans"):
-        return comm.bcast_obj(code)
-
-
-def _plan(argv: Sequence[str]) -> int:
-    from hpc import costmodel
-
-    from mpidl.data import DataError
-    from mpidl.train.config import ConfigError, load_config
-    from mpidl.train.model import build_model
-
-    parser = _parser()
-    args, overrides = parser.parse_known_args(list(argv))
-    try:
-        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-        if not ranks or min(ranks) < 1:
-            raise ValueError
-    except ValueError:
-        parser.error(f"--ranks {args.ranks!r}: rank counts >= 1, comma-separated (1,2,4)")
-    try:
-        input_s, run = 0.0, None
-        if args.from_run:
-            compute, input_s, run = compute_from_run(args.from_run)
-            config = load_config(os.path.join(args.from_run, "config.toml"), overrides)
-        else:
-            config = load_config(args.preset, overrides)
-        from mpidl.data import ShardedDataset
-
-        data_dir = _data_dir_for(config)
-        dataset = ShardedDataset(os.path.join(data_dir, "train"))
-        model = build_model(config, dataset)
-        samples = args.samples or len(dataset)
-        work = workload(config, model, samples, args.epochs or config.epochs)
-        network = costmodel.load_network(args.network)
-        node_link = (shared_memory_link() if args.node_network == "shm"
-                     else costmodel.load_network(args.node_network))
-    except (ConfigError, costmodel.ProfileError, ValueError, OSError, DataError) as e:
-        print(f"mpidl plan: error: {e}", file=sys.stderr)
-        return 2
-    batches = [per_rank_batch(work.global_batch, r) for r in sorted(set(ranks) | {1})]
-    if args.from_run:
-        basis = f"compute measured by the run {args.from_run} ({run['ranks']} ranks)"
-    elif args.device:
-        device = costmodel.load_device(args.device)
-        flops = 6.0 * work.params
-
-        def compute(b: int) -> float:
-            return flops * b / device.flops
-        basis = f"compute from FLOPs on {device.name} ({device.flops / 1e12:g} TFLOP/s " \
-                f"sustained; {device.source.split(';')[0]})"
-    elif args.step_time:
-        step, g = args.step_time, work.global_batch
-
-        def compute(b: int) -> float:
-            return step * b / g
-        basis = f"a 1-rank step of {step:g} s at batch {g}, given"
-    else:
-        measured = measure_compute(config, data_dir, batches)
-
-        def compute(b: int) -> float:
-            return measured[b]
-        basis = "compute measured here (1 process, 1 BLAS thread per rank)"
-    rows = predict(work, compute, ranks, network, node_link, args.ranks_per_node, input_s,
-                   args.queue_hours, args.setup_hours)
-    line = verdict(rows, args.setup_hours, args.queue_hours)
-    mode_rows = _modes(args, config, model, dataset, work, ranks, network, node_link)
-    print(f"mpidl plan: {config.model.name}, {work.params:,} parameters "
-          f"({work.grad_bytes / 1e6:.1f} MB of gradient per step), {samples:,} samples x "
-          f"{work.epochs:g} epochs at global batch {work.global_batch} = {work.steps:,} steps\n"
-          f"network: {network.name} between nodes, {node_link.name} within "
-          f"({args.ranks_per_node} rank(s) per node); {basis}\n")
-    print(format_table(rows))
-    if mode_rows:
-        from mpidl.modes import format_modes
-
-        print(f"\nmodes: model state per rank, the largest model whose state fits "
-              f"{_memory_per_rank(args) / 1e9:.3g} GB per rank (activations not counted), "
-              "communication per step\n" + format_modes(mode_rows))
-    print(f"\nverdict: {line}")
-    notes = caveats(rows)
-    for note in notes:
-        print(f"note: {note}")
-    best = max(rows, key=lambda r: r.speedup)
-    if args.json:
-        doc = {"model": config.model.name, "params": work.params, "samples": samples,
-               "epochs": work.epochs, "global_batch": work.global_batch,
-               "network": network.name, "node_network": node_link.name, "basis": basis,
-               "rows": [r.as_dict() for r in rows], "modes": [m.as_dict() for m in mode_rows],
-               "memory_per_rank": _memory_per_rank(args), "verdict": line, "caveats": notes,
-               "best_ranks": best.ranks}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-    if args.plot:
-        plot(rows, args.plot, f"{config.model.name} on {network.name}")
-    if args.sbatch:
-        return _write_sbatch(args, best, config)
-    return 0
-
-
-def _memory_per_rank(args: argparse.Namespace) -> float:
-    """Bytes of memory a rank has: ``--memory-gb``, the device's, or this node's share."""
-    if args.memory_gb:
-        return args.memory_gb * 1e9
-    if args.device:
-        from hpc import costmodel
-
-        return costmodel.load_device(args.device).memory_bytes
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 0.0
-    return total / max(1, args.ranks_per_node)
-
-
-def _modes(args: argparse.Namespace, config: Any, model: Any, dataset: Any, work: Workload,
-           ranks: Sequence[int], network: Any, node_link: Any) -> list[Any]:
-    """The modes table's rows for every rank count above 1 (:mod:`mpidl.modes`)."""
-    from mpidl.modes import modes_for, shape_of
-
-    x = dataset.features.get("x")
-    tokens = max(int(x.shape[-1]) - 1, 1) if x is not None and x.shape else 1  # gpt: T
-    shape = shape_of(config, model, work.params, work.state_copies, tokens)
-    memory = _memory_per_rank(args)
-    out = []
-    for r in sorted(set(ranks)):
-        if r > 1:
-            link = node_link if r <= max(1, args.ranks_per_node) else network
-            out += modes_for(shape, r, memory, link.time)
-    return out
-
-
 def shared_memory_link() -> Any:
     """The link between ranks of this node (its shared memory), measured here: two
     threads are not MPI, so a memory copy's bandwidth and a fixed few microseconds per
@@ -559,33 +381,3 @@ def plot(rows: list[Prediction], path: str, title: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
-
-
-def _write_sbatch(args: argparse.Namespace, best: Prediction, config: Any) -> int:
-    from pathlib import Path
-
-    from hpc import sbatch
-
-    gpu = bool(args.device) and "gpu" in getattr(args, "device", "")
-    template = "train_gpu" if gpu else "train_cpu"
-    try:
-        path = sbatch.find_template(template)
-        profile = sbatch.load_profile("generic-gpu" if gpu else "generic-cpu")
-        req = sbatch.Request(nodes=best.nodes, tasks_per_node=min(best.ranks,
-                                                                  args.ranks_per_node),
-                             time=_slurm_time(best.train_hours))
-        text = sbatch.render(path.read_text(), profile, req,
-                             (path.parent / "env.sh").read_text(),
-                             template_name=f"slurm/{path.name}")
-    except sbatch.RenderError as e:
-        print(f"mpidl plan: error: {e}", file=sys.stderr)
-        return 2
-    Path(args.sbatch).write_text(text)
-    print(f"batch script for {best.ranks} ranks: {args.sbatch} (sbatch {args.sbatch})")
-    return 0
-
-
-def _slurm_time(hours: float) -> str:
-    """A generous time limit for a predicted run: 1.5x, at least 10 minutes."""
-    minutes = max(10, math.ceil(hours * 60 * 1.5))
-    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"

@@ -88,4 +88,4 @@ def test_plan_names_a_missing_profile_and_a_bad_rank_list(tmp_path):
                          f"--data.cache-dir={tmp_path}"], timeout=60)
     assert result.returncode == 2 and "no network profile 'carrier-pigeon'" in result.stderr
     result = mpiexec(1, [sys.executable, "-m", "mpidl", "plan", "--ranks", "0,2"], timeout=60)
-    assert result.returncode == 2 and "--ranks '0,2'" in result.stderr
+    assert result.returncode == 2 and "--ranks: '0,2': rank counts >= 1" in result.stderr

@@ -140,8 +140,11 @@ def test_parse_args_reads_op_lists_sizes_and_counts():
 
 @pytest.mark.parametrize("argv, words", [
     (["--op", "scan"], "scan"),
-    (["--iters", "0"], "--iters 0 must be >= 1"),
-    (["--windows", "0"], "--windows 0 must be >= 1"),
+    (["--iters", "0"], "argument --iters: '0' must be an integer >= 1"),
+    (["--windows", "0"], "argument --windows: '0' must be an integer >= 1"),
+    (["--window-s", "nan"], "argument --window-s: 'nan' must be a finite number >= 0"),
+    (["--plot", "/nonexist/x.png"], "the directory /nonexist does not exist"),
+    (["--save-profile", "../x"], "profile name '../x': use a plain name"),
     (["--factor", "1"], "--factor 1 must be >= 2"),
     (["--min-bytes", "1M", "--max-bytes", "1K"], "below --min-bytes"),
     (["--window-s", "-1"], "--window-s"),

@@ -139,3 +139,25 @@ def test_a_saved_profile_is_found_by_name_and_reproduces_the_fit(tmp_path, monke
     assert "lab" in costmodel.list_profiles("network")
     assert profile.time("allreduce", 1e6, 4) == pytest.approx(20e-6 + 1e6 / 2e9, rel=1e-5)
     assert profile.link("sendrecv").bandwidth == pytest.approx(1e15)
+
+
+def test_a_profile_saved_from_an_allreduce_alone_prices_the_other_collectives_with_it():
+    profile = NetworkProfile("ar", "a test", {"allreduce": Link(5e-6, 1e9)})
+    assert profile.stand_ins(["allreduce", "reduce_scatter", "allgather"]) == \
+        ["reduce_scatter", "allgather"]
+    assert profile.link("allgather") == profile.link("allreduce")
+    assert _net().stand_ins(["allgather"]) == []  # [default] is no stand-in
+
+
+def test_a_profile_without_the_allreduce_says_to_measure_every_collective():
+    profile = NetworkProfile("sr", "a test", {"sendrecv": Link(5e-6, 1e9)})
+    with pytest.raises(costmodel.ProfileError, match=r"no \[allgather\], \[default\], "
+                       r"\[allreduce\] table.*mpidl bench --op all --save-profile sr"):
+        profile.stand_ins(["allgather"])
+
+
+def test_rank_counts_beyond_the_global_batch_name_the_largest_usable():
+    plan.check_rank_counts([1, 2, 64], 64)
+    with pytest.raises(ValueError, match="128 ranks for a global batch of 64: every rank "
+                                         "needs a sample per step; use at most 64 ranks"):
+        plan.check_rank_counts([1, 128], 64)

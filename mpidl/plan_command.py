@@ -1,0 +1,288 @@
+"""``mpidl plan``: the command line of the planner (:mod:`mpidl.plan` is the model).
+
+Every input is checked before anything is measured (docs/exit-status.md): the numbers
+by their argparse types (:mod:`hpc.argtypes`), the output files' directories, the
+configuration, the rank counts against its global batch, the profiles. A bad one exits
+2 with one message naming it; no traceback, no prediction from nonsense.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+from hpc.argtypes import nonnegative_float, output_file, positive_float, positive_int
+from mpidl import plan
+from mpidl.plan import Prediction, Workload
+
+
+def rank_counts(text: str) -> list[int]:
+    """``--ranks 1,2,4``: rank counts >= 1, comma-separated."""
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: rank counts >= 1, "
+                                         "comma-separated (1,2,4)")
+    return ranks
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpidl plan", description=plan.__doc__.split("\n\n")[0],
+                                usage="mpidl plan [PRESET|CONFIG.toml] [OPTIONS] "
+                                      "[--key=value ...]",
+                                epilog="PRESET or CONFIG.toml and --key=value come first or "
+                                       "anywhere, as `mpidl train` takes them.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=positive_int, help="training samples per epoch "
+                   "(default: the dataset's, or the generated corpus's num_train)")
+    p.add_argument("--epochs", type=positive_float, help="epochs (default: the config's)")
+    p.add_argument("--ranks", type=rank_counts, default=[1, 2, 4, 8],
+                   help="rank counts, comma-separated (1,2,4,8)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=1,
+                   help="ranks sharing a node (GPUs or cores per node)")
+    p.add_argument("--network", default="10gbe", help="network profile between nodes")
+    p.add_argument("--node-network", default="shm",
+                   help="network profile within a node (shm: shared memory, measured here)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--device", help="device profile: compute from FLOPs, not measured here")
+    src.add_argument("--step-time", type=positive_float, help="seconds of a 1-rank step at "
+                     "the global batch, measured elsewhere")
+    src.add_argument("--from-run", metavar="RUN_DIR", help="a run directory: its measured "
+                     "compute and input times and its config")
+    p.add_argument("--memory-gb", type=positive_float, help="memory per rank for the largest "
+                   "model that fits (default: the device profile's, else this machine's "
+                   "memory over --ranks-per-node)")
+    p.add_argument("--setup-hours", type=nonnegative_float, default=0.0,
+                   help="one-off hours to set the distributed runs up")
+    p.add_argument("--queue-hours", type=nonnegative_float, default=0.0,
+                   help="hours each distributed run waits in the queue")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write the table as JSON")
+    p.add_argument("--plot", metavar="FILE", type=output_file,
+                   help="draw speedup and time to train (PNG)")
+    p.add_argument("--sbatch", metavar="FILE", type=output_file, help="write a batch script "
+                   "for the best rank count (`mpidl sbatch` templates)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """``mpidl plan [PRESET|CONFIG] [OPTIONS] [--key=value ...]``.
+
+    Planning is one process's work; under a launcher rank 0 plans and prints while the
+    others wait, and every rank exits with its status (argparse's 2 included).
+    """
+    from hpc.env import detect
+
+    if detect().size <= 1:
+        return _plan(argv)
+    from mpidl.comm import world
+    from mpidl.comm.ledger import patience
+
+    comm = world()
+    code = None
+    if comm.rank == 0:
+        try:
+            code = _plan(argv)
+        except SystemExit as e:  # argparse: --help (0) or a bad argument (2)
+            code = e.code if isinstance(e.code, int) else 2
+    with patience("rank 0 plans"):
+        return comm.bcast_obj(code)
+
+
+LAYOUT_KEYS = (("tensor_parallel", 1), ("sequence_parallel", "none"),
+               ("sequence_parallel_size", None), ("megatron_sequence_parallel", False))
+
+
+def check_layout(config: Any) -> None:
+    """ValueError if ``config`` splits the model: the planner times one rank's
+    data-parallel step and prices the tensor and sequence splits itself."""
+    given = [f"--{k.replace('_', '-')}={getattr(config, k)}" for k, plain in LAYOUT_KEYS
+             if getattr(config, k) != plain]
+    if not given:
+        return
+    which = ("" if config.model.name == "gpt" else
+             f" (they split only the gpt model; this config's model is {config.model.name!r})")
+    raise ValueError(f"{' '.join(given)}: mpidl plan times one rank's data-parallel step and "
+                     "prices tensor, Ulysses and ring splits of the gpt model itself, in its "
+                     f"modes table at every rank count{which}; leave out {given[0]}")
+
+
+def _priced_ops(config: Any) -> tuple[str, ...]:
+    """The collectives the table and the modes price (:mod:`mpidl.modes`)."""
+    ops = ("allreduce", "reduce_scatter", "allgather")
+    return ops + (("alltoall", "sendrecv") if config.model.name == "gpt" else ())
+
+
+def _stand_in_note(profiles: Sequence[Any], ops: Sequence[str]) -> list[str]:
+    """A note per profile whose missing collectives are priced with its allreduce's."""
+    notes = []
+    for profile in profiles:
+        missing = profile.stand_ins(ops)
+        if missing:
+            notes.append(f"network profile {profile.name!r} has no numbers for "
+                         f"{', '.join(missing)}: priced with its allreduce's (measure them "
+                         f"with `mpidl bench --op all --save-profile {profile.name}`)")
+    return notes
+
+
+def _plan(argv: Sequence[str]) -> int:
+    from hpc import costmodel
+
+    from mpidl.data import DataError, ShardedDataset
+    from mpidl.train.checkpoint import CheckpointError
+    from mpidl.train.config import ConfigError, load_config, split_args
+    from mpidl.train.model import build_model
+
+    parser = _parser()
+    args, rest = parser.parse_known_args(list(argv))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: install the [plot] extra "
+                     "(pip install 'mpidl[plot]')")
+    try:
+        preset, overrides = split_args(rest)
+        input_s, run = 0.0, None
+        if args.from_run:
+            compute, input_s, run = plan.compute_from_run(args.from_run)
+            config = load_config(os.path.join(args.from_run, "config.toml"), overrides)
+        else:
+            config = load_config(preset, overrides)
+        check_layout(config)
+        plan.check_rank_counts(sorted(set(args.ranks)), config.global_batch)
+        network = costmodel.load_network(args.network)
+        node_link = (plan.shared_memory_link() if args.node_network == "shm"
+                     else costmodel.load_network(args.node_network))
+        notes = _stand_in_note([network, node_link], _priced_ops(config))
+        device = costmodel.load_device(args.device) if args.device else None
+        data_dir = plan.data_dir_for(config)
+        dataset = ShardedDataset(os.path.join(data_dir, "train"))
+        model = build_model(config, dataset)
+    except (ConfigError, costmodel.ProfileError, ValueError, OSError, DataError,
+            CheckpointError) as e:
+        print(f"mpidl plan: error: {e}", file=sys.stderr)
+        return 2
+    samples = args.samples if args.samples is not None else len(dataset)
+    epochs = args.epochs if args.epochs is not None else config.epochs
+    work = plan.workload(config, model, samples, epochs)
+    ranks = args.ranks
+    batches = [plan.per_rank_batch(work.global_batch, r) for r in sorted(set(ranks) | {1})]
+    if args.from_run:
+        basis = f"compute measured by the run {args.from_run} ({run['ranks']} ranks)"
+    elif device is not None:
+        flops = 6.0 * work.params
+
+        def compute(b: int) -> float:
+            return flops * b / device.flops
+        basis = f"compute from FLOPs on {device.name} ({device.flops / 1e12:g} TFLOP/s " \
+                f"sustained; {device.source.split(';')[0]})"
+    elif args.step_time is not None:
+        step, g = args.step_time, work.global_batch
+
+        def compute(b: int) -> float:
+            return step * b / g
+        basis = f"a 1-rank step of {step:g} s at batch {g}, given"
+    else:
+        measured = plan.measure_compute(config, data_dir, batches)
+
+        def compute(b: int) -> float:
+            return measured[b]
+        basis = "compute measured here (1 process, 1 BLAS thread per rank)"
+    rows = plan.predict(work, compute, ranks, network, node_link, args.ranks_per_node,
+                        input_s, args.queue_hours, args.setup_hours)
+    line = plan.verdict(rows, args.setup_hours, args.queue_hours)
+    memory = _memory_per_rank(args, device)
+    mode_rows = _modes(args, config, model, dataset, work, ranks, network, node_link, memory)
+    print(f"mpidl plan: {config.model.name}, {work.params:,} parameters "
+          f"({work.grad_bytes / 1e6:.1f} MB of gradient per step), {samples:,} samples x "
+          f"{work.epochs:g} epochs at global batch {work.global_batch} = {work.steps:,} steps\n"
+          f"network: {network.name} between nodes, {node_link.name} within "
+          f"({args.ranks_per_node} rank(s) per node); {basis}\n")
+    print(plan.format_table(rows))
+    if mode_rows:
+        from mpidl.modes import format_modes
+
+        print(f"\nmodes: model state per rank, the largest model whose state fits "
+              f"{memory / 1e9:.3g} GB per rank (activations not counted), "
+              "communication per step\n" + format_modes(mode_rows))
+    print(f"\nverdict: {line}")
+    notes += plan.caveats(rows)
+    for note in notes:
+        print(f"note: {note}")
+    best = max(rows, key=lambda r: r.speedup)
+    if args.json:
+        doc = {"model": config.model.name, "params": work.params, "samples": samples,
+               "epochs": work.epochs, "global_batch": work.global_batch,
+               "network": network.name, "node_network": node_link.name, "basis": basis,
+               "rows": [r.as_dict() for r in rows], "modes": [m.as_dict() for m in mode_rows],
+               "memory_per_rank": memory, "verdict": line, "caveats": notes,
+               "best_ranks": best.ranks}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, allow_nan=False)
+    if args.plot:
+        plan.plot(rows, args.plot, f"{config.model.name} on {network.name}")
+    if args.sbatch:
+        return _write_sbatch(args, best)
+    return 0
+
+
+def _memory_per_rank(args: argparse.Namespace, device: Any) -> float:
+    """Bytes of memory a rank has: ``--memory-gb``, the device's, or this node's share."""
+    if args.memory_gb is not None:
+        return args.memory_gb * 1e9
+    if device is not None:
+        return device.memory_bytes
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0.0
+    return total / args.ranks_per_node
+
+
+def _modes(args: argparse.Namespace, config: Any, model: Any, dataset: Any, work: Workload,
+           ranks: Sequence[int], network: Any, node_link: Any, memory: float) -> list[Any]:
+    """The modes table's rows for every rank count above 1 (:mod:`mpidl.modes`)."""
+    from mpidl.modes import modes_for, shape_of
+
+    x = dataset.features.get("x")
+    tokens = max(int(x.shape[-1]) - 1, 1) if x is not None and x.shape else 1  # gpt: T
+    shape = shape_of(config, model, work.params, work.state_copies, tokens)
+    out = []
+    for r in sorted(set(ranks)):
+        if r > 1:
+            link = node_link if r <= args.ranks_per_node else network
+            out += modes_for(shape, r, memory, link.time)
+    return out
+
+
+def _write_sbatch(args: argparse.Namespace, best: Prediction) -> int:
+    from pathlib import Path
+
+    from hpc import sbatch
+
+    gpu = bool(args.device) and "gpu" in args.device
+    template = "train_gpu" if gpu else "train_cpu"
+    try:
+        path = sbatch.find_template(template)
+        profile = sbatch.load_profile("generic-gpu" if gpu else "generic-cpu")
+        req = sbatch.Request(nodes=best.nodes, tasks_per_node=min(best.ranks,
+                                                                  args.ranks_per_node),
+                             time=_slurm_time(best.train_hours))
+        text = sbatch.render(path.read_text(), profile, req,
+                             (path.parent / "env.sh").read_text(),
+                             template_name=f"slurm/{path.name}")
+    except sbatch.RenderError as e:
+        print(f"mpidl plan: error: {e}", file=sys.stderr)
+        return 2
+    Path(args.sbatch).write_text(text)
+    print(f"batch script for {best.ranks} ranks: {args.sbatch} (sbatch {args.sbatch})")
+    return 0
+
+
+def _slurm_time(hours: float) -> str:
+    """A generous time limit for a predicted run: 1.5x, at least 10 minutes."""
+    minutes = max(10, math.ceil(hours * 60 * 1.5))
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
