@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -239,6 +240,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {least}")
     if args.max_bytes < args.min_bytes:
         p.error(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: install the [plot] extra (pip install 'mpidl[plot]')")
     return args
 
 

@@ -49,6 +49,7 @@ import dataclasses
 import os
 import re
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -356,6 +357,28 @@ def is_mpi_launch(environ: Mapping[str, str] | None = None) -> bool:
         return True
     step_size = environ.get("SLURM_STEP_NUM_TASKS", "")
     return step_size.isdigit() and int(step_size) > 1
+
+
+def stdin_problem(environ: Mapping[str, str] | None = None, fd: int = 0) -> str | None:
+    """Why this process's standard input will never deliver, or None when it may.
+
+    Open MPI 5's launcher (PRRTE, which sets ``PRTE_LAUNCHED``) gives rank 0 a pipe that
+    stays open and empty: ``printf 'a\\n' | mpiexec -n 2 CMD`` and ``mpiexec ... < FILE``
+    both leave a read waiting forever (PRRTE #2373; seen with 5.0.11). A file redirected
+    inside the rank's own command (``sh -c 'CMD < FILE'``) is a regular file and reads
+    as usual; other launchers (MPICH's Hydra, srun) forward standard input to rank 0.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("PRTE_LAUNCHED", "") == "":
+        return None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return None
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        return ("Open MPI's mpiexec does not forward standard input to the ranks "
+                "(PRRTE #2373, Open MPI 5): a read would wait forever")
+    return None
 
 
 def from_mpi(comm: Any, environ: Mapping[str, str] | None = None) -> JobEnv:

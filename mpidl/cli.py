@@ -66,6 +66,10 @@ def run_main(argv: Sequence[str]) -> int:
               "Runs SCRIPT.py as __main__ (sys.argv = [SCRIPT.py, ARGS...]). An unhandled\n"
               "exception on any rank prints that rank's traceback and aborts every rank.")
         return 0 if argv else 2
+    if not os.path.isfile(argv[0]):
+        print(f"mpidl run: error: {argv[0]!r} is not a file; name a Python script "
+              "(mpidl run SCRIPT.py [ARGS ...])", file=sys.stderr)
+        return 2
     sys.argv = list(argv)
     # As `python SCRIPT.py` does: the script's directory first on the path, so that it
     # imports the modules that sit next to it.

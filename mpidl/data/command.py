@@ -20,8 +20,13 @@ It prints what the data is, and stores it in each split's manifest
 (:mod:`mpidl.data.stats`): the length chosen and the texts cut, class counts, token-length
 percentiles and the unknown-token rate (text), each feature's value range and NaN/inf
 count (arrays).
-``--verify`` exits 1 and names each bad file, and each split that disagrees with
-``train`` (:mod:`mpidl.data.splits`).
+``--verify`` names each bad file, and each split that disagrees with ``train``
+(:mod:`mpidl.data.splits`).
+
+Exit status (docs/exit-status.md): 0 done; 2 bad input, checked before anything is
+written (an option, an unreadable or malformed input file, a dataset that fails
+``--verify``), one message naming the file, the value and the fix; 1 the storage failed
+while writing (a full disk, a quota: the old dataset stays as it was).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Sequence
 from mpidl.data import sources
 from mpidl.data.format import DataError, Manifest
 from mpidl.data.hdf5 import verify_dataset
+from mpidl.data.publish import StorageError
 from mpidl.data.text import check_length
 from mpidl.data.writer import write_shards, write_text_shards
 
@@ -311,7 +317,7 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``mpidl shard``; returns the exit status (1 for bad data, 2 for bad usage)."""
+    """Run ``mpidl shard``; returns the exit status (2 for bad input, 1 for a failed write)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if args.verify:
@@ -343,9 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in _stats_lines(manifest):
                 print(f"  {line}")
         return 0
-    except DataError as e:
+    except StorageError as e:
         print(f"mpidl shard: error: {e}", file=sys.stderr)
         return 1
-    except ValueError as e:  # a bad option (checked before anything is written): usage
+    except ValueError as e:  # DataError too: bad input, found before anything is written
         print(f"mpidl shard: error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,12 @@ from typing import Callable, Mapping, Sequence
 from mpidl.data.format import MANIFEST_NAME, DataError, Manifest
 
 _SHARD_RE = re.compile(r"shard-\d{5}\.h5")
+
+
+class StorageError(DataError):
+    """The new dataset could not be written or moved into place (a full disk, a quota, a
+    file-size limit): a failure of the storage, not of the input (``mpidl shard`` exits
+    1 for it, 2 for bad input: docs/exit-status.md)."""
 _FIXES = {
     errno_module.ENOSPC: "free space on that filesystem (`df {parent}`) or write to another "
                          "OUT_DIR",
@@ -87,7 +93,8 @@ def publish_splits(
 
     Raises:
         DataError: a split in ``replaces`` holds a dataset and ``overwrite`` is False
-            (before anything is written), or a write failed (the old dataset unchanged).
+            (before anything is written).
+        StorageError: a write failed (the old dataset unchanged).
     """
     old = {name: dataset_files(os.path.join(parent, name)) for name in replaces}
     held = [name for name, files in old.items() if files]
@@ -106,7 +113,7 @@ def publish_splits(
         failed = os.path.join(parent, os.path.relpath(e.filename, new)) if e.filename else parent
         state = "the dataset already there is unchanged" if held else "no dataset was there"
         fix = _FIXES.get(e.errno, "write to another OUT_DIR").format(parent=parent)
-        raise DataError(
+        raise StorageError(
             f"{failed}: cannot write the new dataset ({e.strerror or e}); {state} and the "
             f"partial new one was removed: {fix}",
             [(failed, str(e.strerror or e))],
@@ -125,7 +132,7 @@ def publish_splits(
             if not os.listdir(os.path.join(parent, name)):
                 os.rmdir(os.path.join(parent, name))
     except OSError as e:  # a rename within one directory tree: should not happen
-        raise DataError(
+        raise StorageError(
             f"{parent}: cannot move the new dataset into place ({e}); the old dataset's "
             f"files are in {aside}, the new one's in {new}: move them back by hand"
         ) from e

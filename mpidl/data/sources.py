@@ -273,12 +273,26 @@ def read_folder(
 def load_npz(path: str) -> dict[str, dict[str, numpy.ndarray]]:
     """Arrays of an ``.npz`` file, as ``{"train": {...}}`` or, when every key ends in
     ``_train`` or ``_test`` (``x_train, y_train, x_test, y_test``), as both splits."""
+    import zipfile
+
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):  # NumPy would take it for a pickle and say so
+        with open(path, "rb") as f:
+            head = f.read(8)
+        raise DataError(f"{path}: not an .npz file (it starts with {head!r}; an .npz is a zip "
+                        "archive of .npy arrays): save the arrays with numpy.savez(path, "
+                        "x=..., y=...)")
     try:
         with numpy.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except FileNotFoundError as e:
-        raise DataError(f"{path}: no such file") from e
-    except (OSError, ValueError) as e:
+    except ValueError as e:
+        if "pickle" not in str(e):
+            raise DataError(f"{path}: not a readable .npz file ({e})") from e
+        raise DataError(f"{path}: holds an array of Python objects, which mpidl never loads "
+                        "(unpickling can run any code): save numeric arrays (numbers, "
+                        "or token ids as integers)") from None
+    except (OSError, zipfile.BadZipFile) as e:
         raise DataError(f"{path}: not a readable .npz file ({e})") from e
     return _by_split(arrays, path)
 
@@ -345,8 +359,9 @@ def load_h5(path: str, features: list[str] | None = None) -> dict[str, dict[str,
     return out
 
 
-_COPY_IN = ("--from-h5 reads only data stored in the input file itself: write the arrays "
-            "into a file of their own (read them with h5py, write a new file) and shard that")
+_COPY_IN = ("mpidl reads only data stored in the input file itself (a link could make it "
+            "read any file you can): write the arrays into a file of their own (read them "
+            "with h5py, write a new file) and pass that")
 
 
 def _local(f: Any, name: str, path: str, seen: set[str] | None = None) -> Any:

@@ -298,8 +298,10 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     try:
         f = h5py.File(path, "r", locking=False)
     except OSError as e:
-        raise CheckpointError(f"checkpoint {path} cannot be opened, it is truncated or corrupt "
-                              f"({e}); delete it to resume from an earlier one") from None
+        # No fix here: the caller knows it (mpidl train sets the file aside and resumes
+        # from an earlier one; eval and predict take another --checkpoint).
+        raise CheckpointError(f"checkpoint {path} cannot be opened: it is truncated, corrupt "
+                              f"or not an HDF5 file ({e})") from None
     with f:
         version = _attr(f, "format_version", path)
         if version not in READABLE_VERSIONS:

@@ -40,6 +40,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from hpc.argtypes import number_problem
 from mpidl.data.sampler import DEFAULT_BLOCK_SIZE
 from mpidl.train.schema import (
     ConfigError,
@@ -215,16 +216,17 @@ def _validate(config: Config) -> None:
     if config.sequence_parallel_size is not None and config.sequence_parallel_size < 1:
         raise ConfigError(f"config key 'sequence_parallel_size' must be >= 1 or none, "
                           f"got {config.sequence_parallel_size}")
-    if config.bucket_mb is not None and not config.bucket_mb > 0:
-        raise ConfigError(f"config key 'bucket_mb' must be > 0 or none, got {config.bucket_mb}")
-    if not (config.lr > 0 and math.isfinite(config.lr)):
-        raise ConfigError(f"config key 'lr' must be a finite number > 0, got {config.lr}")
+    for key, strict, note in (("lr", True, ""), ("weight_decay", False, ""),
+                              ("bucket_mb", True, " or none"),
+                              ("clip_grad_norm", True, " or none"),
+                              ("timeout", False, " (seconds; 0: no watchdog) or none")):
+        value = getattr(config, key)
+        problem = None if value is None else number_problem(value, 0, strict)
+        if problem:
+            raise ConfigError(f"config key {key!r} {problem}{note}, got {value}")
     if not 0.0 <= config.min_lr_ratio <= 1.0:
         raise ConfigError(f"config key 'min_lr_ratio' must be in [0, 1] (the schedule's "
                           f"floor as a fraction of lr), got {config.min_lr_ratio}")
-    if not (config.weight_decay >= 0 and math.isfinite(config.weight_decay)):
-        raise ConfigError(f"config key 'weight_decay' must be a finite number >= 0, "
-                          f"got {config.weight_decay}")
     if not 0.0 <= config.momentum < 1.0:
         raise ConfigError(f"config key 'momentum' must be in [0, 1), got {config.momentum}")
     if config.seed < 0:
@@ -232,12 +234,6 @@ def _validate(config: Config) -> None:
     if not 0.0 <= config.warmup_fraction < 1.0:
         raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), "
                           f"got {config.warmup_fraction}")
-    if config.timeout is not None and not (config.timeout >= 0 and math.isfinite(config.timeout)):
-        raise ConfigError(f"config key 'timeout' must be a number of seconds >= 0 (0: no "
-                          f"watchdog) or none, got {config.timeout}")
-    if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
-        raise ConfigError(f"config key 'clip_grad_norm' must be > 0 or none, "
-                          f"got {config.clip_grad_norm}")
     if not config.model.name:
         raise ConfigError("config key 'model.name' is empty; name a model, e.g. --model=bow")
     d = config.data
@@ -247,6 +243,9 @@ def _validate(config: Config) -> None:
     for key in ("seed", "prefetch"):
         if getattr(d, key) < 0:
             raise ConfigError(f"config key 'data.{key}' must be >= 0, got {getattr(d, key)}")
+    if config.task == "custom" and not d.path:
+        raise ConfigError("task 'custom' trains on your dataset: pass --data=DIR (a directory "
+                          "written by `mpidl shard`)")
     if config.task == "gpt" and not d.path:  # the generated corpus's own limits
         from mpidl.data.language import MIN_SEQ_LEN, MIN_VOCAB
 

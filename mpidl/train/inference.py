@@ -158,13 +158,17 @@ def load_model(run: TrainedRun, description: Any, xp: Any, doing: str) -> tuple[
         ConfigError: an unknown model, or a checkpoint of another model.
         CheckpointError, FileNotFoundError: the checkpoint does not load.
     """
-    from mpidl.train.checkpoint import load_checkpoint
+    from mpidl.train.checkpoint import CheckpointError, load_checkpoint
     from mpidl.train.config import check_model
     from mpidl.train.trainer import build_model, load_model_state
 
     check_model(run.config)
     model = build_model(run.config, description).to(xp)
-    state = load_checkpoint(run.checkpoint)
+    try:
+        state = load_checkpoint(run.checkpoint)
+    except CheckpointError as e:  # only a --checkpoint: the run's own newest one loaded
+        raise CheckpointError(f"{e}; name another with --checkpoint, or leave it out for the "
+                              "run's newest checkpoint that loads") from None
     load_model_state(model, state, run.config, doing)
     return model.eval(), state
 

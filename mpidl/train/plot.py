@@ -129,9 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         paths = plot_run(args.run_dir, args.out)
-    except (ImportError, FileNotFoundError) as e:
-        print(f"mpidl plot: {e}", file=sys.stderr)
-        return 1
+    except (ImportError, OSError) as e:  # no run there, no extra: refused before any work
+        print(f"mpidl plot: error: {e}", file=sys.stderr)
+        return 2
     for path in paths:
         print(path)
     return 0

@@ -9,21 +9,25 @@ Run::
 
 Inputs (``INPUT``):
 
-- a text file, one input per line (UTF-8; every line is an input, a blank one too, so
-  output line ``i`` answers input line ``i``), or ``-`` / nothing for standard input,
-  which rank 0 reads. Under ``mpiexec`` pass a file rather than piping into the
-  launcher: Open MPI 5's ``prterun`` may never forward its standard input (PRRTE
-  #2373, seen with 5.0.11) or may duplicate parts of inputs over 64 KB (PRRTE #2579,
-  5.0.8). Each line is encoded exactly as ``mpidl shard`` encoded the training texts:
+- a text file, one input per line (UTF-8; output line ``i`` answers input line ``i``,
+  so a blank line, which has nothing to classify, is refused), or ``-`` / nothing for
+  standard input, which rank 0 reads once and shares. Under ``mpiexec`` pass a file
+  rather than piping into the launcher: Open MPI 5's ``prterun`` never forwards its
+  standard input (PRRTE #2373, seen with 5.0.11; refused at once, see
+  :func:`hpc.env.stdin_problem`) and may duplicate parts of inputs over 64 KB (PRRTE
+  #2579, 5.0.8). Each line is encoded exactly as ``mpidl shard`` encoded the training texts:
   the same tokenizer, vocabulary and length, from the run's ``dataset.json``
   (:mod:`mpidl.data.description`), so predicting needs no dataset;
 - an ``.npz`` or ``.h5``/``.hdf5`` file of rows: the array ``x`` (the model's input
-  feature), or the file's only array; each row of the shape the model was trained on.
+  feature), or the file's only array; each row of the shape the model was trained on,
+  its values finite (NaN or infinity is refused, naming the row).
 
 Output (rank 0, in input order): one line per input, the label and its probability
 (softmax), tab-separated; with ``--json`` one JSON object per line,
 ``{"index": 0, "label": "positive", "probability": 0.97, "probabilities": {...}}``.
-No input, no output (exit 0). The predicted label is the argmax of the scores, the same
+No input is an error (exit 2), as is a row whose scores are not finite (values far
+beyond the training data's: named when its round is scored, before its lines are
+written). The predicted label is the argmax of the scores, the same
 rule as ``mpidl eval``'s (:func:`~mpidl.data.evaluate.predicted_classes`). A regression
 run (float targets) writes its predicted values instead, tab-separated, or
 ``{"index": 0, "prediction": [0.12, -0.5], "targets": ["t1", "t2"]}`` (``targets``: the
@@ -36,13 +40,15 @@ and writes its lines before the next round, so output starts early and memory st
 bounded. The model is built as for ``mpidl eval`` (:mod:`mpidl.train.inference`): no
 optimizer, no data-parallel wrapper, no dataset.
 
-Exit codes (the same on every rank): 0 done; 2 a missing run directory or checkpoint,
-a corrupt one, an unreadable input or rows of the wrong shape (one message, from rank
-0, naming the file, the value and the fix); 1 any other error.
+Exit codes (the same on every rank; docs/exit-status.md): 0 done; 2 a missing run
+directory or checkpoint, a corrupt one, an unreadable, empty or blank input, rows of the
+wrong shape or not finite (one message, from rank 0, naming the file, the value and the
+fix); 1 any other error.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any, Sequence
@@ -66,6 +72,9 @@ class TextInputs:
     def rows(self, start: int, stop: int) -> numpy.ndarray:
         return self.description.encode_texts(self.lines[start:stop])
 
+    def where(self, index: int) -> str:
+        return f"line {index + 1} ({self.lines[index][:40]!r})"
+
 
 class ArrayInputs:
     """Feature rows already in memory, of the feature's shape and dtype."""
@@ -79,6 +88,9 @@ class ArrayInputs:
     def rows(self, start: int, stop: int) -> numpy.ndarray:
         return self.array[start:stop]
 
+    def where(self, index: int) -> str:
+        return f"row {index} (largest |value| {float(numpy.abs(self.array[index]).max()):.3g})"
+
 
 def _name(path: str) -> str:
     return "standard input" if path == STDIN else path
@@ -90,6 +102,13 @@ def _read_lines(path: str) -> list[str]:
 
     try:
         if path == STDIN:
+            from hpc.env import stdin_problem
+
+            problem = stdin_problem()
+            if problem:
+                raise DataError(f"standard input does not reach rank 0: {problem}; pass the "
+                                "inputs as a file: mpiexec -n N mpidl predict RUN_DIR "
+                                "INPUTS.txt")
             data = sys.stdin.buffer.read()
         else:
             with open(path, "rb") as f:
@@ -105,7 +124,16 @@ def _read_lines(path: str) -> list[str]:
     lines = text.split("\n")
     if lines[-1] == "":  # the newline that ends the last line starts no input
         lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
+    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+    if not lines:
+        raise DataError(f"{_name(path)} is empty: no input to classify; pass one input per "
+                        "line")
+    blank = [i + 1 for i, line in enumerate(lines) if not line.strip()]
+    if blank:
+        raise DataError(f"{_name(path)}: line {blank[0]} is blank ({len(blank)} blank "
+                        f"line(s) of {len(lines)}); a blank line has nothing to classify, and "
+                        "output line i answers input line i: remove the blank lines")
+    return lines
 
 
 def read_text(path: str, description: Any, comm: Any) -> TextInputs:
@@ -184,6 +212,13 @@ def read_rows(path: str, description: Any) -> ArrayInputs:
                                                            "same_kind"):
         raise DataError(f"{path}: array {name!r} has dtype {rows.dtype}, but the run's model "
                         f"reads {want}: convert it (e.g. token ids as integers)")
+    if not len(rows):
+        raise DataError(f"{path}: array {name!r} has no rows; pass at least one row to "
+                        "classify")
+    with numpy.errstate(over="ignore", invalid="ignore"):  # checked: _check_finite
+        cast = numpy.ascontiguousarray(rows, dtype=feature.dtype)
+    if cast.dtype.kind == "f":
+        _check_finite(path, name, rows, cast, feature.dtype)
     limit = value_ranges(description.manifest).get("x")
     if limit is not None and rows.dtype.kind in "iu" and len(rows):
         bad = bad_rows(rows, limit.limit)
@@ -191,7 +226,28 @@ def read_rows(path: str, description: Any) -> ArrayInputs:
             raise DataError(f"{path}: row {bad[0]} of {name!r} holds a {limit.what} outside "
                             f"[0, {limit.limit}) ({limit.why}; {bad.size} bad rows): encode "
                             "the inputs with the run's vocabulary")
-    return ArrayInputs(numpy.ascontiguousarray(rows, dtype=feature.dtype))
+    return ArrayInputs(cast)
+
+
+def _check_finite(path: str, name: str, rows: numpy.ndarray, cast: numpy.ndarray,
+                  dtype: numpy.dtype) -> None:
+    """DataError naming the first row of ``cast`` (``rows`` as the model reads them)
+    that holds NaN or an infinity: the model's scores for it would be NaN."""
+    from mpidl.data import DataError
+
+    bad = ~numpy.isfinite(cast.reshape(len(cast), -1)).all(axis=1)
+    if not bad.any():
+        return
+    first = int(numpy.flatnonzero(bad)[0])
+    at = [int(i) for i in numpy.unravel_index(
+        int(numpy.flatnonzero(~numpy.isfinite(cast[first]))[0]), cast.shape[1:])]
+    value = float(rows[first][tuple(at)])
+    why = f", beyond {dtype.name}'s range," if math.isfinite(value) else ""
+    raise DataError(f"{path}: row {first} of {name!r} holds {value:g}{why} at "
+                    f"{'column ' + str(at[0]) if len(at) == 1 else 'index ' + str(at)} "
+                    f"({int(bad.sum())} of {len(cast)} rows hold NaN or infinite values); the "
+                    "model's scores for them would be NaN: replace them (numpy.nan_to_num) "
+                    "or drop those rows")
 
 
 def read_inputs(path: str, description: Any, comm: Any) -> Any:
@@ -209,7 +265,8 @@ def format_line(index: int, probabilities: numpy.ndarray, label: int, names: Seq
         return f"{names[label]}\t{float(probabilities[label]):.4f}"
     return json.dumps({"index": index, "label": names[label],
                        "probability": float(probabilities[label]),
-                       "probabilities": {n: float(p) for n, p in zip(names, probabilities)}})
+                       "probabilities": {n: float(p) for n, p in zip(names, probabilities)}},
+                      allow_nan=False)
 
 
 def format_values(index: int, values: numpy.ndarray, names: Sequence[str] | None,
@@ -218,17 +275,23 @@ def format_values(index: int, values: numpy.ndarray, names: Sequence[str] | None
     if not as_json:
         return "\t".join(f"{float(v):.6g}" for v in values)
     return json.dumps({"index": index, "prediction": [float(v) for v in values],
-                       **({"targets": list(names)} if names else {})})
+                       **({"targets": list(names)} if names else {})}, allow_nan=False)
 
 
 def predict(model: Any, inputs: Any, comm: Any, xp: Any, batch: int,
             write: Any) -> None:
     """Score every input in rounds of ``batch`` per rank; call ``write(start, logits)``
     on rank 0 with each round's ``(rows, classes)`` host scores, in input order, until
-    it returns False (the output was closed). Collective."""
+    it returns False (the output was closed). Collective.
+
+    Raises:
+        DataError: on every rank alike (each checks the same gathered scores), before a
+            round is written, when an input's scores are not finite.
+    """
     from mpidl.autograd import no_grad
     from mpidl.backend import as_numpy, to_device
     from mpidl.comm import split_counts
+    from mpidl.data import DataError
 
     n, per_round = len(inputs), batch * comm.size
     for start in range(0, n, per_round):
@@ -238,6 +301,13 @@ def predict(model: Any, inputs: Any, comm: Any, xp: Any, batch: int,
         with no_grad():
             logits = as_numpy(model(x).data)
         gathered = comm.allgatherv(numpy.ascontiguousarray(logits))  # rank order = input order
+        finite = numpy.isfinite(gathered.reshape(len(gathered), -1)).all(axis=1)
+        if not finite.all():
+            i = start + int(numpy.flatnonzero(~finite)[0])
+            raise DataError(f"input {i}, {inputs.where(i)}: the model's scores for it are not "
+                            "finite, its values being far beyond the training data's "
+                            f"({int((~finite).sum())} such input(s) among inputs {start}-"
+                            f"{start + len(gathered) - 1}): check or drop it")
         closed = comm.rank == 0 and not write(start, gathered)
         if comm.agree_each(closed)[0]:
             break
@@ -259,6 +329,7 @@ def _objective(run: Any, description: Any) -> Any:
 
 def main(argv: Sequence[str]) -> int:
     """``mpidl predict RUN_DIR [INPUT] [--checkpoint PATH] [--json] [--batch N]``. Collective."""
+    from hpc.argtypes import positive_int
     from mpidl.train.inference import run_parser
 
     parser = run_parser("mpidl predict", "Classify new inputs with a run's checkpoint.",
@@ -267,14 +338,12 @@ def main(argv: Sequence[str]) -> int:
                         help="a text file (one input per line), - for standard input (the "
                              "default), or an .npz/.h5 file of feature rows")
     parser.add_argument("--json", action="store_true", help="one JSON object per input")
-    parser.add_argument("--batch", type=int, default=256,
+    parser.add_argument("--batch", type=positive_int, default=256,
                         help="inputs scored at a time on each rank (256)")
     parser.add_argument("--data", help="the dataset the run was trained on, for runs without "
                                        "a dataset.json (older mpidl); otherwise unused")
     # Intermixed: `RUN_DIR --checkpoint=C INPUT` leaves INPUT to the optional positional.
     args = parser.parse_intermixed_args(list(argv))
-    if args.batch < 1:
-        parser.error(f"--batch {args.batch} must be >= 1")
 
     from mpidl import functions as F
     from mpidl.autograd import no_grad
@@ -319,5 +388,11 @@ def main(argv: Sequence[str]) -> int:
             return False
         return True
 
-    predict(model, inputs, comm, xp, args.batch, write)
+    # The scores are checked for finiteness above; NumPy's overflow warnings on the way
+    # there would only repeat that, on every rank.
+    with numpy.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        try:
+            agreed(comm, prog, lambda: predict(model, inputs, comm, xp, args.batch, write))
+        except Refused:
+            return EXIT_CONFIG
     return 0

@@ -290,7 +290,7 @@ def test_train_help_shows_the_values_the_same_command_would_run(capsys):
 
 @pytest.mark.parametrize("value", ["-1", "inf", "nan"])
 def test_the_watchdog_timeout_key_is_seconds_or_none(value):
-    with pytest.raises(ConfigError, match="'timeout' must be a number of seconds >= 0"):
+    with pytest.raises(ConfigError, match=r"'timeout' must be a finite number >= 0 \(seconds"):
         load_config(None, [f"--timeout={value}"])
     assert load_config(None, ["--timeout=0"]).timeout == 0
     assert load_config(None, ["--timeout=none"]).timeout is None
@@ -302,3 +302,17 @@ def test_the_nonfinite_policy_keys_are_checked():
         load_config(None, ["--nonfinite=ignore"])
     with pytest.raises(ConfigError, match="'nonfinite_steps' must be >= 1"):
         load_config(None, ["--nonfinite-steps=0"])
+
+
+@pytest.mark.parametrize("key", ["bucket-mb", "clip-grad-norm", "lr"])
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_a_size_or_a_rate_is_a_finite_number_above_zero(key, value):
+    with pytest.raises(ConfigError, match=f"'{key.replace('-', '_')}' must be a finite number "
+                                          f"> 0.*got {value}"):
+        load_config(None, [f"--{key}={value}"])
+
+
+def test_the_custom_task_without_a_dataset_is_a_config_error_naming_the_option():
+    with pytest.raises(ConfigError, match="task 'custom' trains on your dataset: pass "
+                                          "--data=DIR"):
+        load_config(None, ["--task=custom"])

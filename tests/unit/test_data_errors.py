@@ -99,7 +99,7 @@ def test_checksum_mismatch_is_found_by_verify(split, capsys):
     path.write_bytes(bytes(data))
     ShardedDataset(str(split))  # the cheap start-up check cannot see it (documented)
     assert "shard-00002.h5: sha256" in expect(split, "corrupt or was modified", verify="sha256")
-    assert shard_main(["--verify", str(split.parent)]) == 1
+    assert shard_main(["--verify", str(split.parent)]) == 2  # bad data: bad input
     err = capsys.readouterr().err
     assert "shard-00002.h5" in err and "sha256" in err
 
@@ -113,7 +113,7 @@ def test_verify_names_the_bad_files_of_every_split(tmp_path, capsys):
     data = bytearray(train.read_bytes())
     data[-8:] = b"\xff" * 8
     train.write_bytes(bytes(data))
-    assert shard_main(["--verify", str(tmp_path / "d")]) == 1
+    assert shard_main(["--verify", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert "train/shard-00000.h5" in err and "test/shard-00001.h5" in err, err
 
@@ -255,9 +255,9 @@ def test_bad_folder_inputs(tmp_path):
         read_folder(str(tmp_path / "t"), classes=["pos", "meh"])
 
 
-def test_cli_reports_bad_input_and_exits_non_zero(tmp_path, capsys):
+def test_cli_reports_bad_input_and_exits_2_as_train_eval_and_predict_do(tmp_path, capsys):
     rc = shard_main(["--from-npz", str(tmp_path / "absent.npz"), str(tmp_path / "d")])
-    assert rc == 1 and "absent.npz: no such file" in capsys.readouterr().err
+    assert rc == 2 and "absent.npz: no such file" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -296,7 +296,7 @@ def test_verify_finds_a_token_id_out_of_range(text_split, capsys):
     x[9, 0] = len(ds.vocab)
     ds.close()
     rewrite_shard(text_split, 0, {"x": x, "y": y})
-    assert shard_main(["--verify", str(text_split.parent)]) == 1
+    assert shard_main(["--verify", str(text_split.parent)]) == 2
     assert f"shard-00000.h5: token id {len(ds.vocab)} at row 9" in capsys.readouterr().err
 
 
@@ -304,7 +304,7 @@ def test_a_nul_byte_in_a_shard_name_is_a_data_error_naming_the_manifest(split, c
     edit_manifest(split, lambda d: d["shards"][0].update(file="shard-0\x000000.h5"))
     message = expect(split, "holds a NUL byte", verify="none")
     assert message.startswith(str(split / "manifest.json"))
-    assert shard_main(["--verify", str(split)]) == 1  # bad data, not bad usage
+    assert shard_main(["--verify", str(split)]) == 2  # bad data is bad input, as in train
     assert "NUL byte" in capsys.readouterr().err
 
 
@@ -317,3 +317,24 @@ def test_an_absurd_num_classes_in_a_manifest_is_refused_naming_it(split):
 def test_the_writer_refuses_labels_that_cannot_be_class_ids(tmp_path):
     with pytest.raises(DataError, match="num_classes 1000000001 is more than .* `--labels none`"):
         write_shards(tmp_path / "d", {"x": numpy.zeros((2, 1)), "y": numpy.array([0, 10**9])})
+
+
+def test_a_file_that_is_not_an_npz_is_named_as_such_with_no_advice_to_unpickle(tmp_path):
+    from mpidl.data.sources import load_npz
+
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a zip file")
+    with pytest.raises(DataError, match=r"garbage.npz: not an .npz file \(it starts with "
+                                        r"b'not a zi'.*numpy.savez") as info:
+        load_npz(str(garbage))
+    assert "allow_pickle" not in str(info.value)
+
+
+def test_an_npz_of_python_objects_is_refused_because_unpickling_runs_code(tmp_path):
+    from mpidl.data.sources import load_npz
+
+    numpy.savez(tmp_path / "objects.npz", x=numpy.array([{"a": 1}], dtype=object))
+    with pytest.raises(DataError, match="holds an array of Python objects, which mpidl never "
+                                        "loads") as info:
+        load_npz(str(tmp_path / "objects.npz"))
+    assert "allow_pickle" not in str(info.value)

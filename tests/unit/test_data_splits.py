@@ -89,6 +89,6 @@ def test_verify_names_the_split_that_disagrees(tmp_path, capsys):
     data = text_dataset(tmp_path / "d")
     other = text_dataset(tmp_path / "o", [t.replace("good", "fine") for t in TEXTS])
     with_test_split_of(data, other)
-    assert shard_main(["--verify", str(data)]) == 1
+    assert shard_main(["--verify", str(data)]) == 2
     err = capsys.readouterr().err
     assert f"{data / 'test'}: vocabulary differs from {data / 'train'}'s" in err, err

@@ -168,7 +168,7 @@ def test_a_numeric_csv_with_a_label_column_is_a_classification_dataset(tmp_path,
     assert shard_main([*base, "--classes", "red,green,blue", str(tmp_path / "e")]) == 0
     assert read_all(tmp_path / "e" / "train")[1]["y"][:3].tolist() == [0, 2, 1]
     capsys.readouterr()
-    assert shard_main([*base, "--classes", "red,blue", str(tmp_path / "f")]) == 1
+    assert shard_main([*base, "--classes", "red,blue", str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 't.csv'}:4: label column 'kind' holds 'green'" in err
     # targets and a label column at once: which is it?
@@ -238,7 +238,7 @@ def test_folder_without_splits_uses_test_fraction(tmp_path):
 def test_overwrite_needs_force(tmp_path, capsys):
     write_shards(tmp_path / "d", {"x": numpy.zeros((4, 1))})
     numpy.savez(tmp_path / "in.npz", x=numpy.ones((3, 1)))
-    assert shard_main(["--from-npz", str(tmp_path / "in.npz"), str(tmp_path / "d")]) == 1
+    assert shard_main(["--from-npz", str(tmp_path / "in.npz"), str(tmp_path / "d")]) == 2
     assert "already holds a dataset" in capsys.readouterr().err
     assert (
         shard_main(

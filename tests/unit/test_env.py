@@ -3,6 +3,8 @@
 Each environment below is what the launcher really exports (trimmed to the variables
 hpc.env reads); no MPI is needed.
 """
+import os
+
 import pytest
 
 from hpc import env
@@ -265,3 +267,20 @@ def test_time_left_prefers_the_exported_end_time():
 
 def test_time_left_outside_a_job_is_unknown():
     assert env.time_left({}, clock=clock) is None
+
+
+def test_standard_input_from_open_mpi_5s_launcher_is_named_as_never_arriving(tmp_path):
+    read, write = os.pipe()
+    try:
+        problem = env.stdin_problem({"PRTE_LAUNCHED": "1"}, fd=read)
+        assert "does not forward standard input" in problem and "PRRTE #2373" in problem
+        assert env.stdin_problem({}, fd=read) is None  # another launcher forwards it
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_a_file_redirected_inside_the_ranks_command_is_read_under_open_mpi(tmp_path):
+    (tmp_path / "in.txt").write_text("a\n")
+    with open(tmp_path / "in.txt") as f:
+        assert env.stdin_problem({"PRTE_LAUNCHED": "1"}, fd=f.fileno()) is None

@@ -39,5 +39,5 @@ def test_plot_to_another_directory(tmp_path):
 
 
 def test_missing_metrics_is_a_clear_error(tmp_path, capsys):
-    assert main([str(tmp_path)]) == 1
+    assert main([str(tmp_path)]) == 2  # bad input: docs/exit-status.md
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
