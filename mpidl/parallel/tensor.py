@@ -48,6 +48,7 @@ from mpidl.autograd import Function, Tensor
 from mpidl.backend import as_numpy, get_array_module, to_device
 from mpidl.comm.base import Communicator, split_counts
 from mpidl.nn.embedding import Embedding
+from mpidl.optim.clip import gradient_norm
 from mpidl.nn.linear import Linear, linear
 from mpidl.nn.module import Module, Parameter, as_input
 from mpidl.parallel.mappings import (copy_to_region, gathered_linear, reduce_from_region,
@@ -484,23 +485,14 @@ def grad_norm(params: Iterable[Tensor], comm: Communicator) -> Any:
     """The 2-norm of the full model's gradient, as a 0-d array, the same on every rank.
 
     Sharded parameters' squares are summed over ``comm`` (the tensor group), replicated
-    ones counted once: a local norm would be too small, a sum over every rank would
-    count each replica ``t`` times. Collective over ``comm``. Call it after the
-    gradients are averaged over the replicas.
+    ones counted once (:func:`mpidl.optim.clip.gradient_norm`). Collective over
+    ``comm``. Call it after the gradients are averaged over the replicas.
     """
     params = [p for p in params if p.grad is not None]
     if not params:
         return None
-    xp = get_array_module(params[0].grad)
-    dtype = xp.promote_types(params[0].grad.dtype, xp.float32)
-    sq = xp.zeros(2, dtype=dtype)  # [sharded, replicated]
-    for p in params:
-        flat = p.grad.reshape(-1).astype(dtype, copy=False)
-        sq[0 if getattr(p, "shard", None) is not None else 1] += xp.dot(flat, flat)
-    sharded = sq[:1].copy()
-    if comm.size > 1:
-        comm.allreduce_(sharded)
-    return xp.sqrt(sharded[0] + sq[1])
+    return gradient_norm(((p.grad, getattr(p, "shard", None) is not None) for p in params),
+                         tensor=comm)
 
 
 def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, comm: Communicator,

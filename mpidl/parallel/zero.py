@@ -51,6 +51,7 @@ from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator
 from mpidl.nn.module import Module, Parameter
+from mpidl.optim.clip import gradient_norm
 from mpidl.parallel import agreement
 from mpidl.parallel.buckets import plan_buckets
 from mpidl.parallel.transport import choose_transport
@@ -441,22 +442,14 @@ class ShardedDataParallel:
 
         ``tensor``: the group that a tensor-parallel model's parameters are split over
         (those with a ``shard``, :mod:`mpidl.parallel.tensor`): their squares add up over
-        it too, while the replicated parameters, alike on every rank of it, count once.
+        it too, while the replicated parameters, alike on every rank of it, count once
+        (:func:`mpidl.optim.clip.gradient_norm`, the norm of every layout).
         """
-        total = numpy.zeros(2, dtype=numpy.float64)  # [split over tensor, the rest]
-        for u in self.units:
-            if not u.block or u.shard.grad is None:
-                continue
-            for p, _, g in _member_slices(u, u.shard.grad):
-                g = g.astype(numpy.float64, copy=False) if g.dtype != numpy.float64 else g
-                split = tensor is not None and getattr(p, "shard", None) is not None
-                total[0 if split else 1] += float((g * g).sum())
-        self.comm.allreduce_(total)
-        if tensor is not None and tensor.size > 1:
-            split = total[:1].copy()
-            tensor.allreduce_(split)
-            total[0] = split[0]
-        return float(numpy.sqrt(total.sum()))
+        pieces = [(g, tensor is not None and getattr(p, "shard", None) is not None)
+                  for u in self.units if u.block and u.shard.grad is not None
+                  for p, _, g in _member_slices(u, u.shard.grad)]
+        xp = self.units[0].xp if self.units else numpy
+        return float(gradient_norm(pieces, shards=self.comm, tensor=tensor, xp=xp))
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6,
                         tensor: Communicator | None = None) -> float:
