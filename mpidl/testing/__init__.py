@@ -9,6 +9,7 @@ from mpidl.testing.collective import (
     raises_all_ranks,
 )
 from mpidl.testing.gradcheck import gradcheck, numerical_grad
+from mpidl.testing.threads import ThreadCommunicator, run_ranks
 from mpidl.testing.tolerance import allclose, tolerance
 
 __all__ = [
@@ -19,5 +20,7 @@ __all__ = [
     "allclose",
     "gradcheck",
     "numerical_grad",
+    "run_ranks",
+    "ThreadCommunicator",
     "tolerance",
 ]
