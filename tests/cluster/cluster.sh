@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# A cluster of N virtual nodes inside this machine, for tests that cross nodes (root).
+#
+#   bash tests/cluster/cluster.sh up --nodes 2 [--rate 1gbit] [--slots 2]
+#   bash tests/cluster/cluster.sh mpiexec -n 4 mpidl train     # ranks 0-1 on n1, 2-3 on n2
+#   bash tests/cluster/cluster.sh mpiexec --nodes 1 -n 2 ...   # only the first K nodes
+#   bash tests/cluster/cluster.sh status
+#   bash tests/cluster/cluster.sh link n2 down|up              # cut or mend a node's link
+#   bash tests/cluster/cluster.sh down                         # idempotent
+#
+# Each node nI is a network namespace mpidl-nI, holding one end of a veth pair (eth0,
+# address SUBNET.(I+1)); the other end, mpidl-vI, is on the bridge mpidl-br, whose
+# address SUBNET.1 is where mpiexec (which stays in this namespace) is reached. The
+# subnet (MPIDL_CLUSTER_SUBNET, default 10.213.0, a /24) exists only on the bridge and in
+# these namespaces: the nodes have no default route and nothing is forwarded or NATed,
+# so no packet of theirs can leave the machine. A node's processes also get their own
+# UTS namespace with the host name nI (see agent.sh), so host names differ per node as
+# on a real cluster; /etc/hosts is never touched (the hostfile holds addresses).
+#
+# --rate RATE shapes both directions of every node's link (its eth0 and its bridge
+# port) with `tc`: htb by default, or tbf with --shaper tbf (this kernel has no netem,
+# so there is no added delay). Measured here, MPI Send/Recv between two nodes at 1gbit:
+# 0.10-0.12 GB/s for 16 KB and 1-16 MB messages with htb, and with this tbf (burst
+# 256kb); a tbf with a small burst drops packets and falls to 0.06 GB/s for 4 MB and
+# more as TCP backs off. Unshaped: 0.2-0.5 GB/s. 64 KB messages crawl at 0.02-0.03 GB/s
+# shaped or not (Open MPI's TCP eager limit is 64 KB: the rendezvous round trip).
+#
+# What `up` makes is written to $MPIDL_CLUSTER_DIR/made before it is made (default
+# ${TMPDIR:-/tmp}/mpidl-cluster), so `down` removes exactly that, also after an `up`
+# that failed half-way, and leaves the machine as it found it. `down` with nothing up
+# does nothing and succeeds.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+dir=${MPIDL_CLUSTER_DIR:-${TMPDIR:-/tmp}/mpidl-cluster}
+subnet=${MPIDL_CLUSTER_SUBNET:-10.213.0}
+bridge=mpidl-br
+export MPIDL_CLUSTER_DIR=$dir
+
+die() { echo "cluster.sh: $*" >&2; exit 2; }
+
+usage() {
+    sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    exit 2
+}
+
+# Why a machine cannot host the cluster, or nothing (the tests skip with this reason).
+unavailable() {
+    [[ $(id -u) -eq 0 ]] || { echo "network namespaces need root (uid $(id -u))"; return; }
+    local tool
+    for tool in ip tc nsenter unshare hostname awk; do
+        command -v "$tool" >/dev/null || { echo "$tool not found (iproute2/util-linux)"; return; }
+    done
+    ip netns list >/dev/null 2>&1 || { echo "ip netns does not work here"; return; }
+}
+
+record() { echo "$*" >>"$dir/made"; }
+
+# ---- up ---------------------------------------------------------------------------
+up() {
+    local nodes=2 rate="" slots=2 shaper=htb
+    while [[ $# -gt 0 ]]; do
+        case $1 in
+            --nodes) nodes=$2; shift 2 ;;
+            --rate) rate=$2; shift 2 ;;
+            --slots) slots=$2; shift 2 ;;
+            --shaper) shaper=$2; shift 2 ;;
+            *) die "up: unknown option $1 (expected --nodes N [--rate RATE] [--slots S] [--shaper htb|tbf])" ;;
+        esac
+    done
+    [[ $nodes =~ ^[0-9]+$ ]] && ((nodes >= 1 && nodes <= 200)) \
+        || die "up: --nodes $nodes is not a number of nodes from 1 to 200"
+    [[ $slots =~ ^[0-9]+$ ]] && ((slots >= 1)) || die "up: --slots $slots is not a positive number"
+    [[ $shaper == htb || $shaper == tbf ]] || die "up: --shaper $shaper: use htb or tbf"
+    [[ -z $rate || $rate =~ ^[0-9.]+[kmgt]?(bit|bps)$ ]] \
+        || die "up: --rate $rate is not a tc rate such as 1gbit, 10gbit or 500mbit"
+    local why
+    why=$(unavailable)
+    [[ -z $why ]] || { echo "cluster.sh: cannot make namespaces: $why" >&2; exit 3; }
+    if [[ -e $dir/made ]]; then
+        die "up: a cluster is up already ($dir); run \`cluster.sh down\` first"
+    fi
+    # The subnet must be ours alone: no address or route of it on this machine.
+    if ip -4 addr show | grep -q "inet $subnet\." || ip -4 route show | grep -q "^$subnet\."; then
+        die "up: $subnet.0/24 is already in use on this machine; set MPIDL_CLUSTER_SUBNET"
+    fi
+    ip link show "$bridge" >/dev/null 2>&1 && die "up: a link named $bridge exists already"
+    mkdir -p "$dir"
+    : >"$dir/made"
+    trap 'echo "cluster.sh: up failed; undoing" >&2; down >/dev/null 2>&1 || true' ERR
+
+    record "link $bridge"
+    ip link add "$bridge" type bridge
+    sysctl -qw "net.ipv6.conf.$bridge.disable_ipv6=1"
+    ip addr add "$subnet.1/24" dev "$bridge"
+    ip link set "$bridge" up
+    : >"$dir/nodes"
+    : >"$dir/hostfile"
+    local i ns veth addr
+    for ((i = 1; i <= nodes; i++)); do
+        ns=mpidl-n$i veth=mpidl-v$i addr=$subnet.$((i + 1))
+        ip netns list | grep -qw "^$ns" && die "up: a namespace named $ns exists already"
+        record "netns $ns"
+        ip netns add "$ns"
+        record "link $veth"
+        ip link add "$veth" type veth peer name eth0 netns "$ns"
+        sysctl -qw "net.ipv6.conf.$veth.disable_ipv6=1"
+        ip netns exec "$ns" sysctl -qw net.ipv6.conf.all.disable_ipv6=1
+        ip link set "$veth" master "$bridge" up
+        ip -n "$ns" addr add "$addr/24" dev eth0
+        ip -n "$ns" link set lo up
+        ip -n "$ns" link set eth0 up
+        if [[ -n $rate ]]; then
+            shape "$veth" "" "$rate" "$shaper"
+            shape eth0 "$ns" "$rate" "$shaper"
+        fi
+        echo "n$i $ns $addr $veth" >>"$dir/nodes"
+        echo "$addr slots=$slots" >>"$dir/hostfile"
+    done
+    printf 'nodes=%s\nrate=%s\nslots=%s\nshaper=%s\nsubnet=%s\n' \
+        "$nodes" "${rate:-none}" "$slots" "$shaper" "$subnet" >"$dir/config"
+    trap - ERR
+    echo "cluster: up, $nodes nodes ($(awk '{print $1 "=" $3}' "$dir/nodes" | xargs)), rate ${rate:-unshaped}, state in $dir"
+}
+
+# shape DEV NETNS RATE SHAPER: limit DEV's egress to RATE (NETNS empty: this namespace).
+shape() {
+    local dev=$1 ns=$2 rate=$3 shaper=$4
+    local tcn=(tc)
+    [[ -z $ns ]] || tcn=(ip netns exec "$ns" tc)
+    if [[ $shaper == tbf ]]; then
+        # burst: a few 64 KB GSO packets; latency bounds the queue (then tbf drops).
+        "${tcn[@]}" qdisc add dev "$dev" root tbf rate "$rate" burst 256kb latency 20ms
+    else
+        "${tcn[@]}" qdisc add dev "$dev" root handle 1: htb default 1
+        "${tcn[@]}" class add dev "$dev" parent 1: classid 1:1 htb rate "$rate" ceil "$rate" quantum 200000
+    fi
+}
+
+# ---- down -------------------------------------------------------------------------
+# Stop every process inside one of our namespaces (ranks, prted, slurmd), then remove
+# the namespaces and links, in the reverse order of `made`.
+down() {
+    if [[ ! -e $dir/made ]]; then
+        echo "cluster: nothing up ($dir/made not found)"
+        rm -rf "$dir"
+        return 0
+    fi
+    local kind name pids sig
+    while read -r kind name; do
+        [[ $kind == netns ]] || continue
+        ip netns list | grep -qw "^$name" || continue
+        for sig in TERM KILL; do
+            pids=$(ip netns pids "$name" 2>/dev/null || true)
+            [[ -n $pids ]] || break
+            # shellcheck disable=SC2086
+            kill -s "$sig" $pids 2>/dev/null || true
+            for _ in $(seq 1 25); do
+                [[ -z $(ip netns pids "$name" 2>/dev/null) ]] && break
+                sleep 0.2
+            done
+        done
+    done <"$dir/made"
+    while read -r kind name; do
+        case $kind in
+            netns) ip netns list | grep -qw "^$name" && ip netns del "$name" ;;
+            link) ip link show "$name" >/dev/null 2>&1 && ip link del "$name" ;;
+        esac
+    done < <(tac "$dir/made")
+    local left=""
+    while read -r kind name; do
+        case $kind in
+            netns) ip netns list | grep -qw "^$name" && left+=" netns $name" ;;
+            link) ip link show "$name" >/dev/null 2>&1 && left+=" link $name" ;;
+        esac
+    done <"$dir/made"
+    [[ -z $left ]] || { echo "cluster.sh: down could not remove:$left" >&2; return 1; }
+    rm -rf "$dir"
+    echo "cluster: down"
+}
+
+# ---- use --------------------------------------------------------------------------
+need_up() { [[ -s $dir/nodes ]] || die "no cluster is up ($dir/nodes not found); run \`cluster.sh up --nodes N\`"; }
+
+mpiexec_() {
+    need_up
+    local use=0
+    if [[ ${1:-} == --nodes ]]; then
+        use=$2
+        shift 2
+        [[ $use =~ ^[0-9]+$ ]] && ((use >= 1 && use <= $(wc -l <"$dir/hostfile"))) \
+            || die "mpiexec: --nodes $use: the cluster has $(wc -l <"$dir/hostfile") nodes"
+    fi
+    local hostfile=$dir/hostfile
+    if ((use > 0)); then
+        hostfile=$dir/hostfile.$use
+        head -n "$use" "$dir/hostfile" >"$hostfile"
+    fi
+    local launcher=${MPIEXEC:-}
+    if [[ -z $launcher ]]; then
+        launcher=$(command -v mpiexec || true)
+        [[ -n $launcher ]] || launcher=$root/.venv/bin/mpiexec
+    fi
+    [[ -x $launcher ]] || die "mpiexec not found; set MPIEXEC or put Open MPI's mpiexec on PATH"
+    if [[ $(id -u) -eq 0 ]]; then
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    fi
+    local net
+    net=$(awk -F= '$1 == "subnet" {print $2}' "$dir/config").0/24
+    # btl tcp,sm,self: ranks on one node talk through shared memory and ranks on
+    # different nodes over TCP, as on a real cluster. sm is right here because PRRTE
+    # counts a node by its daemon (one prted per namespace, each with its own host
+    # name and session directory), so MPI's COMM_TYPE_SHARED split and sm's peers are
+    # exactly a node's ranks; leaving sm out would send even a node's own traffic
+    # through its loopback, which no real node does. MPIDL_CLUSTER_BTL=tcp,self does
+    # that, for an experiment.
+    #
+    # mpi_yield_when_idle 1: a rank waiting for a message yields the CPU between
+    # polls. Measured here (2 cores, 4 ranks busy-polling): without it every TCP
+    # message waited for a 4 ms scheduler tick, because the kernel's network work for
+    # the veth links got no CPU, and a small allreduce took 4 ms; with it, 24 us. Any
+    # TCP cluster whose ranks take every core meets the same thing.
+    # --bind-to none: every node's prted thinks it owns the machine's cores and would
+    # bind its first rank to core 0, so that the first ranks of all nodes shared one
+    # core. Given explicitly, the caller's binding wins.
+    local bind=(--bind-to none) arg
+    for arg in "$@"; do
+        [[ $arg == --bind-to ]] && bind=()
+    done
+    exec "$launcher" --hostfile "$hostfile" "${bind[@]}" \
+        --prtemca plm_ssh_agent "$here/agent.sh" \
+        --prtemca oob_tcp_if_include "$net" \
+        --mca btl "${MPIDL_CLUSTER_BTL:-tcp,sm,self}" --mca btl_tcp_if_include "$net" \
+        --mca mpi_yield_when_idle 1 \
+        "$@"
+}
+
+status() {
+    if [[ ! -s $dir/nodes ]]; then
+        echo "cluster: down"
+        return 0
+    fi
+    echo "cluster: up ($dir)"
+    cat "$dir/config"
+    local name ns addr veth
+    while read -r name ns addr veth; do
+        echo "$name $addr netns=$ns link=$(ip -br link show "$veth" 2>/dev/null | awk '{print $2}') processes=$(ip netns pids "$ns" 2>/dev/null | wc -l)"
+    done <"$dir/nodes"
+}
+
+# link NODE up|down: the node's bridge port, as if its cable were pulled or put back.
+link() {
+    need_up
+    local node=${1:-} state=${2:-}
+    [[ $state == up || $state == down ]] || die "link: usage: link NODE up|down"
+    local veth
+    veth=$(awk -v n="$node" '$1 == n || $3 == n {print $4}' "$dir/nodes")
+    [[ -n $veth ]] || die "link: $node is not a node ($(awk '{print $1}' "$dir/nodes" | xargs))"
+    ip link set "$veth" "$state"
+}
+
+case ${1:-} in
+    up) shift; up "$@" ;;
+    down) shift; down ;;
+    mpiexec) shift; mpiexec_ "$@" ;;
+    status) status ;;
+    link) shift; link "$@" ;;
+    unavailable) unavailable ;;
+    *) usage ;;
+esac
