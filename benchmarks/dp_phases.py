@@ -84,7 +84,7 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
     from dp_train import CASES, make_batches
 
     w = MPI.COMM_WORLD
-    dp = DataParallel(models.build(model, seed=0), mpidl.comm.world(),
+    dp = DataParallel(models.build(model, seed=0), mpidl.comm.world(), keep_freed_memory=True,
                       shared_memory=False if variant != "dataparallel" else None)
     opt = SGD(dp.module.parameters(), lr=0.01)
     batches = make_batches(model, w.rank, "zipf")

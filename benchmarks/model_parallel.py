@@ -69,7 +69,7 @@ class Run:
         tensor, sequence, options = MODES[mode](comm.size)
         self.grid = ProcessGrid(comm, tensor=tensor, sequence=sequence)
         self.model = parallel_gpt(self.grid, **options, **model_kwargs(args))
-        self.dp = DataParallel(self.model, self.grid.replicas)
+        self.dp = DataParallel(self.model, self.grid.replicas, keep_freed_memory=True)
         self.opt = AdamW(self.model.parameters(), lr=1e-3)
         rng = numpy.random.default_rng(1)
         global_batch = args.batch * comm.size

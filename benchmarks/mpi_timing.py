@@ -24,7 +24,7 @@ from typing import Any, Callable  # noqa: E402
 # page-faults it in again: 13,900 faults and 44 ms of kernel time per transformer step
 # for mpidl (of ~250 ms), 5,000 and 11 ms for PyTorch. Never trimming, and serving
 # blocks up to 32 MiB (glibc's largest) from the heap, removes that for both. The same
-# variables work for any long-running training process (``DataParallel`` sets the same
+# variables work for any long-running training process (``mpidl train`` sets the same
 # policy itself, see ``mpidl.backend.keep_freed_memory``); the engines' code is the same.
 MALLOC_KEEP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(1 << 25)}
 

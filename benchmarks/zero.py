@@ -67,9 +67,10 @@ def mpidl_step(args, batches):
     comm = mpidl.comm.world()
     model = _mpidl_model(args.model)
     if args.mode == "dp":
-        wrapper = DataParallel(model, comm)
+        wrapper = DataParallel(model, comm, keep_freed_memory=True)  # as mpidl train
     else:
-        wrapper = ShardedDataParallel(model, comm, stage=int(args.mode[-1]))
+        wrapper = ShardedDataParallel(model, comm, stage=int(args.mode[-1]),
+                                      keep_freed_memory=True)
     opt = AdamW(wrapper.parameters(), lr=1e-3)
     state = {"i": 0}
 

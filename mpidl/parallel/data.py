@@ -55,6 +55,7 @@ from mpidl.parallel.buckets import Bucket, build_buckets
 from mpidl.parallel.sparse import SparseTables
 from mpidl.parallel import compression as wire
 from mpidl.parallel.transport import WindowTransport, choose_transport
+from mpidl.parallel.wrapper import HeldBytes
 
 
 class DataParallel:
@@ -90,8 +91,9 @@ class DataParallel:
             share one (mlp at 2 ranks on one node: 20.0 ms per step blocking, 21.3 ms
             overlapped). Every rank makes the same choice (it depends on the group only).
         keep_freed_memory: have glibc's malloc keep the memory a step frees for the next
-            step (:func:`mpidl.backend.keep_freed_memory`; a process-wide setting, made
-            once here). Each step frees and reallocates the same activations; by default
+            step (:func:`mpidl.backend.keep_freed_memory`). A process-wide setting, so the
+            job's choice (``mpidl train`` asks for it: its ``keep_freed_memory`` key); the
+            library leaves the allocator alone unless asked. Each step frees and reallocates the same activations; by default
             glibc returns them to the kernel and the next step page-faults them back in:
             the reference transformer at 2 ranks trains at 249 samples/s without and 313
             with it (benchmarks/README.md). The process keeps its peak heap, as a GPU
@@ -114,7 +116,7 @@ class DataParallel:
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,
                  compression: str | None = None, hierarchical: bool | int = False,
                  sparse_embeddings: bool = True, broadcast: bool = True,
-                 overlap: bool | None = None, keep_freed_memory: bool = True,
+                 overlap: bool | None = None, keep_freed_memory: bool = False,
                  shared_memory: bool | None = None, sync_batchnorm: bool = False,
                  broadcast_buffers: bool = True) -> None:
         self.comm = comm
@@ -352,6 +354,14 @@ class DataParallel:
     # -- sparse embedding rows --------------------------------------------------------------
     def _sync_sparse(self) -> None:
         self.sparse_used = self.sparse_tables.sync(self.comm, self._piece_bytes)
+
+    def state_bytes(self, optimizer: Any = None) -> dict[str, int]:
+        """Bytes this rank holds now: full parameters, the gradient buckets (and any
+        gradient outside them, the sparse tables'), and the optimizer's state."""
+        held = HeldBytes()
+        params = held(*(p.data for _, p in self.named))
+        grads = held(*(b.flat for b in self.buckets), *(p.grad for _, p in self.named))
+        return {"parameters": params, "gradients": grads, "optimizer": held.optimizer(optimizer)}
 
     def checksum(self) -> float:
         """Sum of every parameter value in float64, on this rank (not collective)."""

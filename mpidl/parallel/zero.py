@@ -55,6 +55,7 @@ from mpidl.optim.clip import gradient_norm
 from mpidl.parallel import agreement
 from mpidl.parallel.buckets import plan_buckets
 from mpidl.parallel.transport import choose_transport
+from mpidl.parallel.wrapper import HeldBytes
 
 STAGES = (1, 2, 3)
 
@@ -160,7 +161,8 @@ class ShardedDataParallel:
         compression: None, "float16" or "bfloat16": the dtype gradients travel in (the
             reduce-scatter); parameters always travel in full precision.
         broadcast: copy rank 0's parameters to every rank first.
-        keep_freed_memory: as DataParallel's (glibc keeps freed memory for reuse).
+        keep_freed_memory: as DataParallel's (glibc keeps freed memory for reuse; a
+            process-wide setting, so the job's choice: off unless asked).
         broadcast_buffers: as DataParallel's: rank 0's running statistics of batch norm
             layers that are not synchronised go to every rank before each training
             forward (:func:`~mpidl.parallel.agreement.drifting_buffers`), so that every
@@ -169,7 +171,7 @@ class ShardedDataParallel:
 
     def __init__(self, model: Module, comm: Communicator, stage: int = 1,
                  bucket_mb: float = 4.0, compression: str | None = None,
-                 broadcast: bool = True, keep_freed_memory: bool = True,
+                 broadcast: bool = True, keep_freed_memory: bool = False,
                  broadcast_buffers: bool = True) -> None:
         self.comm, self.module = comm, model
         agreement.check_same_options(comm, "ShardedDataParallel", stage=stage,
@@ -469,27 +471,12 @@ class ShardedDataParallel:
     # -- memory ------------------------------------------------------------------------------
     def state_bytes(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds now in parameters, gradients and optimizer state."""
-        seen: set[int] = set()
-
-        def size(a: Any) -> int:
-            if a is None:
-                return 0
-            base = a.base if getattr(a, "base", None) is not None else a
-            if id(base) in seen:
-                return 0
-            seen.add(id(base))
-            return int(base.nbytes)
-
-        params = sum(size(u.flat) for u in self.units) + sum(
-            size(u.shard.data) for u in self.units if u.shard is not None)
-        grads = sum(size(u.grad_flat) for u in self.units) + sum(
-            size(u.shard.grad) for u in self.units if u.shard is not None)
-        state = 0
-        if optimizer is not None:
-            for value in optimizer.state_dict().values():
-                if hasattr(value, "nbytes"):
-                    state += int(value.nbytes)
-        return {"parameters": params, "gradients": grads, "optimizer": state}
+        held = HeldBytes()
+        params = held(*(u.flat for u in self.units),
+                      *(u.shard.data for u in self.units if u.shard is not None))
+        grads = held(*(u.grad_flat for u in self.units),
+                     *(u.shard.grad for u in self.units if u.shard is not None))
+        return {"parameters": params, "gradients": grads, "optimizer": held.optimizer(optimizer)}
 
     def close(self) -> None:
         """Detach the hooks and release the transport. Collective."""
