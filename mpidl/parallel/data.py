@@ -93,11 +93,11 @@ class DataParallel:
         keep_freed_memory: have glibc's malloc keep the memory a step frees for the next
             step (:func:`mpidl.backend.keep_freed_memory`). A process-wide setting, so the
             job's choice (``mpidl train`` asks for it: its ``keep_freed_memory`` key); the
-            library leaves the allocator alone unless asked. Each step frees and reallocates the same activations; by default
-            glibc returns them to the kernel and the next step page-faults them back in:
-            the reference transformer at 2 ranks trains at 249 samples/s without and 313
-            with it (benchmarks/README.md). The process keeps its peak heap, as a GPU
-            framework's caching allocator does. False leaves the allocator as it is.
+            library leaves the allocator alone unless asked. Each step frees and
+            reallocates the same activations; by default glibc returns them to the kernel
+            and the next step page-faults them back in: the reference transformer at 2
+            ranks trains at 249 samples/s without and 313 with it (benchmarks/README.md).
+            The process keeps its peak heap, as a GPU framework's caching allocator does.
         shared_memory: keep the buckets in an MPI-3 shared-memory window, where each
             rank sums its share straight out of the other ranks' copies and writes the
             sum into all of them (:mod:`mpidl.comm.shared`), instead of an MPI Allreduce
