@@ -35,7 +35,12 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 dir=${MPIDL_CLUSTER_DIR:-${TMPDIR:-/tmp}/mpidl-cluster}
 subnet=${MPIDL_CLUSTER_SUBNET:-10.213.0}
-bridge=mpidl-br
+# Prefix of every name made (MPIDL_CLUSTER_NAME): namespaces NAME-nI, links NAME-br and
+# NAME-vI; a second cluster (the tests' own) needs another name, subnet and folder.
+prefix=${MPIDL_CLUSTER_NAME:-mpidl}
+[[ $prefix =~ ^[a-z][a-z0-9]{0,8}$ ]] \
+    || { echo "cluster.sh: MPIDL_CLUSTER_NAME=$prefix: use 1-9 lowercase letters and digits" >&2; exit 2; }
+bridge=$prefix-br
 export MPIDL_CLUSTER_DIR=$dir
 
 die() { echo "cluster.sh: $*" >&2; exit 2; }
@@ -99,7 +104,7 @@ up() {
     : >"$dir/hostfile"
     local i ns veth addr
     for ((i = 1; i <= nodes; i++)); do
-        ns=mpidl-n$i veth=mpidl-v$i addr=$subnet.$((i + 1))
+        ns=$prefix-n$i veth=$prefix-v$i addr=$subnet.$((i + 1))
         ip netns list | grep -qw "^$ns" && die "up: a namespace named $ns exists already"
         record "netns $ns"
         ip netns add "$ns"
