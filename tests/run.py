@@ -1,5 +1,9 @@
 """Run the whole test suite: the single-process tests once, the MPI tests at 1, 2 and 3 ranks.
 
+The single-process tests include tests/slurm (a local Slurm) and tests/cluster (virtual
+nodes in network namespaces, launched from that one pytest); both skip with the reason
+where they cannot run (not root, packages missing).
+
 Usage (from the repository root, in the environment mpidl is installed in)::
 
     python tests/run.py                  # everything
@@ -29,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # so that `python tests/run.py` finds mpidl from a checkout too
 
-SINGLE = ["tests/unit", "tests/integration", "tests/slurm"]
+SINGLE = ["tests/unit", "tests/integration", "tests/slurm", "tests/cluster"]
 MPI = ["tests/mpi"]
 
 
