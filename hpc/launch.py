@@ -16,6 +16,13 @@ terminal reaches both, and twice would force an abort). Its exit status is
     mpidl launch -n 4 mpidl train            # as `mpiexec -n 4 mpidl train`
     kill -TERM <its pid>                     # checkpoint, then exit 75
 
+A preemption (SIGTERM or SIGUSR1) at any moment ends in 75: one that arrives before
+``mpiexec`` is started starts nothing; and when the SIGUSR1 it relayed killed the job
+(status 138: ``mpiexec`` itself, or a rank, got it in its first milliseconds, before
+Python had run a line of its code to catch it), nothing had begun either, so that is
+reported as 75 too. Only the launcher's own first milliseconds, before its handlers,
+are out of reach: a SIGTERM then ends it with 143, having started nothing.
+
 Under Slurm, ``srun`` forwards SIGTERM to the tasks and returns their status, so
 ``srun mpidl train`` needs no wrapper.
 """
@@ -49,12 +56,20 @@ def is_open_mpi(path: str) -> bool:
     return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
 
 
-class _Relay:
-    """The launcher's signal handlers: what each signal becomes for the child."""
+# Relayed to mpiexec's ranks, it asks them to checkpoint and stop (mpidl.train.signals).
+PREEMPT_SIGNAL = signal.SIGUSR1
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL, as mpidl.train.signals (hpc does not import mpidl)
 
-    def __init__(self, child: subprocess.Popen) -> None:
-        self.child = child
+
+class _Relay:
+    """The launcher's signal handlers: what each signal becomes for the child. Signals
+    that arrive before the child exists wait in ``pending`` (:meth:`attach` sends them)."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen | None = None
+        self.pending: list[int] = []
         self.terms = 0
+        self.preempted = False  # a SIGUSR1 was (or is to be) relayed
 
     def __call__(self, signum: int, frame: object) -> None:
         if signum == signal.SIGTERM:
@@ -63,42 +78,69 @@ class _Relay:
                 sys.stderr.write("mpidl launch: SIGTERM: asking the ranks to checkpoint and "
                                  "stop (SIGUSR1 to mpiexec); send SIGTERM again to abort\n")
                 sys.stderr.flush()
-                signum = signal.SIGUSR1
+                signum = PREEMPT_SIGNAL
+        if signum == PREEMPT_SIGNAL:
+            self.preempted = True
+        if self.child is None:
+            self.pending.append(signum)
+            return
+        self._send(signum)
+
+    def _send(self, signum: int) -> None:
         try:
             self.child.send_signal(signum)
         except ProcessLookupError:  # it has just ended
             pass
 
+    def attach(self, child: subprocess.Popen) -> None:
+        """From now on signals go to ``child``; those that came while it started, too."""
+        self.child = child
+        while self.pending:
+            self._send(self.pending.pop(0))
+
 
 def main(argv: Sequence[str]) -> int:
-    """``mpidl launch [--launcher=PATH] MPIEXEC_ARGUMENTS...``; returns mpiexec's status."""
+    """``mpidl launch [--launcher=PATH] MPIEXEC_ARGUMENTS...``; returns mpiexec's status
+    (75 for a job preempted before it could catch the signal: see the module's text)."""
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.split("\n\n", 1)[1].rstrip() + "\n\nusage: mpidl launch "
               "[--launcher=PATH] MPIEXEC_ARGUMENTS...  (default launcher: the mpiexec "
               "next to this Python, else on PATH)")
         return 0 if argv else 2
+    # The handlers first: a SIGTERM from here on is relayed, never the launcher's death
+    # (which would leave mpiexec and the ranks running without it). Not restored at the
+    # end: this process ends with mpiexec.
+    relay = _Relay()
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, relay)
     launcher = None
     if argv[0].startswith("--launcher="):
         launcher, argv = argv[0].split("=", 1)[1], argv[1:]
     try:
         command = [launcher or mpiexec_path(), *argv]
+        if relay.preempted:
+            print(f"mpidl launch: preempted before mpiexec started: nothing started; exiting "
+                  f"with {EXIT_PREEMPTED} (run it again)", file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
         child = subprocess.Popen(command)
     except (FileNotFoundError, PermissionError) as e:
         print(f"mpidl launch: error: cannot run the launcher: {e}", file=sys.stderr)
         return 2
-    relay = _Relay(child)
-    relayed = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    previous = {s: signal.signal(s, relay) for s in relayed}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        while True:
-            try:
-                code = child.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-                continue
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+    relay.attach(child)  # and sends what came since the check above
+    # Not before the start: mpiexec would inherit an ignored SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            code = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+            continue
+    status = code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+    if relay.preempted and status == 128 + PREEMPT_SIGNAL:
+        print(f"mpidl launch: the job ended by the {PREEMPT_SIGNAL.name} that asked it to "
+              "stop, before a rank (or mpiexec) could catch it: it was starting and had done "
+              f"nothing yet; exiting with {EXIT_PREEMPTED} (preempted: run it again)",
+              file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    return status

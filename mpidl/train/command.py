@@ -11,8 +11,13 @@ Run::
 
 Exit codes (the same on every rank): 0 done; 2 a configuration or data error (unknown
 key, wrong type, missing file, a dataset that is corrupt or whose splits disagree: one
-message, from rank 0); 75 (EX_TEMPFAIL) preempted by SIGTERM/SIGUSR1 after writing a
-checkpoint — run the same command again to resume; 1 any other error.
+message, from rank 0); 75 (EX_TEMPFAIL) preempted by SIGTERM/SIGUSR1 — after writing a
+checkpoint once training has begun, with nothing left behind before — run the same
+command again to resume; 1 any other error (a diverged run keeps 1 if also signalled).
+
+The SIGTERM/SIGUSR1 handlers are this command's first instruction, before any heavy
+import, and stay until the process ends (:mod:`mpidl.train.signals`): from then on a
+signal is a request to stop that every phase honours at its next safe point.
 """
 from __future__ import annotations
 
@@ -97,14 +102,49 @@ def main(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(_help(argv))
         return 0
-    from mpidl.comm import watchdog, world
+    from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag, Preempted
+
+    # First, before NumPy and MPI load: a signal from here on stops the job with 75.
+    # Never closed: the job owns the process, and a signal after a restored default
+    # handler would kill a rank that has done its work (status 138, not 75).
+    preempt = PreemptionFlag()
+    from mpidl.comm import world
+
+    comm = world()
+    try:
+        code = _train(argv, comm, preempt)
+    except Preempted as e:
+        if comm.rank == 0:
+            print(f"mpidl train: preempted ({_which(preempt)}) while {e.during}, "
+                  f"before training began: nothing to save, the run directory is as it "
+                  f"was; exiting with {EXIT_PREEMPTED} to be requeued", flush=True)
+        return EXIT_PREEMPTED
+    # Trained to the end (0): a signal during the last evaluation, checkpoint or summary
+    # still ends the job with 75, as asked; run again, it finds nothing left to do.
+    if code == 0 and preempt.agree(comm):
+        if comm.rank == 0:
+            print(f"mpidl train: preempted ({_which(preempt)}) after the last step of "
+                  f"this attempt, its checkpoint written; exiting with {EXIT_PREEMPTED} "
+                  "as asked", flush=True)
+        return EXIT_PREEMPTED
+    return code
+
+
+def _which(preempt) -> str:
+    return preempt.signal_name or "signal on another rank"
+
+
+def _train(argv: Sequence[str], comm, preempt) -> int:
+    """The job after its signal handlers: :class:`~mpidl.train.signals.Preempted` on
+    every rank at a safe point before training, or the exit status. Collective."""
+    from mpidl.comm import watchdog
     from mpidl.train.config import ConfigError, to_toml
     from mpidl.train.task import prepare_data
 
-    comm = world()
     config, code = _resolve(argv, comm)
     if config is None:
         return code
+    preempt.check(comm, "starting")
     if config.timeout is not None:
         watchdog.set_timeout(config.timeout or float("inf"))  # 0: no timeout
     run_dir = _run_dir(config, comm)
@@ -115,10 +155,13 @@ def main(argv: Sequence[str]) -> int:
               flush=True)
     from mpidl.train.log import Logger
 
-    data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size))
+    data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size),
+                            stop=lambda: preempt.is_set)
+    preempt.check(comm, "preparing the data")
     trainer = _trainer(config, comm, run_dir, data_dir)
     if trainer is None:
         return EXIT_CONFIG
+    preempt.check(comm, "building the model")
     plan = _plan(config, run_dir, comm)
     if plan is None:
         return EXIT_CONFIG
@@ -130,9 +173,10 @@ def main(argv: Sequence[str]) -> int:
             error = str(e)
         if _config_error(comm, error):
             return EXIT_CONFIG
+    preempt.check(comm, "loading the checkpoint to resume from")
     # Only now, with the resume accepted, does the run directory change.
     trainer.begin(text, corrupt=plan.corrupt, previous=plan.previous)
-    return trainer.fit()
+    return trainer.fit(preempt)
 
 
 def _plan(config, run_dir: str, comm):

@@ -6,7 +6,8 @@ learnable structure (:mod:`mpidl.data.language`). Each is generated and sharded 
 through the same writer ``mpidl shard`` uses, into ``<cache_dir>/<task>-<key>/``, where
 ``key`` is a hash of the corpus options; later runs with the same options reuse it.
 Rank 0 builds it in a temporary directory and renames it into place, so concurrent jobs
-never see half a dataset; the other ranks wait.
+never see half a dataset; the other ranks wait. A preemption during the build ends it at
+its next phase (generating, writing the shards) and removes the temporary directory.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from mpidl.train.config import Config
+from mpidl.train.signals import Preempted
 
 
 def _options(config: Config) -> dict:
@@ -47,8 +49,9 @@ def reviews_cache_dir(config: Config) -> str:
     return corpus_cache_dir(config)
 
 
-def _build(config: Config, target: str) -> None:
-    """Generate the task's corpus into ``target`` (a temporary sibling, then renamed)."""
+def _build(config: Config, target: str, stop: Callable[[], bool] | None = None) -> None:
+    """Generate the task's corpus into ``target`` (a temporary sibling, then renamed).
+    Preempted when ``stop()`` says so between phases; the temporary is removed."""
     parent = os.path.dirname(os.path.abspath(target)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".reviews-", dir=parent)
@@ -58,7 +61,7 @@ def _build(config: Config, target: str) -> None:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     try:
-        _write_corpus(config, tmp)
+        _write_corpus(config, tmp, stop or (lambda: False))
         try:
             os.rename(tmp, target)
         except OSError:  # another job got there first: use theirs
@@ -69,8 +72,10 @@ def _build(config: Config, target: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_corpus(config: Config, out: str) -> None:
+def _write_corpus(config: Config, out: str, stop: Callable[[], bool]) -> None:
     d = config.data
+    if stop():
+        raise Preempted("generating the corpus")
     if config.task == "gpt":
         from mpidl.data.language import write_language
 
@@ -86,6 +91,8 @@ def _write_corpus(config: Config, out: str) -> None:
 
     train_texts, train_labels, test_texts, test_labels = generate_reviews(
         d.num_train, d.num_test, seed=d.seed, label_noise=d.label_noise)
+    if stop():  # the shards take longer than the texts: not begun for a preempted job
+        raise Preempted("generating the corpus")
     names = ("negative", "positive")
     write_text_shards(out, train_texts, [names[i] for i in train_labels],
                       test_texts=test_texts, test_labels=[names[i] for i in test_labels],
@@ -99,11 +106,18 @@ def _complete(target: str) -> bool:
                for split in ("train", "test"))
 
 
-def prepare_data(config: Config, comm: Any, log: Any) -> str:
+def prepare_data(config: Config, comm: Any, log: Any,
+                 stop: Callable[[], bool] | None = None) -> str:
     """Return the dataset directory of the run, generating the corpus if needed.
 
     Collective: rank 0 generates (when the task's corpus is not cached yet) while the
     others wait; a failure on rank 0 is raised on every rank.
+
+    Args:
+        stop: asked by rank 0 between the phases of a build (``mpidl train`` passes its
+            preemption flag's ``is_set``); True ends the build there, removes its
+            temporary directory and raises :class:`~mpidl.train.signals.Preempted` on
+            every rank. A finished build is kept (the next attempt uses it).
     """
     if config.data.path:
         return config.data.path
@@ -111,7 +125,7 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
         raise ValueError(f"task {config.task!r} needs a dataset: pass --data=DIR "
                          "(a directory written by `mpidl shard`)")
     target = corpus_cache_dir(config)
-    error = None
+    error, stopped = None, False
     if comm.rank == 0 and os.path.isdir(target) and not _complete(target):
         # Damaged (a scratch purge took files, kept directories): set it aside, rebuild.
         aside = f"{target}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -123,11 +137,15 @@ def prepare_data(config: Config, comm: Any, log: Any) -> str:
         log.info(f"generating the {what} corpus ({config.data.num_train} train + "
                  f"{config.data.num_test} test) into {target} ...")
         try:
-            _build(config, target)
+            _build(config, target, stop)
+        except Preempted:
+            stopped = True
         except Exception as e:  # reported on every rank below
             error = f"{type(e).__name__}: {e}"
     from mpidl.comm.ledger import patience
 
     with patience("rank 0 generates the corpus"):
         comm.check(error is None, f"could not build the corpus in {target}: {error}")
+    if stop is not None and comm.agree(stopped):
+        raise Preempted("generating the corpus")
     return target

@@ -12,7 +12,8 @@ state (with its step counts), the RNG states of dropout layers and the sampler p
 (epoch, step), and every one of them is independent of the number of ranks, so a run
 may also resume on a different number of ranks (then equal up to float summation order).
 
-On SIGTERM or SIGUSR1 (Slurm's warning before a time limit or preemption) all ranks
+On SIGTERM or SIGUSR1 (Slurm's warning before a time limit or preemption; the job's
+:class:`~mpidl.train.signals.PreemptionFlag`, given to :meth:`Trainer.fit`) all ranks
 agree at the next step boundary, rank 0 writes a checkpoint, and :meth:`Trainer.fit`
 returns :data:`~mpidl.train.signals.EXIT_PREEMPTED` (75) so a batch script can requeue.
 
@@ -561,8 +562,14 @@ class Trainer:
         self.log.info(f"warning: step {step}: {where}; the step is skipped on every rank "
                       f"({self.nonfinite_in_a_row} in a row{until})")
 
-    def fit(self) -> int:
-        """Train to the end (or to a preemption). Returns the process exit code. Collective."""
+    def fit(self, preempt: PreemptionFlag | None = None) -> int:
+        """Train to the end (or to a preemption). Returns the process exit code. Collective.
+
+        Args:
+            preempt: the job's flag (``mpidl train`` installs the handlers at its start).
+                None: this call installs no signal handler, and nothing preempts it.
+        """
+        flag = preempt if preempt is not None else PreemptionFlag(None)
         cfg, comm = self.config, self.comm
         bar = ProgressBar(self.total_steps, enabled=comm.rank == 0, mode=cfg.progress,
                           initial=self.step)
@@ -574,49 +581,47 @@ class Trainer:
         preempted, eval_due = False, False
         stop = min(self.total_steps, cfg.stop_at_step or self.total_steps)
         try:
-            with PreemptionFlag() as flag:
-                while self.step < stop and not preempted:
-                    epoch = self.loader.state_dict()["epoch"]
-                    self.loader.set_epoch(epoch)
-                    batches = iter(self.loader)
-                    while True:
-                        start = time.perf_counter()
-                        batch = next(batches, None)  # waits only if the prefetch fell behind
-                        if batch is None:
-                            break
-                        x, y, n = batch[0], batch[1] if len(batch) > 2 else None, batch[-1]
-                        with self.timer.step(start=start):
-                            self.timer.add("input", time.perf_counter() - start, start=start)
-                            loss, correct, counted, preempted = self._train_step(x, y, n, flag)
-                        self.step += 1
-                        w = self.window
-                        self.window = [w[0] + loss, w[1] + correct, w[2] + counted]
-                        if self.timer.last is not None:  # a device clock's lags a step
-                            rate.update(n, self.timer.last.total)
-                        if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                            rec = self._record_train(self.window, rate, epoch)
-                            self.window = [0, 0, 0]
-                            shown = {"acc": rec["accuracy"]} if "accuracy" in rec else {}
-                            bar.update(1, loss=rec["loss"], **shown)
-                        else:
-                            bar.update(1)
-                        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                            self.save()
-                        if preempted:
-                            break
-                        if self.step >= stop:
-                            break
-                    batches.close()  # stop the prefetch thread of an epoch left early
-                    epoch_done = self.loader.state_dict()["step"] == 0
-                    last = self.step >= self.total_steps
-                    eval_due = last or (epoch_done and (epoch + 1) % cfg.eval_every == 0)
-                    if preempted:
-                        break  # the checkpoint first, then any evaluation due (below)
-                    if eval_due:
-                        self._evaluate_epoch(epoch, bar.write)
-                    if last or (epoch_done and cfg.checkpoint_epochs) or self.step == stop:
+            while self.step < stop and not preempted:
+                epoch = self.loader.state_dict()["epoch"]
+                self.loader.set_epoch(epoch)
+                batches = iter(self.loader)
+                while True:
+                    start = time.perf_counter()
+                    batch = next(batches, None)  # waits only if the prefetch fell behind
+                    if batch is None:
+                        break
+                    x, y, n = batch[0], batch[1] if len(batch) > 2 else None, batch[-1]
+                    with self.timer.step(start=start):
+                        self.timer.add("input", time.perf_counter() - start, start=start)
+                        loss, correct, counted, preempted = self._train_step(x, y, n, flag)
+                    self.step += 1
+                    w = self.window
+                    self.window = [w[0] + loss, w[1] + correct, w[2] + counted]
+                    if self.timer.last is not None:  # a device clock's lags a step
+                        rate.update(n, self.timer.last.total)
+                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                        rec = self._record_train(self.window, rate, epoch)
+                        self.window = [0, 0, 0]
+                        shown = {"acc": rec["accuracy"]} if "accuracy" in rec else {}
+                        bar.update(1, loss=rec["loss"], **shown)
+                    else:
+                        bar.update(1)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save()
-                signal_name = flag.signal_name
+                    if preempted:
+                        break
+                    if self.step >= stop:
+                        break
+                batches.close()  # stop the prefetch thread of an epoch left early
+                epoch_done = self.loader.state_dict()["step"] == 0
+                last = self.step >= self.total_steps
+                eval_due = last or (epoch_done and (epoch + 1) % cfg.eval_every == 0)
+                if preempted:
+                    break  # the checkpoint first, then any evaluation due (below)
+                if eval_due:
+                    self._evaluate_epoch(epoch, bar.write)
+                if last or (epoch_done and cfg.checkpoint_epochs) or self.step == stop:
+                    self.save()
         except Diverged as e:
             batches.close()
             bar.close()
@@ -629,7 +634,7 @@ class Trainer:
         seconds = time.perf_counter() - t_start
         if preempted:
             path = self.save()
-            self.log.info(f"preempted ({signal_name or 'signal on another rank'}): checkpoint "
+            self.log.info(f"preempted ({flag.signal_name or 'signal on another rank'}): checkpoint "
                           f"{path} at step {self.step}; exiting with {EXIT_PREEMPTED} to be "
                           "requeued")
             if eval_due:

@@ -47,3 +47,17 @@ def test_hpc_sources_do_not_import_mpidl():
     pattern = re.compile(r"^\s*(import mpidl|from mpidl)", re.M)
     offenders = [str(p.relative_to(ROOT)) for p in _sources("hpc") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_the_way_to_the_train_commands_signal_handlers_loads_no_numpy():
+    # `mpidl train` installs its SIGTERM/SIGUSR1 handlers first; a signal before then kills
+    # the rank (status 138, not 75), so what runs before them must stay light.
+    loaded = _modules_after("import mpidl.cli, mpidl.excepthook, mpidl.comm.watchdog, "
+                            "mpidl.train.command, mpidl.train.signals, hpc.launch")
+    assert "numpy" not in loaded
+
+
+def test_the_lazy_public_names_still_import():
+    loaded = _modules_after("from mpidl import Tensor, no_grad\n"
+                            "from mpidl.train import PreemptionFlag, Config, format_table")
+    assert "mpidl.autograd" in loaded and "mpidl.train.config" in loaded

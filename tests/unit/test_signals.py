@@ -67,3 +67,25 @@ def test_creating_it_off_the_main_thread_is_an_error():
 
 def test_exit_code_is_ex_tempfail():
     assert EXIT_PREEMPTED == 75
+
+
+def test_a_flag_of_no_signals_installs_nothing_and_is_never_set():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    made = []
+    thread = threading.Thread(target=lambda: made.append(PreemptionFlag(None)))
+    thread.start()  # off the main thread too: it touches no handler
+    thread.join()
+    assert made and not made[0].is_set
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_check_raises_preempted_on_every_rank_when_any_rank_is_signalled(comm):
+    from mpidl.train.signals import Preempted
+
+    with PreemptionFlag() as flag:
+        flag.check(comm, "starting")  # nothing yet
+        if comm.rank == comm.size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(Preempted) as caught:
+            flag.check(comm, "generating the corpus")
+    assert caught.value.during == "generating the corpus"

@@ -1,0 +1,142 @@
+"""`mpidl launch` (hpc.launch): what each signal becomes for mpiexec, and its exit status.
+
+A stand-in for mpiexec (``--launcher=``) records the signals it gets; no MPI is needed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import hpc.launch
+
+# Writes "ready" once its handlers are in, then each signal's name as it arrives; a
+# SIGTERM ends it with 1 (an abort). On SIGUSR1, mode "catch" exits 75 (as mpidl train),
+# "note" goes on, "die" leaves it to its default action (a rank that had not set up its
+# handler yet); "suicide" kills itself with SIGUSR1 unasked.
+FAKE_MPIEXEC = textwrap.dedent("""
+    import os, signal, sys, time
+    log, mode = sys.argv[1], sys.argv[2]
+    def note(text):
+        with open(log, "a") as f:
+            f.write(text + "\\n")
+    def handle(signum, frame):
+        note(signal.Signals(signum).name)
+        if signum == signal.SIGTERM:
+            sys.exit(1)
+        if mode == "catch":
+            sys.exit(75)
+    signal.signal(signal.SIGTERM, handle)
+    if mode in ("catch", "note"):
+        signal.signal(signal.SIGUSR1, handle)
+    note("ready")
+    if mode == "suicide":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(3)
+""")
+
+
+def _launch(tmp_path, mode):
+    script = tmp_path / "fake_mpiexec.py"
+    script.write_text(FAKE_MPIEXEC)
+    launcher = tmp_path / "mpiexec"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    launcher.chmod(0o755)
+    log = tmp_path / "signals.log"
+    proc = subprocess.Popen([sys.executable, "-m", "mpidl", "launch", f"--launcher={launcher}",
+                             str(log), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "ready" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    return proc, log
+
+
+def _finish(proc):
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out + err
+
+
+def test_sigterm_becomes_sigusr1_for_mpiexec_and_its_status_is_returned(tmp_path):
+    proc, log = _launch(tmp_path, "catch")
+    proc.send_signal(signal.SIGTERM)
+    code, output = _finish(proc)
+    assert code == 75, output
+    assert log.read_text().split() == ["ready", "SIGUSR1"]
+
+
+def _wait_for(log, line):
+    deadline = time.monotonic() + 60
+    while line not in log.read_text().split():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+
+
+def test_a_second_sigterm_is_passed_on_as_sigterm(tmp_path):
+    proc, log = _launch(tmp_path, "note")
+    proc.send_signal(signal.SIGTERM)
+    _wait_for(log, "SIGUSR1")
+    proc.send_signal(signal.SIGTERM)
+    code, output = _finish(proc)
+    assert code == 1, output  # an abort is not a preemption
+    assert log.read_text().split() == ["ready", "SIGUSR1", "SIGTERM"]
+
+
+def test_sigusr2_is_passed_on_as_it_is(tmp_path):
+    proc, log = _launch(tmp_path, "note")
+    proc.send_signal(signal.SIGUSR2)
+    code, output = _finish(proc)
+    assert code == 128 + signal.SIGUSR2, output  # its default action ended the child
+
+
+def test_a_job_killed_by_the_relayed_sigusr1_counts_as_preempted(tmp_path):
+    # The rank (or mpiexec) got it in its first milliseconds, before any handler.
+    proc, log = _launch(tmp_path, "die")
+    proc.send_signal(signal.SIGTERM)
+    code, output = _finish(proc)
+    assert code == 75, output
+    assert "before a rank (or mpiexec) could catch it" in output
+
+
+def test_a_job_that_dies_of_sigusr1_unasked_keeps_its_status(tmp_path):
+    proc, log = _launch(tmp_path, "suicide")
+    code, output = _finish(proc)
+    assert code == 128 + signal.SIGUSR1, output
+
+
+@pytest.fixture
+def restored_handlers():
+    """main() keeps its handlers (its process ends with mpiexec): put ours back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1,
+                                              signal.SIGUSR2, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_a_sigterm_before_mpiexec_starts_starts_nothing_and_exits_75(
+        monkeypatch, capsys, restored_handlers):
+    def found_while_signalled():
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the launcher is looked up
+        return "/bin/true"
+
+    def never(*args, **kwargs):
+        raise AssertionError("mpiexec was started")
+
+    monkeypatch.setattr(hpc.launch, "mpiexec_path", found_while_signalled)
+    monkeypatch.setattr(hpc.launch.subprocess, "Popen", never)
+    assert hpc.launch.main(["-n", "2", "true"]) == 75
+    assert "preempted before mpiexec started: nothing started" in capsys.readouterr().err
