@@ -35,6 +35,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from hpc.argtypes import nonnegative_int, positive_int
 from mpidl.data import sources
 from mpidl.data.format import DataError, Manifest
 from mpidl.data.hdf5 import verify_dataset
@@ -96,9 +97,9 @@ def _parser() -> argparse.ArgumentParser:
         "--classes", help="comma-separated class names in id order (default: sorted labels)"
     )
     t.add_argument(
-        "--vocab-size", type=int, default=20000, help="vocabulary size incl. <pad>, <unk> (20000)"
+        "--vocab-size", type=positive_int, default=20000, help="vocabulary size incl. <pad>, <unk> (20000)"
     )
-    t.add_argument("--min-freq", type=int, default=1, help="rarer training words become <unk> (1)")
+    t.add_argument("--min-freq", type=positive_int, default=1, help="rarer training words become <unk> (1)")
     t.add_argument(
         "--length",
         type=_length_arg,
@@ -115,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     o = p.add_argument_group("output")
     o.add_argument(
-        "--rows-per-shard", type=int, help="rows per shard file (default: ~256 MiB per shard)"
+        "--rows-per-shard", type=positive_int, help="rows per shard file (default: ~256 MiB per shard)"
     )
     o.add_argument(
         "--test-fraction",
@@ -123,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         default=0.1,
         help="fraction of rows held out as test when the input has no test split (0.1; 0: none)",
     )
-    o.add_argument("--seed", type=int, default=0, help="seed of the row shuffle and the split (0)")
+    o.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the row shuffle and the split (0)")
     o.add_argument(
         "--no-shuffle", action="store_true", help="keep input row order (not recommended)"
     )

@@ -1,0 +1,212 @@
+"""Every command refuses bad input the same way (docs/exit-status.md): exit 2, one
+message naming the value, the limit and the fix, before any work, and never a traceback.
+
+One table for all commands. A row is the command line (``{run}``, ``{data}`` and
+``{inputs}`` stand for the session's tiny run, its dataset and a directory of bad input
+files), what goes to standard input, the expected status and a fragment of the message.
+A new command adds its rows: a command without any fails
+:func:`test_every_command_has_rows_in_the_table`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import h5py
+import numpy
+import pytest
+
+from hpc.launch import is_open_mpi, mpiexec_path
+from mpidl.cli import COMMANDS
+from mpidl.testing.launch import launch_env, mpiexec, run
+
+pytestmark = [pytest.mark.timeout(120)]
+
+MPIDL = os.path.join(os.path.dirname(sys.executable), "mpidl")  # the console script
+TINY_MODEL = ["--task=custom", "--model=mlp", "--model.sizes=[4,8,2]"]
+
+
+def mpidl(*args, stdin="", timeout=60, env=None):
+    return run([MPIDL, *args], timeout, launch_env(env), input=stdin)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A one-epoch MLP run on 200 rows of 4 features, its dataset, and bad input files."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    rng = numpy.random.default_rng(7)
+    x = rng.normal(0, 1, (200, 4)).astype(numpy.float32)
+    numpy.savez(root / "all.npz", x=x, y=(x[:, 0] > 0).astype(numpy.int64))
+    data, run_dir = str(root / "data"), str(root / "run")
+    for args in (["shard", "--from-npz", str(root / "all.npz"), data],
+                 ["train", *TINY_MODEL, f"--data={data}", "--epochs=1", "--global-batch=32",
+                  "--progress=never", f"--run-dir={run_dir}"]):
+        result = mpidl(*args, timeout=120)
+        assert result.returncode == 0, result.output
+    inputs = root / "inputs"
+    inputs.mkdir()
+    rows = numpy.zeros((3, 4), numpy.float32)
+    for name, value in (("nan", numpy.nan), ("inf", numpy.inf)):
+        bad = rows.copy()
+        bad[1, 2] = value
+        numpy.savez(inputs / f"{name}.npz", x=bad)
+    numpy.savez(inputs / "huge.npz", x=numpy.full((2, 4), 3.4e38, numpy.float32))
+    numpy.savez(inputs / "float64.npz", x=numpy.full((2, 4), 1e39))
+    numpy.savez(inputs / "none.npz", x=numpy.zeros((0, 4), numpy.float32))
+    numpy.savez(inputs / "objects.npz", x=numpy.array([{"a": 1}], dtype=object))
+    (inputs / "garbage.npz").write_bytes(b"not a zip file")
+    (inputs / "garbage.bin").write_bytes(b"garbage")
+    (inputs / "bad.toml").write_text("epochs = \n")
+    (inputs / "empty.csv").write_text("text,label\n")
+    with h5py.File(inputs / "target.h5", "w") as f:
+        f["x"] = rows
+    with h5py.File(inputs / "linked.h5", "w") as f:
+        f["x"] = h5py.ExternalLink(str(inputs / "target.h5"), "/x")
+    profiles = inputs / "profiles" / "network"
+    profiles.mkdir(parents=True)
+    (profiles / "allreduce-only.toml").write_text(
+        'source = "mpidl bench --op allreduce --save-profile allreduce-only"\n'
+        "[allreduce]\nalpha_us = 5\nbandwidth_GBps = 1\n")
+    return {"run": run_dir, "data": data, "inputs": str(inputs)}
+
+
+# (command line, standard input, status, message fragment)
+ROWS = [
+    # -- mpidl itself
+    ("nonsense", "", 2, "mpidl: unknown command 'nonsense'"),
+    # -- train: the configuration, checked before any data is made
+    ("train --epochs=0", "", 2, "config key 'epochs' must be >= 1, got 0"),
+    ("train --lr=nan", "", 2, "config key 'lr' must be a finite number > 0"),
+    ("train --bucket-mb=inf", "", 2, "config key 'bucket_mb' must be a finite number > 0"),
+    ("train nonsense", "", 2, "no preset or file named 'nonsense'"),
+    ("train {inputs}/bad.toml", "", 2, "is not valid TOML"),
+    ("train --model=nonsense", "", 2, "unknown model 'nonsense'"),
+    ("train --task=custom", "", 2, "task 'custom' trains on your dataset: pass --data=DIR"),
+    ("train --data={inputs}/nowhere", "", 2, "no manifest.json"),
+    ("train --data={data} --task=custom --model=mlp --tensor-parallel=2", "", 2,
+     "--tensor-parallel and --sequence-parallel split the gpt model"),
+    # -- shard: bad data is bad input (2), as in train, eval and predict
+    ("shard", "", 2, "one of the arguments --from-csv"),
+    ("shard --from-npz {inputs}/nowhere.npz {inputs}/out", "", 2, "nowhere.npz: no such file"),
+    ("shard --from-npz {inputs}/garbage.npz {inputs}/out", "", 2, "not an .npz file"),
+    ("shard --from-npz {inputs}/objects.npz {inputs}/out", "", 2,
+     "holds an array of Python objects, which mpidl never loads"),
+    ("shard --from-h5 {inputs}/linked.h5 {inputs}/out", "", 2, "is an external link"),
+    ("shard --from-csv {inputs}/empty.csv --text-col text --label-col label {inputs}/out", "",
+     2, "no records"),
+    ("shard --from-npz {inputs}/nan.npz --test-fraction 2 {inputs}/out", "", 2,
+     "test_fraction 2.0 must be in [0, 1)"),
+    ("shard --from-npz {inputs}/nan.npz --seed -1 {inputs}/out", "", 2,
+     "argument --seed: '-1' must be an integer >= 0"),
+    ("shard --verify {inputs}/nowhere", "", 2, "no such dataset directory"),
+    # -- eval
+    ("eval {inputs}/nowhere", "", 2, "is '{inputs}/nowhere' a run directory?"),
+    ("eval {run} --checkpoint {inputs}/garbage.bin", "", 2,
+     "cannot be opened: it is truncated, corrupt or not an HDF5 file"),
+    ("eval {run} --data {inputs}/nowhere", "", 2, "no manifest.json"),
+    # -- predict
+    ("predict {inputs}/nowhere", "", 2, "is '{inputs}/nowhere' a run directory?"),
+    ("predict {run}", "", 2, "standard input is empty: no input to classify"),
+    ("predict {run}", "0.1\n\n0.2\n", 2, "standard input: line 2 is blank"),
+    ("predict {run} --batch 0", "", 2, "argument --batch: '0' must be an integer >= 1"),
+    ("predict {run} {inputs}/nan.npz", "", 2, "row 1 of 'x' holds nan at column 2"),
+    ("predict {run} {inputs}/inf.npz --json", "", 2, "row 1 of 'x' holds inf at column 2"),
+    ("predict {run} {inputs}/float64.npz", "", 2, "holds 1e+39, beyond float32's range"),
+    ("predict {run} {inputs}/huge.npz --json", "", 2, "the model's scores for it are not finite"),
+    ("predict {run} {inputs}/none.npz", "", 2, "array 'x' has no rows"),
+    ("predict {run} {inputs}/garbage.npz", "", 2, "not an .npz file"),
+    ("predict {run} {inputs}/nowhere.npz", "", 2, "nowhere.npz: no such file"),
+    ("predict {run} {inputs}/linked.h5", "", 2, "mpidl reads only data stored in the input "
+                                                "file itself"),
+    ("predict {run} {inputs}/nan.npz --checkpoint {inputs}/garbage.bin", "", 2,
+     "name another with --checkpoint, or leave it out"),
+    # -- plan: every input before anything is measured
+    ("plan --tensor-parallel=2", "", 2, "leave out --tensor-parallel=2"),
+    ("plan --tensor-parallel 2", "", 2, "leave out --tensor-parallel=2"),
+    ("plan gpt --tensor-parallel=2", "", 2, "prices tensor, Ulysses and ring splits"),
+    ("plan --device nonsense", "", 2, "no device profile 'nonsense'"),
+    ("plan --network nonsense", "", 2, "no network profile 'nonsense'"),
+    ("plan --ranks 1000000000 --step-time 1", "", 2,
+     "1000000000 ranks for a global batch of 64: every rank needs a sample per step"),
+    ("plan --ranks 1,2,128", "", 2, "use at most 64 ranks, or a larger --global-batch"),
+    ("plan --ranks 0,2", "", 2, "rank counts >= 1, comma-separated"),
+    ("plan --step-time -5", "", 2, "argument --step-time: '-5' must be a finite number > 0"),
+    ("plan --step-time 0", "", 2, "argument --step-time: '0' must be a finite number > 0"),
+    ("plan --step-time nan", "", 2, "argument --step-time: 'nan' must be a finite number > 0"),
+    ("plan --step-time inf", "", 2, "argument --step-time: 'inf' must be a finite number > 0"),
+    ("plan --epochs -1", "", 2, "argument --epochs: '-1' must be a finite number > 0"),
+    ("plan --epochs 0", "", 2, "argument --epochs: '0' must be a finite number > 0"),
+    ("plan --samples -100", "", 2, "argument --samples: '-100' must be an integer >= 1"),
+    ("plan --samples 0", "", 2, "argument --samples: '0' must be an integer >= 1"),
+    ("plan --memory-gb -1", "", 2, "argument --memory-gb: '-1' must be a finite number > 0"),
+    ("plan --memory-gb nan", "", 2, "argument --memory-gb: 'nan' must be a finite number > 0"),
+    ("plan --ranks-per-node 0", "", 2, "argument --ranks-per-node: '0' must be an integer"),
+    ("plan --ranks-per-node -2", "", 2, "argument --ranks-per-node: '-2' must be an integer"),
+    ("plan --setup-hours -3", "", 2, "argument --setup-hours: '-3' must be a finite number"),
+    ("plan --queue-hours nan", "", 2, "argument --queue-hours: 'nan' must be a finite number"),
+    ("plan --json /", "", 2, "argument --json: '/' is a directory"),
+    ("plan --plot /nonexist/x.png", "", 2, "the directory /nonexist does not exist"),
+    ("plan --sbatch /nonexist/x", "", 2, "the directory /nonexist does not exist"),
+    ("plan --network allreduce-only --step-time 0.1 --ranks 1,2 --data={data} "
+     + " ".join(TINY_MODEL), "", 0,
+     "network profile 'allreduce-only' has no numbers for reduce_scatter, allgather: priced "
+     "with its allreduce's (measure them with `mpidl bench --op all"),
+    # -- bench: the arguments, before MPI
+    ("bench --op nonsense", "", 2, "unknown ['nonsense']"),
+    ("bench --iters 0", "", 2, "argument --iters: '0' must be an integer >= 1"),
+    ("bench --window-s nan", "", 2, "argument --window-s: 'nan' must be a finite number >= 0"),
+    ("bench --plot /nonexist/x.png", "", 2, "the directory /nonexist does not exist"),
+    ("bench --save-profile ../x", "", 2, "profile name '../x': use a plain name"),
+    # -- info, demo
+    ("info --nonsense", "", 2, "unrecognized arguments: --nonsense"),
+    ("demo --nonsense", "", 2, "unrecognized arguments: --nonsense"),
+    # -- sbatch
+    ("sbatch nonsense", "", 2, "no template 'nonsense'"),
+    ("sbatch train_cpu --profile nonsense", "", 2, "no profile 'nonsense'"),
+    ("sbatch train_cpu -N 0", "", 2, "argument -N/--nodes: '0' must be an integer >= 1"),
+    ("sbatch train_cpu -t soon", "", 2, "--time 'soon' is not a Slurm time"),
+    ("sbatch train_cpu -o /nonexist/x", "", 2, "the directory /nonexist does not exist"),
+    # -- launch
+    ("launch", "", 2, "usage: mpidl launch"),
+    ("launch --launcher=/nonexist -n 1 true", "", 2, "cannot run the launcher"),
+    # -- plot, run
+    ("plot", "", 2, "the following arguments are required: run_dir"),
+    ("plot {inputs}/nowhere", "", 2, "metrics.jsonl does not exist"),
+    ("run", "", 2, "usage: mpidl run SCRIPT.py"),
+    ("run {inputs}/nowhere.py", "", 2, "is not a file; name a Python script"),
+]
+
+
+def _row_id(row):
+    return f"{row[0]}|{row[1]!r}" if row[1] else row[0]
+
+
+@pytest.mark.parametrize("line, stdin, status, fragment", ROWS, ids=map(_row_id, ROWS))
+def test_a_bad_input_exits_with_its_status_and_message_and_no_traceback(tiny, line, stdin,
+                                                                        status, fragment):
+    args = [a.format(**tiny) for a in line.split()]
+    env = {"MPIDL_PROFILE_DIR": os.path.join(tiny["inputs"], "profiles")}
+    result = mpidl(*args, stdin=stdin, env=env)
+    assert result.returncode == status, result.output
+    assert fragment.format(**tiny) in result.output, result.output
+    assert "Traceback" not in result.output, result.output
+    assert "Warning" not in result.stderr, result.stderr  # no NumPy warnings leak
+    assert "NaN" not in result.stdout  # a bare NaN is not JSON
+    assert result.output.count(": error:") <= 1, result.output  # one message, once
+
+
+def test_every_command_has_rows_in_the_table():
+    tested = {line.split()[0] for line, *_ in ROWS}
+    assert set(COMMANDS) <= tested, f"add rows for {sorted(set(COMMANDS) - tested)}"
+
+
+def test_predict_under_mpiexec_refuses_standard_input_at_once(tiny):
+    # Open MPI 5's launcher never forwards standard input: rank 0 would wait forever.
+    # (Other launchers forward it to rank 0, which reads it and shares it.)
+    if not is_open_mpi(mpiexec_path()):
+        pytest.skip("the launcher is not Open MPI's")
+    result = mpiexec(2, [MPIDL, "predict", tiny["run"]], timeout=60)
+    assert result.returncode == 2, result.output
+    assert result.stderr.count("mpidl predict: error: standard input does not reach rank "
+                               "0") == 1, result.output
+    assert "pass the inputs as a file" in result.stderr and "Traceback" not in result.output
