@@ -1,0 +1,71 @@
+"""mpidl predict's input checks: no empty or blank input, no NaN in, no NaN out."""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from mpidl.comm import SingleCommunicator
+from mpidl.data import DataError
+from mpidl.train import predict as P
+
+
+def test_an_empty_file_is_refused_as_no_input(tmp_path):
+    (tmp_path / "in.txt").write_text("")
+    with pytest.raises(DataError, match="in.txt is empty: no input to classify"):
+        P._read_lines(str(tmp_path / "in.txt"))
+
+
+def test_a_blank_line_is_refused_naming_the_first_and_the_count(tmp_path):
+    (tmp_path / "in.txt").write_text("good\n \nbad\n\n")
+    with pytest.raises(DataError, match=r"line 2 is blank \(2 blank line\(s\) of 4\)"):
+        P._read_lines(str(tmp_path / "in.txt"))
+
+
+def test_lines_without_blanks_are_read_without_their_line_ends(tmp_path):
+    (tmp_path / "in.txt").write_bytes(b"good\r\nbad\n")
+    assert P._read_lines(str(tmp_path / "in.txt")) == ["good", "bad"]
+
+
+@pytest.mark.parametrize("value, words", [
+    (numpy.nan, "row 1 of 'x' holds nan at column 2 (1 of 3 rows"),
+    (-numpy.inf, "row 1 of 'x' holds -inf at column 2"),
+    (1e39, "row 1 of 'x' holds 1e+39, beyond float32's range, at column 2"),
+])
+def test_a_row_that_is_not_finite_as_the_model_reads_it_is_named(value, words):
+    rows = numpy.zeros((3, 4))
+    rows[1, 2] = value
+    with numpy.errstate(over="ignore"):
+        cast = rows.astype(numpy.float32)
+    with pytest.raises(DataError, match="replace them") as info:
+        P._check_finite("rows.npz", "x", rows, cast, numpy.dtype(numpy.float32))
+    assert words in str(info.value)
+
+
+class _Scores:
+    """A model whose score for input i is row i of a fixed table."""
+
+    def __init__(self, table):
+        self.table, self.seen = table, 0
+
+    def __call__(self, x):
+        out = self.table[self.seen:self.seen + len(x)]
+        self.seen += len(x)
+        return type("T", (), {"data": out})()
+
+
+def test_scores_that_are_not_finite_stop_predict_before_their_round_is_written():
+    table = numpy.array([[0.0, 1.0], [numpy.inf, 0.0], [1.0, 0.0]], numpy.float32)
+    written = []
+    inputs = P.ArrayInputs(numpy.full((3, 4), 3e38, numpy.float32))
+    with pytest.raises(DataError, match=r"input 1, row 1 \(largest \|value\| 3e\+38\): the "
+                                        "model's scores for it are not finite"):
+        P.predict(_Scores(table), inputs, SingleCommunicator(), numpy, 2,
+                  lambda start, logits: written.append(start) or True)
+    assert written == []  # the round holding input 1 wrote nothing
+
+
+def test_json_output_never_holds_a_bare_nan():
+    with pytest.raises(ValueError):
+        P.format_values(0, numpy.array([numpy.nan]), None, as_json=True)
+    assert P.format_values(0, numpy.array([0.5]), ["t"], as_json=True) == \
+        '{"index": 0, "prediction": [0.5], "targets": ["t"]}'
