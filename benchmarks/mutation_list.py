@@ -1,0 +1,525 @@
+"""The mutations that ``benchmarks/mutations.py`` plants, and the tests that must catch them.
+
+Each one is a mistake someone could plausibly make in the library, written as an exact
+text replacement. ``tests`` are the narrowest fast tests that catch it (pytest node ids
+or files under ``tests/unit`` or ``tests/mpi``); an MPI test runs at 2 and 3 ranks
+unless ``sizes`` says otherwise. Grouped by the part of the library they hit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One planted mistake.
+
+    Attributes:
+        name: a short unique id (``--only NAME``).
+        file: the library file, relative to the repository root.
+        original: text that occurs exactly once in ``file`` (else the mutation is stale).
+        mutated: what replaces it.
+        why: the mistake it stands for, one line.
+        tests: the tests that must fail with it (``tests/unit/...`` or ``tests/mpi/...``).
+        sizes: the MPI sizes to run ``tests/mpi`` at; None: the run's (2 and 3).
+    """
+
+    name: str
+    file: str
+    original: str
+    mutated: str
+    why: str
+    tests: tuple[str, ...]
+    sizes: tuple[int, ...] | None = None
+
+
+DP = "tests/mpi/test_data_parallel.py::"
+COMM = "tests/mpi/test_comm.py::"
+SEQ = "tests/mpi/test_sequence_attention.py::"
+MODEL_PARALLEL = "tests/mpi/test_model_parallel.py::"
+SAMPLER = "tests/unit/test_data_sampler.py::"
+OPTIM = "tests/unit/test_optim.py::"
+ZERO_CONTRACTS = "tests/mpi/test_zero_contracts.py::"
+ZC = "test_zero_contracts::"
+# A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
+THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
+           "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
+
+MUTATIONS: list[Mutation] = [
+    # -- data parallelism ------------------------------------------------------------------
+    Mutation(
+        name="dp-seed-drops-loss-scale",
+        file="mpidl/parallel/data.py",
+        original="seed = (scale / global_count) if global_count else scale",
+        mutated="seed = (1.0 / global_count) if global_count else scale",
+        why="backward's seed forgets the loss scale when global_count is given",
+        tests=(DP + "test_a_loss_scale_multiplies_the_averaged_gradients_exactly",),
+    ),
+    Mutation(
+        name="dp-seed-per-rank-mean",
+        file="mpidl/parallel/data.py",
+        original="seed = (scale / global_count) if global_count else scale",
+        mutated="seed = (scale / global_count * self.comm.size) if global_count else scale",
+        why="the seed normalises by the per-rank count (global / size), not the global one",
+        tests=(DP + "test_uneven_and_empty_rank_batches_give_the_global_gradient",),
+    ),
+    Mutation(
+        name="sparse-own-rows-not-cleared",
+        file="mpidl/parallel/sparse.py",
+        original="    grad[rows] = 0\n",
+        mutated="",
+        why="the row exchange adds every rank's rows onto the local gradient, ours twice",
+        tests=(DP + "test_sparse_embedding_exchange_matches_dense",),
+    ),
+    Mutation(
+        name="compression-decode-swapped",
+        file="mpidl/parallel/compression.py",
+        original='    if wire_dtype == "float16":\n        values = wire.view(numpy.float16)',
+        mutated='    if wire_dtype == "bfloat16":\n        values = wire.view(numpy.float16)',
+        why="the summed wire buffer is decoded as the other 16-bit format",
+        tests=(DP + "test_compressed_gradients_stay_close_to_full_precision",),
+    ),
+    Mutation(
+        name="compression-bfloat16-nan-rounded",
+        file="mpidl/parallel/compression.py",
+        original="    xp.copyto(r, quiet, where=nan)\n",
+        mutated="",
+        why="a NaN is rounded like a number, and its payload carries into inf or 0.0",
+        tests=("tests/unit/test_compression.py::"
+               "test_every_nan_pattern_stays_a_nan_of_its_sign_and_infinities_stay_infinite",),
+    ),
+    Mutation(
+        name="compression-bfloat16-ties-down",
+        file="mpidl/parallel/compression.py",
+        original="    r &= 1\n",
+        mutated="    r &= 0\n",
+        why="bfloat16 rounding sends every tie down instead of to the even neighbour",
+        tests=("tests/unit/test_compression.py::test_finite_values_round_to_nearest_even",),
+    ),
+    # -- collectives -----------------------------------------------------------------------
+    Mutation(
+        name="split-counts-extra-to-last-ranks",
+        file="mpidl/comm/base.py",
+        original="return [base + (1 if r < extra else 0) for r in range(parts)]",
+        mutated="return [base + (1 if r >= parts - extra else 0) for r in range(parts)]",
+        why="the one splitting rule gives the extra items to the last ranks, not the first",
+        # Every user follows split_counts, so a consistent change passes the MPI tests
+        # (the sampler's own copy of the rule included, untested against it).
+        tests=("tests/unit/test_cli.py::test_split_counts_gives_the_first_ranks_one_more",),
+    ),
+    Mutation(
+        name="reduce-scatter-counts-in-rows",
+        file="mpidl/comm/mpi.py",
+        original="[n * row_items for n in rows], op=_mpi_op(mop))",
+        mutated="rows, op=_mpi_op(mop))",
+        why="uneven reduce_scatter passes MPI row counts where it wants element counts",
+        tests=(COMM + "test_reduce_scatter_gives_each_rank_its_block_of_the_sum",),
+    ),
+    Mutation(
+        name="allgatherv-displacements",
+        file="mpidl/comm/mpi.py",
+        original="displs = [sum(counts[:r]) for r in range(self.size)]",
+        mutated="displs = [r * counts[r] for r in range(self.size)]",
+        why="allgatherv places each block as if every block were as long as its own",
+        tests=(COMM + "test_allgatherv_concatenates_uneven_blocks_including_empty",),
+    ),
+    Mutation(
+        name="shared-window-share-rounds-down",
+        file="mpidl/comm/shared.py",
+        original="step = -(-n // self.size)",
+        mutated="step = n // self.size",
+        why="each rank's share of the node-shared sum rounds down: the tail is summed by none",
+        tests=(COMM + "test_node_shared_arrays_sum_every_rank_in_place",),
+    ),
+    # -- optimizers --------------------------------------------------------------------
+    Mutation(
+        name="adam-bias-correction",
+        file="mpidl/optim/adam.py",
+        original="self._step_size = lr / (1.0 - b1 ** t)",
+        mutated="self._step_size = lr",
+        why="Adam forgets the first moment's bias correction",
+        tests=(OPTIM + "test_adam_matches_reference_formulas",),
+    ),
+    Mutation(
+        name="adam-second-moment-correction-not-sqrt",
+        file="mpidl/optim/adam.py",
+        original="self._bias_correction2_sqrt = math.sqrt(1.0 - b2 ** t)",
+        mutated="self._bias_correction2_sqrt = 1.0 - b2 ** t",
+        why="sqrt(v) is divided by 1 - beta2^t instead of its square root",
+        tests=(OPTIM + "test_adam_matches_reference_formulas",),
+    ),
+    Mutation(
+        name="adamw-decay-without-lr",
+        file="mpidl/optim/adam.py",
+        original="param *= 1.0 - lr * self.weight_decay",
+        mutated="param *= 1.0 - self.weight_decay",
+        why="AdamW's decoupled decay is not scaled by the learning rate",
+        tests=(OPTIM + "test_adamw_decays_decoupled_from_the_gradient",),
+    ),
+    Mutation(
+        name="clip-scales-small-gradients-up",
+        file="mpidl/optim/clip.py",
+        original="coef = xp.minimum(max_norm / (norm + eps), 1.0)",
+        mutated="coef = xp.asarray(max_norm / (norm + eps))",
+        why="clip_grad_norm_ rescales every gradient to max_norm, small ones included",
+        tests=("tests/unit/test_optim_schedule.py::"
+               "test_clip_grad_norm_leaves_small_gradients_alone",),
+    ),
+    Mutation(
+        name="grad-norm-replicated-counted-per-rank",
+        file="mpidl/optim/clip.py",
+        original="sq[0 if split else 1] += xp.dot(flat, flat)",
+        mutated="sq[0] += xp.dot(flat, flat)",
+        why="a parameter replicated over the tensor group counts once per rank in the norm",
+        tests=("tests/mpi/test_model_parallel_costs.py::"
+               "test_the_gradient_norm_counts_every_shard_once",),
+    ),
+    Mutation(
+        name="loss-scale-no-floor",
+        file="mpidl/optim/scaler.py",
+        original="old, self.scale = self.scale, max(self.scale / self.factor, self.min_scale)",
+        mutated="old, self.scale = self.scale, self.scale / self.factor",
+        why="the dynamic loss scale backs off below its minimum",
+        tests=(OPTIM + "test_the_dynamic_loss_scale_backs_off_on_overflow_and_grows_after_"
+                       "good_steps",),
+    ),
+    # -- model parallelism -------------------------------------------------------------
+    Mutation(
+        name="megatron-f-backward-identity",
+        file="mpidl/parallel/mappings.py",
+        original="    def backward(self, gy):\n        return self.comm.allreduce(gy)",
+        mutated="    def backward(self, gy):\n        return gy",
+        why="Megatron's f (copy to the region) does not sum the input gradient in backward",
+        tests=(MODEL_PARALLEL + "test_parallel_gpt_trains_like_the_single_rank_gpt[tensor]",),
+    ),
+    Mutation(
+        name="megatron-g-backward-allreduce",
+        file="mpidl/parallel/mappings.py",
+        original="    def backward(self, gy):\n        return gy\n",
+        mutated="    def backward(self, gy):\n        return self.comm.allreduce(gy)\n",
+        why="Megatron's g (reduce from the region) sums the gradient in backward as well",
+        tests=(MODEL_PARALLEL + "test_parallel_gpt_trains_like_the_single_rank_gpt[tensor]",),
+    ),
+    Mutation(
+        name="ring-merge-weight-swapped",
+        file="mpidl/parallel/ring.py",
+        original="xp.exp(_logsigmoid(xp, -d))",
+        mutated="xp.exp(_logsigmoid(xp, d))",
+        why="the online softmax merge weights the running output by the block's share",
+        tests=(SEQ + "test_ring_attention_matches_full_attention[12-False-False]",),
+    ),
+    Mutation(
+        name="ring-causal-hides-the-diagonal",
+        file="mpidl/parallel/ring.py",
+        original="layout.positions(src)[None, :] <= layout.positions(me)[:, None]",
+        mutated="layout.positions(src)[None, :] < layout.positions(me)[:, None]",
+        why="causal ring attention lets a query see only earlier keys, not itself",
+        tests=(SEQ + "test_ring_attention_matches_full_attention[12-False-True]",),
+    ),
+    Mutation(
+        name="ring-backward-without-delta",
+        file="mpidl/parallel/ring.py",
+        original="    dp -= delta[..., None]\n",
+        mutated="",
+        why="ring attention's backward leaves out rowsum(dO O) from dS",
+        tests=(SEQ + "test_ring_attention_matches_full_attention[12-False-False]",),
+    ),
+    Mutation(
+        name="ulysses-token-order",
+        file="mpidl/parallel/sequence.py",
+        original="y = y.transpose(1, 2, 3, 0, 4, 5).reshape(3, b, hs, s * t, dh)",
+        mutated="y = y.transpose(1, 2, 3, 4, 0, 5).reshape(3, b, hs, s * t, dh)",
+        why="Ulysses' all-to-all interleaves the ranks' tokens instead of concatenating them",
+        tests=(SEQ + "test_ulysses_attention_matches_full_attention[12-True]",),
+    ),
+    Mutation(
+        name="syncbn-backward-local-sums",
+        file="mpidl/functions/batchnorm.py",
+        original="            sums = self.allreduce(sums)  # global sums for the input gradient\n",
+        mutated="            pass\n",
+        why="SyncBatchNorm's backward uses this rank's gradient sums, not the global ones",
+        tests=("tests/mpi/test_syncbn.py::"
+               "test_sync_batchnorm_equals_batchnorm_on_the_global_batch[0.1-ascending-BC]",),
+    ),
+    Mutation(
+        name="batchnorm-running-var-biased",
+        file="mpidl/functions/batchnorm.py",
+        original="unbiased = var * (n / xp.maximum(n - 1, 1))",
+        mutated="unbiased = var",
+        why="the running variance takes the biased batch variance (PyTorch's is unbiased)",
+        # Not a SyncBatchNorm test: its reference, BatchNorm, shares this code.
+        tests=("tests/unit/test_functions_batchnorm.py::test_training_forward_normalises_"
+               "over_batch_and_space_and_updates_running_stats[numpy-BC]",),
+    ),
+    # -- data -----------------------------------------------------------------------------
+    Mutation(
+        name="sampler-epoch-ignored",
+        file="mpidl/data/sampler.py",
+        original="key = splitmix64(splitmix64(self.seed & _M64) ^ (self.epoch & _M64))",
+        mutated="key = splitmix64(splitmix64(self.seed & _M64))",
+        why="the shuffle is a function of the seed only: every epoch has the same order",
+        tests=(SAMPLER + "test_epochs_and_seeds_give_different_orders",),
+    ),
+    Mutation(
+        name="sampler-rank-offset",
+        file="mpidl/data/sampler.py",
+        original="lo = a + self.rank * base + min(self.rank, extra)\n",
+        mutated="lo = a + self.rank * base\n",
+        why="a rank's slice of an uneven batch ignores the larger shares before it",
+        tests=(SAMPLER + "test_every_sample_once_per_epoch_at_1_2_3_ranks",),
+    ),
+    Mutation(
+        name="sampler-planned-rank-offset",
+        file="mpidl/data/sampler.py",
+        original="lo = a + self.rank * base + numpy.minimum(self.rank, extra)",
+        mutated="lo = a + self.rank * base",
+        why="the loader's planned runs (runs_between) ignore the larger shares before a rank",
+        tests=(SAMPLER + "test_runs_between_equals_runs_step_by_step",),
+    ),
+    Mutation(
+        name="sampler-drop-last-swapped",
+        file="mpidl/data/sampler.py",
+        original="self._steps = n // g if drop_last else -(-n // g)",
+        mutated="self._steps = -(-n // g) if drop_last else n // g",
+        why="drop_last keeps the partial batch and the default drops it",
+        tests=(SAMPLER + "test_drop_last_leaves_out_the_partial_batch",),
+    ),
+    Mutation(
+        name="eval-wrong-predictions-counted-correct",
+        file="mpidl/data/evaluate.py",
+        original="xp.bincount(xp.where(pred == true, true, k), minlength=k + 1)[:k]",
+        mutated="xp.bincount(xp.where(pred == true, true, 0), minlength=k + 1)[:k]",
+        why="a wrong prediction lands in class 0's correct count instead of the extra bin",
+        tests=("tests/unit/test_data_evaluate.py::test_accuracy_recall_and_macro_f1_by_hand",),
+    ),
+    Mutation(
+        name="eval-loss-sum-not-reduced",
+        file="mpidl/data/evaluate.py",
+        original='            comm.allreduce_(loss, op="sum")\n',
+        mutated="",
+        why="the evaluation's loss sum stays per rank while the counts are global",
+        tests=("tests/mpi/test_evaluation_mpi.py::"
+               "test_the_confusion_matrix_is_the_same_at_any_number_of_ranks",),
+    ),
+    # -- checkpoints and the sampler position ------------------------------------------
+    Mutation(
+        name="loader-state-at-epoch-end",
+        file="mpidl/data/loader.py",
+        original="        if step >= len(self):\n            epoch, step = epoch + 1, 0",
+        mutated="        if step > len(self):\n            epoch, step = epoch + 1, 0",
+        why="a checkpoint after an epoch's last step resumes into the finished epoch",
+        tests=("tests/unit/test_data_loader.py::test_resume_and_state_dict_continue_exactly",),
+    ),
+    Mutation(
+        name="loader-resume-from-epoch-start",
+        file="mpidl/data/loader.py",
+        original='self.resume(int(state["epoch"]), int(state["step"]))',
+        mutated='self.resume(int(state["epoch"]), 0)',
+        why="a resumed run starts its epoch over, repeating the samples already seen",
+        tests=("tests/unit/test_data_loader.py::test_resume_and_state_dict_continue_exactly",),
+    ),
+    Mutation(
+        name="checkpoint-oldest-first",
+        file="mpidl/train/checkpoint.py",
+        original="for _, path in reversed(_listed(os.fspath(directory))):",
+        mutated="for _, path in _listed(os.fspath(directory)):",
+        why="resume picks the oldest loadable checkpoint instead of the newest",
+        tests=("tests/unit/test_checkpoint.py::"
+               "test_latest_ignores_tmp_and_skips_truncated_files_with_a_warning",),
+    ),
+    Mutation(
+        name="checkpoint-keep-last-off-by-one",
+        file="mpidl/train/checkpoint.py",
+        original="listed[: max(0, len(listed) - k)]",
+        mutated="listed[: max(0, len(listed) - k + 1)]",
+        why="keep_last(k) keeps k - 1 checkpoints",
+        tests=("tests/unit/test_checkpoint.py::test_keep_last_keeps_the_newest_k",),
+    ),
+    Mutation(
+        name="checkpoint-set-aside-includes-resumed",
+        file="mpidl/train/checkpoint.py",
+        original="newer = [path for s, path in _listed(directory) if s > step]",
+        mutated="newer = [path for s, path in _listed(directory) if s >= step]",
+        why="resuming an older checkpoint moves that checkpoint aside too",
+        tests=("tests/unit/test_checkpoint.py::"
+               "test_resuming_an_older_checkpoint_sets_the_newer_ones_aside",),
+    ),
+    # -- hpc --------------------------------------------------------------------------------
+    Mutation(
+        name="hpc-allreduce-bus-factor",
+        file="hpc/costmodel.py",
+        original="return 2.0 * (ranks - 1) / ranks",
+        mutated="return (ranks - 1) / ranks",
+        why="allreduce's bus factor is taken as an allgather's, halving busbw and cost",
+        tests=("tests/unit/test_bench.py::test_bus_factor_follows_nccl_tests",),
+    ),
+    Mutation(
+        name="hpc-job-size-before-step-size",
+        file="hpc/env.py",
+        original='"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"',
+        mutated='"SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS"',
+        why="inside a Slurm step the job's task count wins over the step's",
+        tests=("tests/unit/test_env.py::test_step_size_wins_over_job_size_inside_a_step",),
+    ),
+    Mutation(
+        name="hpc-tasks-per-node-repeat",
+        file="hpc/env.py",
+        original="counts += [int(m.group(1))] * int(m.group(2) or 1)",
+        mutated="counts += [int(m.group(1))]",
+        why="Slurm's compressed '2(x3)' is read as one node of 2 tasks",
+        tests=("tests/unit/test_env.py::test_parse_tasks_per_node_expands_compressed_lists",),
+    ),
+    # -- the gaps the hand mutation run of issue #31 found, and their tests ---------------
+    Mutation(
+        name="dp-no-global-count-divides-by-n-plus-1",
+        file="mpidl/parallel/data.py",
+        original="p.grad *= 1.0 / self.comm.size",
+        mutated="p.grad *= 1.0 / (self.comm.size + 1)",
+        why="without global_count the summed gradient is divided by N + 1, not N",
+        tests=(THREADS.format("test_data_parallel::test_backward_without_global_count_averages_"
+                              "the_ranks_mean_losses[options={'overlap': False}]", 2),
+               DP + "test_backward_without_global_count_averages_the_ranks_mean_losses"),
+    ),
+    Mutation(
+        name="zero-no-global-count-divides-by-n-plus-1",
+        file="mpidl/parallel/zero.py",
+        original="self._block_scale = (1.0 / self.comm.size",
+        mutated="self._block_scale = (1.0 / (self.comm.size + 1)",
+        why="ZeRO without global_count divides each reduced block by N + 1",
+        tests=(THREADS.format(ZC + "test_backward_without_global_count_averages_the_ranks_mean_"
+                              "losses[stage=1]", 2),
+               ZERO_CONTRACTS + "test_backward_without_global_count_averages_the_ranks_mean_"
+               "losses"),
+    ),
+    Mutation(
+        name="transport-pieces-drop-last-element",
+        file="mpidl/parallel/transport.py",
+        original="allreduce_(flat[i:i + step], op=op)",
+        mutated="allreduce_(flat[i:i + step - 1], op=op)",
+        why="a bucket sent in several messages leaves each piece's last element unsummed",
+        tests=(THREADS.format("test_data_parallel::test_a_bucket_sent_in_several_messages_is_"
+                              "summed_whole[transport=mpi]", 2),
+               DP + "test_a_bucket_sent_in_several_messages_is_summed_whole"),
+    ),
+    Mutation(
+        name="zero-stage-1-keeps-an-unreached-gradient",
+        file="mpidl/parallel/zero.py",
+        original="                view = self.grad_flat[a:b].reshape(shape)\n"
+                 "                view[...] = 0\n",
+        mutated="                view = self.grad_flat[a:b].reshape(shape)\n",
+        why="stage 1 sums the last step's gradient of a parameter this batch did not reach",
+        tests=(THREADS.format(ZC + "test_a_parameter_the_batch_did_not_reach_sums_zeros_not_the_"
+                              "last_steps_gradient[stage=1]", 2),
+               ZERO_CONTRACTS + "test_a_parameter_the_batch_did_not_reach_sums_zeros_not_the_"
+               "last_steps_gradient"),
+    ),
+    Mutation(
+        name="zero-no-sync-reduces-nothing",
+        file="mpidl/parallel/zero.py",
+        original="self._syncing = self.stage > 1  # stages 2-3 always reduce into the shards",
+        mutated="self._syncing = False",
+        why="stages 2-3 hold the full gradient under no_sync (the memory promise broken)",
+        tests=(THREADS.format(ZC + "test_each_stage_holds_exactly_its_promised_share_of_the_"
+                              "state[stage=2][synced=False]", 2),
+               ZERO_CONTRACTS + "test_each_stage_holds_exactly_its_promised_share_of_the_state"),
+    ),
+    Mutation(
+        name="zero-full-state-skips-the-buffers",
+        file="mpidl/parallel/zero.py",
+        original="b[...] = xp.asarray(v)  # in place: the module keeps its array",
+        mutated="pass",
+        why="loading a full state into ZeRO restores the parameters but not the buffers",
+        tests=(THREADS.format(ZC + "test_loading_a_full_state_restores_the_buffers_and_every_"
+                              "shard[stage=1]", 2),
+               ZERO_CONTRACTS + "test_loading_a_full_state_restores_the_buffers_and_every_shard"),
+    ),
+    Mutation(
+        name="zero-clipping-never-scales",
+        file="mpidl/parallel/zero.py",
+        original="        if coef < 1.0:\n            for s in self.parameters():",
+        mutated="        if coef > 1.0:\n            for s in self.parameters():",
+        why="ZeRO's clipping computes the coefficient and never applies it",
+        tests=(THREADS.format(ZC + "test_clipping_scales_the_shards_to_the_global_norm_as_one_"
+                              "rank_does[stage=1]", 2),
+               ZERO_CONTRACTS + "test_clipping_scales_the_shards_to_the_global_norm_as_one_rank_"
+               "does"),
+    ),
+    Mutation(
+        name="zero-member-slices-from-the-parameter-start",
+        file="mpidl/parallel/zero.py",
+        original="block[x - u.start:y - u.start]",
+        mutated="block[x - a:y - a]",
+        why="a member's piece of a block is sliced from the parameter's offset, not the block's",
+        tests=(THREADS.format(ZC + "test_every_ranks_checkpoint_pieces_assemble_into_the_single_"
+                              "rank_state[stage=2]", 2),
+               ZERO_CONTRACTS + "test_every_ranks_checkpoint_pieces_assemble_into_the_single_"
+               "rank_state"),
+    ),
+    Mutation(
+        name="zero-3-reduces-each-unit-when-final",
+        file="mpidl/parallel/zero.py",
+        original="        while self._next_reduce < len(order) and order[self._next_reduce].pending == 0:\n"
+                 "            self._reduce(order[self._next_reduce])\n"
+                 "            self._next_reduce += 1\n",
+        mutated="        if u.pending == 0 and u.module is not self.module:\n"
+                "            self._reduce(u)\n",
+        why="stage 3 reduces a unit as soon as it is final: a rank that left a parameter "
+            "without gradient reduces in another order",
+        tests=(THREADS.format(ZC + "test_stage_3_reduces_in_one_order_when_a_rank_leaves_a_"
+                              "parameter_without_gradient", 2),
+               ZERO_CONTRACTS + "test_stage_3_reduces_in_one_order_when_a_rank_leaves_a_"
+               "parameter_without_gradient"),
+    ),
+    Mutation(
+        name="zero-drifting-buffers-not-broadcast",
+        file="mpidl/parallel/zero.py",
+        original="if self._drifting and self.module.training:",
+        mutated="if False:",
+        why="ZeRO lets plain batch norm's running statistics differ per rank",
+        tests=(THREADS.format(ZC + "test_plain_batch_norm_statistics_are_rank_0s_before_each_"
+                              "forward_as_data_parallel[stage=1]", 2),
+               ZERO_CONTRACTS + "test_plain_batch_norm_statistics_are_rank_0s_before_each_"
+               "forward_as_data_parallel"),
+    ),
+    Mutation(
+        name="checkpoint-crc-not-checked",
+        file="mpidl/train/checkpoint.py",
+        original="verify = version >= 2",
+        mutated="verify = False",
+        why="a checkpoint's CRC-32s are written but never checked on load",
+        tests=("tests/unit/test_checkpoint.py::test_a_changed_array_element_fails_its_checksum_"
+               "naming_file_and_dataset",),
+    ),
+    Mutation(
+        name="vocab-cross-entropy-local-max",
+        file="mpidl/parallel/tensor.py",
+        original="        m = x.max(axis=1)  # (N,)\n        if comm.size > 1:\n"
+                 "            comm.allreduce_(m, op=\"max\")\n",
+        mutated="        m = x.max(axis=1)  # (N,)\n",
+        why="the split cross-entropy shifts each rank's logits by its own maximum",
+        tests=(THREADS.format("test_model_parallel::test_vocab_parallel_cross_entropy_equals_the_"
+                              "full_logits_loss_on_every_rank[reduction=mean][ignore_index=2]", 2),
+               MODEL_PARALLEL + "test_vocab_parallel_cross_entropy_equals_the_full_logits_loss_on_"
+               "every_rank"),
+    ),
+    Mutation(
+        name="vocab-cross-entropy-float16-not-widened",
+        file="mpidl/parallel/tensor.py",
+        original="        if x.dtype.itemsize < 4:\n            x = x.astype(numpy.float32)\n",
+        mutated="",
+        why="16-bit logits split over the vocabulary reach MPI's max, which refuses float16",
+        tests=(MODEL_PARALLEL + "test_vocab_parallel_cross_entropy_of_float16_logits_works_in_"
+               "float32",),
+    ),
+    Mutation(
+        name="held-bytes-counts-views-again",
+        file="mpidl/parallel/wrapper.py",
+        original="if id(buffer) not in self._seen:",
+        mutated="if True:",
+        why="a bucket or unit is counted once per view of it: the memory report inflates",
+        tests=("tests/unit/test_wrapper.py::test_held_bytes_counts_a_buffer_once_through_all_"
+               "its_views",),
+    ),
+    # -- pipeline parallelism (mpidl/parallel/pipeline.py): add its mutations here as it
+    #    lands.
+]
