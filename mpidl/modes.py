@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from mpidl.parallel.sequence import ulysses_heads_fit
+
 VALUE = 4  # bytes per float32 value
 
 
@@ -106,7 +108,7 @@ def modes_for(shape: Shape, ranks: int, memory: float, time: Callable[[str, floa
     per_layer = shape.layers
     if ranks <= shape.heads:
         add("tensor", f"tensor {ranks}", ranks, per_layer * 4 * time("allreduce", btd, ranks))
-    if shape.heads % ranks == 0 and ranks <= shape.tokens:
+    if ulysses_heads_fit(shape.heads, sequence=ranks) and ranks <= shape.tokens:
         add("ulysses", f"Ulysses {ranks}", ranks,
             per_layer * 4 * time("alltoall", 2 * btd / ranks, ranks)
             + time("allreduce", grad, ranks))

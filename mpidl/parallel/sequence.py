@@ -32,7 +32,7 @@ import numpy
 from mpidl import functions as F
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module, to_device
-from mpidl.comm.base import Communicator
+from mpidl.comm.base import Communicator, split_counts
 
 
 class SequenceLayout:
@@ -173,6 +173,17 @@ class HeadsToSequence(Function):
         return g.transpose(1, 3, 0, 2, 4).reshape(b, hs, s * t, dh)
 
 
+def ulysses_heads_fit(heads: int, tensor: int = 1, sequence: int = 1) -> bool:
+    """Whether Ulysses attention can split ``heads`` heads: over ``tensor`` ranks in
+    near-equal shares (:func:`~mpidl.comm.base.split_counts`), and each share over the
+    ``sequence`` ranks of a sequence group, every one of which needs whole heads.
+
+    The one statement of the rule: the layout planner, the parallel attention layer,
+    this module's attention and the planner's cost model all ask here.
+    """
+    return all(h % sequence == 0 for h in split_counts(heads, tensor))
+
+
 def ulysses_attention(qkv: Any, comm: Communicator, heads: int, causal: bool,
                       layout: SequenceLayout) -> Tensor:
     """Self-attention of a sequence split over ``comm``, by two all-to-alls (Ulysses).
@@ -191,7 +202,7 @@ def ulysses_attention(qkv: Any, comm: Communicator, heads: int, causal: bool,
 
     Collective over ``comm`` in forward and backward: four all-to-alls in all.
     """
-    if heads % comm.size:
+    if not ulysses_heads_fit(heads, sequence=comm.size):
         raise ValueError(f"Ulysses attention splits heads over the sequence group: "
                          f"heads={heads} is not divisible by {comm.size} ranks; use ring "
                          "attention, or a head count that the group size divides")

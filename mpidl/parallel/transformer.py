@@ -31,7 +31,7 @@ from mpidl.nn.transformer import TransformerEncoderLayer
 from mpidl.parallel.grid import ProcessGrid
 from mpidl.parallel.mappings import copy_to_region
 from mpidl.parallel.ring import ring_attention
-from mpidl.parallel.sequence import SequenceLayout, ulysses_attention
+from mpidl.parallel.sequence import SequenceLayout, ulysses_attention, ulysses_heads_fit
 from mpidl.parallel.tensor import ColumnParallelLinear, RowParallelLinear, shard_counts
 
 ATTENTION = ("ring", "ulysses")
@@ -131,7 +131,7 @@ class ParallelSelfAttention(Module):
             raise ValueError(f"attention={attention!r}: use one of {ATTENTION}")
         tensor, seq = grid.tensor, grid.sequence
         heads = shard_counts(attn.heads, tensor, "heads")
-        if attention == "ulysses" and any(h % seq.size for h in heads):
+        if attention == "ulysses" and not ulysses_heads_fit(attn.heads, tensor.size, seq.size):
             raise ValueError(
                 f"Ulysses attention splits each tensor rank's heads {list(heads)} over the "
                 f"sequence group of {seq.size}, which does not divide them; use "

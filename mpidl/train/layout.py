@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mpidl.comm.base import split_counts
+from mpidl.parallel.sequence import ulysses_heads_fit
 from mpidl.train.config import Config, ConfigError
 
 
@@ -112,18 +114,14 @@ def plan_layout(config: Config, ranks: int, model: Any, length: int) -> LayoutPl
             f"--sequence-parallel-size={s}: the sequences have {length} tokens (the model "
             f"reads {length} of each {length + 1}-token row), fewer than the ranks of a "
             f"sequence group; use at most {length} sequence ranks, or longer sequences")
-    if mode == "ulysses":
-        from mpidl.comm.base import split_counts
-
-        per_rank = split_counts(heads, k)
-        if any(h % s for h in per_rank):
-            fit = [d for d in _divisors(ranks // k) if all(h % d == 0 for h in per_rank)]
-            raise ConfigError(
-                f"--sequence-parallel=ulysses gives every one of the {s} sequence ranks whole "
-                f"heads, but each tensor rank holds {list(per_rank)} of the model's {heads} "
-                f"heads, which {s} does not divide: use --sequence-parallel-size in "
-                f"{_list(fit)}, heads divisible by {k * s} (--model.heads), or "
-                "--sequence-parallel=ring (any head count)")
+    if mode == "ulysses" and not ulysses_heads_fit(heads, k, s):
+        fit = [d for d in _divisors(ranks // k) if ulysses_heads_fit(heads, k, d)]
+        raise ConfigError(
+            f"--sequence-parallel=ulysses gives every one of the {s} sequence ranks whole "
+            f"heads, but each tensor rank holds {split_counts(heads, k)} of the model's "
+            f"{heads} heads, which {s} does not divide: use --sequence-parallel-size in "
+            f"{_list(fit)}, heads divisible by {k * s} (--model.heads), or "
+            "--sequence-parallel=ring (any head count)")
     return LayoutPlan(k, s, ranks // (k * s), mode if s > 1 else "none",
                       config.megatron_sequence_parallel, config.zero)
 

@@ -39,3 +39,12 @@ def test_a_layout_needs_a_token_and_a_rank_in_the_group():
         SequenceLayout(0, 2)
     with pytest.raises(ValueError, match="rank < size"):
         SequenceLayout(4, 2, rank=2)
+
+
+def test_ulysses_heads_fit_when_every_tensor_ranks_share_divides_over_the_sequence_group():
+    from mpidl.parallel.sequence import ulysses_heads_fit
+
+    assert ulysses_heads_fit(6, tensor=2, sequence=3)        # 3 + 3 heads, 1 per sequence rank
+    assert not ulysses_heads_fit(5, tensor=2, sequence=2)    # 3 + 2: the 3 do not split in 2
+    assert ulysses_heads_fit(4, sequence=4) and not ulysses_heads_fit(4, sequence=3)
+    assert ulysses_heads_fit(7)                               # no split at all
