@@ -29,14 +29,20 @@ def format_duration(seconds: float) -> str:
 
 
 def format_value(value: Any) -> str:
-    """A compact rendering of a metric: 4 significant digits, ``12.3k`` for large rates."""
-    if isinstance(value, bool) or value is None:
+    """A compact rendering of a metric: 4 significant digits, ``12.3k`` for large rates,
+    ``5.76e+26`` past a million (a diverging loss), ``-`` for none (a JSON null: a loss of
+    no counted sample, or one that was not finite)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
         return str(value)
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
+        if abs(value) >= 1e6:
+            return f"{value:.3g}"
         if abs(value) >= 10_000:
             return f"{value / 1000:.1f}k"
         if value != 0 and abs(value) < 1e-3:
@@ -201,7 +207,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def is_number(v: Any) -> bool:
-        return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v == "-"
+        return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in (None, "-")
 
     numeric = [bool(rows) and all(is_number(row[i]) for row in rows) for i in range(len(headers))]
 

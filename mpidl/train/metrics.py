@@ -9,7 +9,10 @@ written so that a killed job keeps what it logged. Every record has ``kind`` and
      "time_comm": 0.004, "time_input": 0.002, "time": 1733000000.0}
     {"kind": "eval", "step": 390, "epoch": 0, "test_loss": 0.19, "test_accuracy": 0.93, ...}
 
-Non-finite floats (a diverged loss) are written as ``null``: strict JSON has no NaN.
+Non-finite floats (a diverged loss) are written as ``null``: strict JSON has no NaN. A
+train record whose steps were all skipped (not finite) has a ``null`` loss and accuracy
+(no sample counted); ``skipped_steps``, in train and stop records, counts such steps
+since the run began.
 
 The time split of a step (:class:`StepTimer`): *input* is time blocked waiting for the
 next batch, *comm* is time blocked waiting for communication (the allreduce handles of

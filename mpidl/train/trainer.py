@@ -625,7 +625,8 @@ class Trainer:
         except Diverged as e:
             batches.close()
             bar.close()
-            self.metrics.write(kind="stop", step=self.step, reason=str(e))
+            self.metrics.write(kind="stop", step=self.step, reason=str(e),
+                               skipped_steps=self.skipped_steps)
             self.metrics.close()
             if comm.rank == 0:
                 print(f"mpidl train: error: {e}", file=sys.stderr, flush=True)
@@ -669,11 +670,15 @@ class Trainer:
         """Write a train record of the steps since the last one. Collective."""
         totals = self._window_totals(window)
         times = self.timer.last.as_record() if self.timer.last else {}
-        loss = totals[0] / max(totals[2], 1)
+        # No sample counted: every step of the window was skipped (not finite). Its loss
+        # and accuracy are undefined, null in the record, not 0.
+        counted = totals[2] > 0
+        loss = totals[0] / totals[2] if counted else None
         record = dict(kind="train", epoch=epoch, step=self.step, loss=loss,
-                      **({"accuracy": totals[1] / max(totals[2], 1)}
+                      **({"accuracy": totals[1] / totals[2] if counted else None}
                          if self.objective.accuracy else {}),
-                      **self.objective.extra(loss),
+                      **(self.objective.extra(loss) if counted
+                         else dict.fromkeys(self.objective.extra(0.0))),
                       lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
         record.update(self._state_bytes())
         if self.skipped_steps:

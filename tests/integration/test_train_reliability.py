@@ -76,10 +76,17 @@ def test_divergence_stops_with_status_1_and_keeps_the_good_checkpoints(trained, 
 
 def test_a_fresh_run_that_diverges_at_once_writes_no_checkpoint(tmp_path, cache):
     run = str(tmp_path / "run")
-    result = train(2, run, cache, "--epochs=1", "--lr=1e6", "--nonfinite-steps=3")
+    result = train(2, run, cache, "--epochs=1", "--lr=1e6", "--nonfinite-steps=3",
+                   "--log-every=50")
     assert result.returncode == 1, result.output
     assert "3 non-finite steps in a row" in result.stderr
     assert not os.path.isdir(os.path.join(run, "checkpoints")) or checkpoints(run) == []
+    # Stopped before the first train record (the default --log-every): the stop record
+    # counts the skipped steps, the warnings' and the last one's.
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["kind"] for r in records] == ["stop"]
+    warned = result.stdout.count("the step is skipped on every rank")
+    assert records[-1]["skipped_steps"] == warned + 1 >= 3
 
 
 def _nan_dataset(tmp_path, nan_rows, amplitude=1.0):
@@ -122,12 +129,47 @@ def test_a_nan_input_on_one_rank_skips_that_step_on_every_rank(tmp_path, n):
     assert max(r.get("skipped_steps", 0) for r in records) == 3
 
 
+def _summary_table(stdout):
+    """The rows of the summary's table (epoch, step, train loss, train acc, test loss, test
+    acc) as printed."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["epoch", "step"])
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def test_a_skip_run_that_diverges_has_a_summary_of_numbers_and_no_nan_in_json(tmp_path):
+    data = _nan_dataset(tmp_path, nan_rows=[100])
+    run = str(tmp_path / "run")
+    # lr 100: the loss grows to ~1e11 (not finite at times), one NaN sample skips steps
+    result = _mlp(tmp_path, data, run, "--epochs=2", "--nonfinite=skip", "--lr=100",
+                  "--log-every=50")
+    assert result.returncode == 0, result.output
+    rows = _summary_table(result.stdout)
+    assert len(rows) == 2, result.stdout
+    for cell in (c for row in rows for c in row[2:]):
+        assert cell == "-" or (float(cell) == float(cell) and len(cell) <= 9), rows
+    assert "None" not in result.stdout and "RuntimeWarning" not in result.output
+    for line in open(os.path.join(run, "metrics.jsonl")):
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}"))
+
+
 def test_with_the_stop_policy_nan_steps_in_a_row_end_the_run_keeping_the_last_checkpoint(
         tmp_path):
     data = _nan_dataset(tmp_path, nan_rows=list(range(0, 512, 16)))  # every batch
     run = str(tmp_path / "run")
     first = _mlp(tmp_path, data, run, "--epochs=1", "--nonfinite=skip")
     assert first.returncode == 0  # every step skipped, nothing learned, checkpoint written
+    # No sample counted: the loss and accuracy are undefined (null), not 0.
+    trained = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    trained = [r for r in trained if r["kind"] == "train"]
+    assert len(trained) == 8 and all(r["loss"] is None and r["accuracy"] is None
+                                     for r in trained), trained
+    assert "None" not in first.stdout
     kept = snapshot(os.path.join(run, "checkpoints"))
     result = _mlp(tmp_path, data, run, "--epochs=3", "--nonfinite-steps=2")
     assert result.returncode == 1, result.output

@@ -93,3 +93,24 @@ def test_summary_has_one_row_per_evaluation_and_the_totals():
     assert lines[2].split() == ["0", "2", "0.5", "0.8", "0.3", "0.92"]
     assert lines[3].split() == ["1", "4", "-", "-", "0.2", "0.94"]
     assert lines[-2:] == ["wall time: 2m31s", "ranks:     2"]
+
+
+def test_a_diverging_loss_and_a_missing_value_read_as_numbers_not_nonsense():
+    assert format_value(5.760173386189647e26) == "5.76e+26"  # was "576017338618964706263564288.0k"
+    assert format_value(1_234_567.0) == "1.23e+06" and format_value(999_999.0) == "1000.0k"
+    assert format_value(None) == "-"  # a JSON null: no counted sample, or not finite
+
+
+def test_summary_of_a_run_whose_windows_were_all_skipped_shows_dashes():
+    records = [
+        {"kind": "train", "epoch": 0, "step": 8, "loss": None, "accuracy": None},
+        {"kind": "eval", "epoch": 0, "step": 8, "test_loss": None, "test_accuracy": 0.05},
+        {"kind": "train", "epoch": 1, "step": 16, "loss": 5.76e26, "accuracy": 0.36},
+        {"kind": "eval", "epoch": 1, "step": 16, "test_loss": 1.5e6, "test_accuracy": 0.64},
+    ]
+    text = format_summary(records, {"final test accuracy": None})
+    assert "None" not in text and "k " not in text and not text.endswith("k")
+    rows = text.splitlines()
+    assert rows[2].split() == ["0", "8", "-", "-", "-", "0.05"]
+    assert rows[3].split() == ["1", "16", "5.76e+26", "0.36", "1.5e+06", "0.64"]
+    assert rows[-1].split() == ["final", "test", "accuracy:", "-"]
