@@ -19,9 +19,12 @@ with the column means and deviations ``mpidl shard`` stored (:func:`data_stats`;
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpidl.train.config import Config, ConfigError, check_model, model_parameters
+
+if TYPE_CHECKING:
+    from mpidl.train.checkpoint import Checkpoint
 
 TOKEN_MODELS = ("bow", "transformer", "gpt")   # read token ids
 FEATURE_MODELS = ("mlp", "cnn", "cosmoflow")   # read feature arrays
@@ -169,6 +172,30 @@ def build_model(config: Config, dataset: Any) -> Any:
     """The configured model, shaped by ``dataset`` (see the module docstring)."""
     factory = check_model(config)
     return factory(seed=config.seed, **model_options(config, dataset))
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name when it has none)."""
+    text = str(error).strip("'\" ")
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def another_model(path: str, config: Config, doing: str, error: BaseException) -> ConfigError:
+    """The error for a checkpoint at ``path`` that holds another model than ``config``'s
+    (``error``: what loading it raised; ``doing``: "evaluate", "resume from", ...)."""
+    return ConfigError(
+        f"cannot {doing} {path}: it holds another model than the configured "
+        f"{config.model.name!r} ({first_line(error)}); use the model options it was saved "
+        "with (the run's config.toml) or another --run-dir for a new model")
+
+
+def load_model_state(model: Any, state: Checkpoint, config: Config, doing: str) -> None:
+    """Load a checkpoint's parameters into ``model``; ConfigError naming the checkpoint
+    when it holds another model (other parameter names or shapes)."""
+    try:
+        model.load_state_dict(state.model)
+    except (KeyError, ValueError) as e:
+        raise another_model(state.path, config, doing, e) from None
 
 
 def seed_dropout_per_rank(model: Any, seed: int, rank: int, salt: int = 0) -> int:

@@ -4,8 +4,9 @@ The trainer's step and evaluation ask the run's objective, chosen from the task:
 
 - :class:`Classification` (every task but ``gpt``): logits ``(B, classes)`` of inputs
   ``x`` against labels ``y``; the loss is summed over samples and averaged over the
-  global batch (the sampler's count); evaluation is the exact per-class count of
-  :func:`mpidl.train.evaluation.evaluate_model`.
+  global batch (the sampler's count); evaluation is the exact per-class count
+  (:class:`~mpidl.data.evaluate.ClassCounts`): loss, accuracy, recall, macro-F1 and the
+  confusion matrix.
 - :class:`Regression` (a dataset whose ``y`` is floating point, scalar or a vector per
   sample): squared error (or Huber), in standard units (each output's error divided by
   its standard deviation over the train split), summed over samples and outputs and
@@ -22,20 +23,65 @@ The trainer's step and evaluation ask the run's objective, chosen from the task:
   ``x[:, 1:]``; padded targets count nothing, so the global count of real targets takes
   one small allreduce per step (the mean is over every rank's real tokens, exactly);
   records add the perplexity ``exp(loss)``.
+
+Evaluation is one loop for every objective (:func:`mpidl.train.evaluation.evaluate`);
+an objective gives what differs: :meth:`Objective.score` scores one batch (this rank's
+share, which may have no rows), and :meth:`Objective.eval_sums` the sums that add the
+batches up and their reduction over the ranks to an :class:`Evaluation`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy
 
 from mpidl import functions as F
+from mpidl.backend import as_numpy, get_array_module
+from mpidl.data.evaluate import ClassCounts, Scores
+from mpidl.data.stats import column_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """Scores over a whole split, the same on every rank.
+
+    Attributes:
+        record: the eval record's fields (``metrics.jsonl``, ``mpidl eval --json``).
+        line: the scores in words, for the log.
+        scores: a classifier's counts and scores (the confusion matrix), else None.
+    """
+
+    record: dict[str, Any]
+    line: str
+    scores: Scores | None = None
+
+
+class BatchScores(NamedTuple):
+    """One rank's scores of its share of one evaluation batch (possibly of no rows)."""
+
+    loss: Any          # the summed loss, an xp scalar
+    outputs: Any = None  # the model's outputs, where the sums need them (B, ...)
+    targets: Any = None  # the labels or targets they are counted against
+    count: int = 0     # targets counted (a language model's real tokens)
+    correct: Any = 0   # of them predicted right (a language model's next-token hits)
+
+
+class EvalSums(Protocol):
+    """One rank's running sums of an evaluation."""
+
+    def add(self, batch: BatchScores) -> None:
+        """Add one batch's scores (zero rows add nothing). Not collective."""
+
+    def reduce(self, comm: Any) -> Evaluation:
+        """The sums over every rank, and the scores they give. Collective."""
 
 
 class Objective:
     """What every objective shares: the features it reads, whether its records carry an
-    accuracy, and how a window's sums (loss, correct, targets) add up over the ranks."""
+    accuracy, how a window's sums (loss, correct, targets) add up over the ranks, and
+    what evaluation asks of it (:meth:`score`, :meth:`eval_sums`)."""
 
     features: tuple[str, ...] = ("x", "y")
     accuracy = True  # train records carry one
@@ -54,6 +100,17 @@ class Objective:
         """Fields a train record adds for a mean loss ``loss``."""
         return {}
 
+    def score(self, model: Any, x: Any, y: Any, xp: Any) -> BatchScores:
+        """Score one evaluation batch: ``model`` (in evaluation mode, no gradients kept) on
+        inputs ``x`` against ``y`` (None for a language model). ``x`` may have no rows;
+        the model runs anyway (its forward may be collective). Collective as the model."""
+        raise NotImplementedError
+
+    def eval_sums(self, model: Any, dataset: Any, xp: Any) -> EvalSums:
+        """Zeroed sums of an evaluation of ``model`` (in evaluation mode) over the split
+        ``dataset``. Collective as the model (a classifier's width is probed with it)."""
+        raise NotImplementedError
+
 
 class Classification(Objective):
     """Softmax cross-entropy of ``model(x)`` against integer labels ``y``."""
@@ -66,16 +123,45 @@ class Classification(Objective):
         correct = xp.count_nonzero(logits.data.argmax(-1) == y) if len(y) else 0
         return loss, len(y), correct
 
-    def evaluate(self, model: Any, loader: Any, comm: Any) -> dict[str, Any]:
-        """The eval record's fields and a line saying them. Collective."""
-        from mpidl.train.evaluation import evaluate_model
+    def score(self, model: Any, x: Any, y: Any, xp: Any) -> BatchScores:
+        logits = model(x)
+        loss = F.softmax_cross_entropy(logits, y, reduction="sum").data
+        return BatchScores(loss, logits.data, y)
 
-        scores = evaluate_model(model, loader, comm)
-        record = scores.as_record()
+    def eval_sums(self, model: Any, dataset: Any, xp: Any) -> "ClassificationSums":
+        # Counted over the model's outputs and the dataset's classes alike: a model with
+        # more outputs than the dataset has classes (or fewer) has every count in range.
+        classes = max(output_width(model, dataset.features["x"], xp), dataset.num_classes or 0)
+        return ClassificationSums(classes, xp)
+
+
+def output_width(model: Any, feature: Any, xp: Any) -> int:
+    """The number of scores ``model`` gives a sample of ``feature`` (an
+    :class:`~mpidl.data.format.Feature`): its output for a batch of no samples, the same
+    on every rank. Collective as the model's forward (ZeRO-3: every rank probes)."""
+    return int(model(xp.zeros((0, *feature.shape), dtype=feature.dtype)).shape[-1])
+
+
+class ClassificationSums:
+    """Per-class counts (:class:`~mpidl.data.evaluate.ClassCounts`) and the loss sum; both
+    stay on the device until :meth:`reduce` (no host sync per batch with CuPy)."""
+
+    def __init__(self, classes: int, xp: Any) -> None:
+        self.counts = ClassCounts(classes, xp)
+        self.xp = xp
+        self.loss_sum: Any = 0.0
+
+    def add(self, batch: BatchScores) -> None:
+        # float64: float32 sums drift over batches
+        self.loss_sum = self.loss_sum + batch.loss.astype(self.xp.float64)
+        self.counts.update(batch.outputs, batch.targets)
+
+    def reduce(self, comm: Any) -> Evaluation:
+        scores = self.counts.scores(comm, self.loss_sum)
         line = (f"test loss {scores.loss:.4f}, test accuracy {scores.accuracy:.4f}, macro-F1 "
                 f"{scores.macro_f1:.4f} (always guessing the majority class: "
                 f"{scores.majority_accuracy:.4f})")
-        return {"record": record, "line": line, "scores": scores}
+        return Evaluation(scores.as_record(), line, scores)
 
 
 class Regression(Objective):
@@ -99,7 +185,7 @@ class Regression(Objective):
 
     def _loss(self, pred: Any, target: Any) -> Any:
         """The summed loss of ``pred`` against ``target``, in standard units."""
-        xp = _xp(target)
+        xp = get_array_module(target)
         key = (xp.__name__, str(pred.dtype))
         inv = self._inverse_on.get(key)
         if inv is None:  # once per device and dtype, not a host-to-device copy per step
@@ -116,29 +202,34 @@ class Regression(Objective):
         """Values in the global batch: samples times outputs."""
         return samples * self.outputs
 
-    def evaluate(self, model: Any, loader: Any, comm: Any) -> dict[str, Any]:
-        """MSE, MAE and R² per output over the test split. Collective."""
-        from mpidl.autograd import no_grad
-        from mpidl.backend import as_numpy
+    def score(self, model: Any, x: Any, y: Any, xp: Any) -> BatchScores:
+        pred = model(x)
+        target = self._targets(pred, y)
+        return BatchScores(self._loss(pred, target).data, pred.data, target)
 
+    def eval_sums(self, model: Any, dataset: Any, xp: Any) -> "RegressionSums":
+        return RegressionSums(self.outputs)
+
+
+class RegressionSums:
+    """Per-output sums, float64 on the host: values, targets and their squares, squared and
+    absolute errors (all in the data's units), and the loss (in standard units)."""
+
+    def __init__(self, outputs: int) -> None:
+        self.outputs = outputs
+        self.sums = numpy.zeros((6, outputs))  # count, sum y, sum y^2, sum e^2, sum |e|, loss
+
+    def add(self, batch: BatchScores) -> None:
         k = self.outputs
-        sums = numpy.zeros((6, k))  # count, sum y, sum y^2, sum e^2, sum |e|, sum loss
-        model.eval()
-        loader.set_epoch(0)
-        with no_grad():
-            for batch in loader:
-                x, y = batch[0], batch[1]
-                if len(x) == 0:
-                    continue
-                pred = model(x)
-                target = self._targets(pred, y)
-                loss = self._loss(pred, target)
-                p = as_numpy(pred.data).reshape(-1, k).astype(numpy.float64)
-                t = as_numpy(target).reshape(-1, k).astype(numpy.float64)
-                e = p - t
-                sums += [numpy.full(k, len(t)), t.sum(0), (t * t).sum(0), (e * e).sum(0),
-                         numpy.abs(e).sum(0), numpy.full(k, float(loss.data) / k)]
-        model.train()
+        p = as_numpy(batch.outputs).reshape(-1, k).astype(numpy.float64)
+        t = as_numpy(batch.targets).reshape(-1, k).astype(numpy.float64)
+        e = p - t
+        self.sums += [numpy.full(k, len(t)), t.sum(0), (t * t).sum(0), (e * e).sum(0),
+                      numpy.abs(e).sum(0), numpy.full(k, float(batch.loss) / k)]
+
+    def reduce(self, comm: Any) -> Evaluation:
+        """MSE, MAE and R² per output over the split, and their means. Collective."""
+        sums, k = self.sums, self.outputs
         comm.allreduce_(sums)
         n = numpy.maximum(sums[0], 1)
         mse, mae = sums[3] / n, sums[4] / n
@@ -153,7 +244,7 @@ class Regression(Objective):
         r2_text = "-" if record["test_r2"] is None else f"{record['test_r2']:.4f}"
         line = (f"test loss {record['test_loss']:.4f} (standard units), MSE "
                 f"{record['test_mse']:.4g}, MAE {record['test_mae']:.4g}, R² {r2_text}")
-        return {"record": record, "line": line, "scores": None}
+        return Evaluation(record, line)
 
 
 class LanguageModel(Objective):
@@ -185,32 +276,12 @@ class LanguageModel(Objective):
         comm.allreduce_(counts)
         return max(int(counts[0]), 1)
 
-    def evaluate(self, model: Any, loader: Any, comm: Any) -> dict[str, Any]:
-        """Loss per real target, next-token accuracy and perplexity over the test split,
-        exact over the ranks (sums, then one allreduce). Collective."""
-        from mpidl.autograd import no_grad
+    def score(self, model: Any, x: Any, y: Any, xp: Any) -> BatchScores:
+        loss, count, correct = self.step(model, x, None, xp)
+        return BatchScores(loss.data, count=count, correct=correct)
 
-        totals = numpy.zeros(3)  # loss sum, correct, targets
-        model.eval()
-        loader.set_epoch(0)
-        with no_grad():
-            for batch in loader:
-                x = batch[0]
-                if len(x) == 0:
-                    continue
-                loss, count, correct = self.step(model, x, None, _xp(x))
-                totals += [float(loss.data), float(correct), count]
-        model.train()
-        self.sum_totals(comm, totals)
-        n = max(totals[2], 1)
-        loss = totals[0] / n
-        record = {"test_loss": loss, "test_perplexity": _perplexity(loss),
-                  "test_targets": int(totals[2])}
-        line = f"test loss {loss:.4f}, perplexity {_perplexity(loss):.3f}"
-        if self.accuracy:
-            record["test_accuracy"] = totals[1] / n
-            line += f", next-token accuracy {totals[1] / n:.4f}"
-        return {"record": record, "line": line, "scores": None}
+    def eval_sums(self, model: Any, dataset: Any, xp: Any) -> "LanguageModelSums":
+        return LanguageModelSums(self)
 
     def extra(self, loss: float) -> dict[str, Any]:
         return {"perplexity": _perplexity(loss)}
@@ -250,25 +321,44 @@ class ParallelLanguageModel(LanguageModel):
         totals[:2], totals[2:] = shares, counts
 
 
+class LanguageModelSums:
+    """The loss sum, next-token hits and real targets, float64 on the host; reduced as the
+    objective's train windows are (:meth:`LanguageModel.sum_totals`)."""
+
+    def __init__(self, objective: LanguageModel) -> None:
+        self.objective = objective
+        self.totals = numpy.zeros(3)  # loss sum, correct, targets
+
+    def add(self, batch: BatchScores) -> None:
+        self.totals += [float(batch.loss), float(batch.correct), batch.count]
+
+    def reduce(self, comm: Any) -> Evaluation:
+        """Loss per real target, next-token accuracy and perplexity over the split.
+        Collective."""
+        totals = self.totals
+        self.objective.sum_totals(comm, totals)
+        n = max(totals[2], 1)
+        loss = totals[0] / n
+        record = {"test_loss": loss, "test_perplexity": _perplexity(loss),
+                  "test_targets": int(totals[2])}
+        line = f"test loss {loss:.4f}, perplexity {_perplexity(loss):.3f}"
+        if self.objective.accuracy:
+            record["test_accuracy"] = totals[1] / n
+            line += f", next-token accuracy {totals[1] / n:.4f}"
+        return Evaluation(record, line)
+
+
 def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))  # exp overflows float64 past ~709
 
 
-def _xp(x: Any) -> Any:
-    from mpidl.backend import get_array_module
-
-    return get_array_module(x)
-
-
-def objective_for(config: Any, dataset: Any) -> Any:
+def objective_for(config: Any, dataset: Any) -> Objective:
     """The objective of ``config.task``; ``dataset``, the train split (or its
     description), gives the padding id, or the targets' standard deviations."""
     if config.task == "gpt":
         return LanguageModel(getattr(dataset, "pad_id", None))
     y = dataset.features.get("y")
     if y is not None and y.dtype.kind == "f":
-        from mpidl.data.stats import column_scale
-
         manifest = getattr(dataset, "manifest", None)
         scale = column_scale(manifest, "y") if manifest is not None else None
         return Regression(config.regression_loss, int(math.prod(y.shape)) if y.shape else 1,

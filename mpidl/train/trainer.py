@@ -40,13 +40,15 @@ import numpy
 from hpc.files import write_text
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.config import Config, ConfigError, to_toml
+from mpidl.train.evaluation import evaluate, evaluation_loader
 from mpidl.train.log import Logger, ProgressBar, format_summary
-from mpidl.train.model import build_model, unscaled_note
+from mpidl.train.model import (another_model, build_model, first_line, load_model_state,
+                               unscaled_note)
 from mpidl.train.metrics import MetricsWriter, StepTimer, Throughput, read_metrics, trim_metrics
+from mpidl.train.objective import Evaluation, objective_for
 from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag
 from mpidl.train.timeline import Timeline
 
-EVAL_BATCH = 512  # samples per evaluation step over all ranks (no gradients kept)
 EXIT_DIVERGED = 1
 
 
@@ -70,27 +72,6 @@ def _check_splits(train: Any, test: Any, needed: tuple[str, ...] = ("x", "y")) -
                          f"write a non-empty train split")
     from mpidl.data.splits import check_splits_agree  # features, vocabulary, classes
     check_splits_agree({train.path: train.manifest, test.path: test.manifest})
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip("'\" ")
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _another_model(path: str, config: Config, doing: str, error: BaseException) -> ConfigError:
-    return ConfigError(
-        f"cannot {doing} {path}: it holds another model than the configured "
-        f"{config.model.name!r} ({_first_line(error)}); use the model options it was saved "
-        "with (the run's config.toml) or another --run-dir for a new model")
-
-
-def load_model_state(model: Any, state: ckpt.Checkpoint, config: Config, doing: str) -> None:
-    """Load a checkpoint's parameters into ``model``; ConfigError naming the checkpoint
-    when it holds another model (other parameter names or shapes)."""
-    try:
-        model.load_state_dict(state.model)
-    except (KeyError, ValueError) as e:
-        raise _another_model(state.path, config, doing, e) from None
 
 
 def build_optimizer(config: Config, params: list) -> Any:
@@ -130,7 +111,6 @@ class Trainer:
         from mpidl.backend import get_xp
         from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
         from mpidl.parallel import DataParallel, ShardedDataParallel
-        from mpidl.train.objective import objective_for
 
         self.config, self.comm, self.run_dir = config, comm, run_dir
         self.log = Logger(comm.rank, comm.size)
@@ -190,8 +170,6 @@ class Trainer:
                                      block_size=config.data.block_size)
         self.loader = DataLoader(self.train_set, sampler, self.objective.features, xp=self.xp,
                                  prefetch=config.data.prefetch)
-        from mpidl.train.evaluation import evaluation_loader
-
         self.eval_loader = evaluation_loader(self.test_set, data, self.xp,
                                              config.data.prefetch, self.objective.features)
         steps = config.epochs * len(self.loader)
@@ -390,13 +368,13 @@ class Trainer:
         try:
             load(None)
         except (KeyError, ValueError) as e:
-            raise _another_model(path, self.config, "resume from", e) from None
+            raise another_model(path, self.config, "resume from", e) from None
         try:
             load(state.optimizer)
         except (KeyError, ValueError, IndexError) as e:
             raise ConfigError(
                 f"cannot resume from {path}: its optimizer state does not fit the configured "
-                f"optimizer {self.config.optimizer!r} ({_first_line(e)}); resume with the "
+                f"optimizer {self.config.optimizer!r} ({first_line(e)}); resume with the "
                 "optimizer it was saved with, or use another --run-dir") from None
         self._load_rng_states(state.rng, int(state.step))
         try:
@@ -468,14 +446,14 @@ class Trainer:
         return notes
 
     # -- evaluation -----------------------------------------------------------------------
-    def evaluate(self) -> Any:
+    def evaluate(self) -> Evaluation:
         """Exact scores over the whole test split, the objective's (classification:
         :class:`~mpidl.data.evaluate.Scores`: loss, accuracy, recall, macro-F1,
         majority-class accuracy; a language model: loss, perplexity, next-token
-        accuracy), as ``{"record", "line", "scores"}``. Collective."""
+        accuracy; :func:`~mpidl.train.evaluation.evaluate`). Collective."""
         if self.config.zero:
             self.dp.gather_parameters()  # stages 1-2: the latest step's parameters
-        return self.objective.evaluate(self.model, self.eval_loader, self.comm)
+        return evaluate(self.objective, self.model, self.eval_loader, self.comm)
 
     # -- training -------------------------------------------------------------------------
     def _train_step(self, x: Any, y: Any, n: int, flag: PreemptionFlag
@@ -655,8 +633,8 @@ class Trainer:
     def _evaluate_epoch(self, epoch: int, say: Any) -> None:
         """Evaluate on the test split, record it and ``say`` it. Collective."""
         result = self.evaluate()
-        self.metrics.write(kind="eval", epoch=epoch, step=self.step, **result["record"])
-        say(f"epoch {epoch}: {result['line']}")
+        self.metrics.write(kind="eval", epoch=epoch, step=self.step, **result.record)
+        say(f"epoch {epoch}: {result.line}")
 
     def _window_totals(self, window: list) -> numpy.ndarray:
         """Loss sum, correct and samples of ``window`` over all ranks. Collective."""

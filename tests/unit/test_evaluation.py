@@ -1,0 +1,110 @@
+"""The one evaluation loop: every batch is scored, an empty share too, and zero rows add
+nothing; every reference model and objective takes a batch of no rows."""
+from __future__ import annotations
+
+import os
+
+import numpy
+import pytest
+
+import mpidl.models as models
+from mpidl.autograd import no_grad
+from mpidl.comm.single import SingleCommunicator
+from mpidl.data import ShardedDataset, write_shards
+from mpidl.train.evaluation import evaluate, evaluation_loader
+from mpidl.train.objective import Classification, LanguageModel, Regression
+
+# name -> (the model, one sample's input shape and dtype)
+SMALL = {
+    "mlp": (lambda: models.mlp(sizes=(3, 8, 4), seed=1), (3,), "float32"),
+    "bow": (lambda: models.bow(vocab=50, dim=8, hidden=8, classes=4, pad_id=0, seed=1),
+            (12,), "int32"),
+    "transformer": (lambda: models.transformer(vocab=50, seq_len=12, dim=8, layers=1, heads=2,
+                                               ffn=16, classes=4, pad_id=0, seed=1),
+                    (12,), "int32"),
+    "cnn": (lambda: models.cnn(in_shape=(1, 8, 8), outputs=4, seed=1), (1, 8, 8), "float32"),
+    "cosmoflow": (lambda: models.cosmoflow(in_shape=(1, 8, 8, 8), outputs=4, seed=1),
+                  (1, 8, 8, 8), "float32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_every_model_and_objective_scores_a_batch_of_no_rows_as_nothing(name, xp):
+    build, shape, dtype = SMALL[name]
+    model = build().to(xp).eval()
+    x = xp.zeros((0, *shape), dtype=dtype)
+    with no_grad():
+        assert model(x).shape == (0, 4)
+        labels = Classification().score(model, x, xp.zeros(0, dtype=xp.int64), xp)
+        targets = Regression(outputs=4).score(model, x, xp.zeros((0, 4), xp.float32), xp)
+    assert float(labels.loss) == 0 and labels.outputs.shape == (0, 4)
+    assert float(targets.loss) == 0 and targets.outputs.shape == (0, 4)
+    sums = Regression(outputs=4).eval_sums(model, None, xp)
+    sums.add(targets)
+    assert not sums.sums.any()
+
+
+def test_a_language_model_scores_a_batch_of_no_rows_as_nothing(xp):
+    model = models.gpt(vocab=23, seq_len=8, dim=6, layers=1, heads=2, seed=3).to(xp).eval()
+    for pad_id in (None, 0):
+        with no_grad():
+            scores = LanguageModel(pad_id).score(model, xp.zeros((0, 9), xp.int64), None, xp)
+        assert (float(scores.loss), scores.count, float(scores.correct)) == (0, 0, 0)
+
+
+class RankOf3(SingleCommunicator):
+    """Rank 1 of 3 as its sampler sees it; its reductions sum over itself alone."""
+
+    rank, size = 1, 3
+
+
+class Counted:
+    """A classifier that notes the rows of every batch it is run on."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, []
+        self.training = True
+
+    def __call__(self, x):
+        self.rows.append(len(x))
+        return self.model(x)
+
+    def eval(self):
+        self.training = False
+        self.model.eval()
+
+    def train(self, mode=True):
+        self.training = mode
+        self.model.train(mode)
+
+
+def write(tmp_path, n):
+    rng = numpy.random.default_rng(0)
+    write_shards(str(tmp_path / "d"), {"x": rng.normal(size=(n, 3)).astype(numpy.float32),
+                                       "y": rng.integers(0, 4, size=n)}, num_classes=4)
+    return ShardedDataset(os.path.join(tmp_path, "d", "train"))
+
+
+def test_a_rank_with_an_empty_share_still_runs_the_model_and_scores_nothing(tmp_path):
+    # 5 samples in global batches of 4 at 3 ranks: rank 1 holds 1 sample of the first
+    # batch and none of the second, where ZeRO-3's forward would gather from every rank.
+    comm = RankOf3()
+    model = Counted(models.mlp(sizes=(3, 8, 4), seed=1))
+    loader = evaluation_loader(write(tmp_path, 5), comm, numpy, prefetch=0, global_batch=4)
+    result = evaluate(Classification(), model, loader, comm)
+    assert model.rows == [0, 1, 0]  # the width probe, then both batches
+    assert result.scores.samples == 1 and result.record["test_accuracy"] in (0.0, 1.0)
+    assert model.training  # given back in the mode it came in
+
+
+def test_one_process_scores_every_sample_once(tmp_path):
+    comm = SingleCommunicator()
+    model = models.mlp(sizes=(3, 8, 4), seed=1)
+    split = write(tmp_path, 9)
+    result = evaluate(Classification(), model, evaluation_loader(
+        split, comm, numpy, prefetch=0, global_batch=4), comm)
+    model.eval()
+    logits = model(split.read("x", numpy.arange(9))).data
+    correct = int((logits.argmax(1) == split.read("y", numpy.arange(9))).sum())
+    assert result.scores.samples == 9 and result.scores.correct == correct
+    assert result.line.startswith("test loss ")
