@@ -480,6 +480,47 @@ def take_state(model: Module, params: dict[str, Any], optimizer: dict[str, Any] 
     return local, None if optimizer is None else _per_parameter(optimizer, shards, Shard.take)
 
 
+# -- what a sharded checkpoint records ------------------------------------------------------
+def shard_runs(p: Any, shape: tuple) -> tuple[tuple, Any]:
+    """The full shape of parameter ``p`` (this rank's, of local ``shape``) and the runs
+    of its elements in the full array's flat order (:mod:`mpidl.parallel.holdings`).
+
+    Along the split axis the full array is ``groups`` parts of ``n`` rows and this rank
+    holds rows ``start..start+c`` of each: one run per (outer index, group) of ``c``
+    rows times the inner size.
+    """
+    from mpidl.parallel.holdings import merge, whole
+
+    shard = getattr(p, "shard", None)
+    if shard is None:
+        return tuple(shape), whole(shape)
+    n, c = sum(shard.counts), shard.counts[shard.comm.rank]
+    full = list(shape)
+    full[shard.axis] = shard.groups * n
+    outer = int(numpy.prod(shape[:shard.axis], dtype=numpy.int64))
+    inner = int(numpy.prod(shape[shard.axis + 1:], dtype=numpy.int64))
+    o = numpy.arange(outer, dtype=numpy.int64)[:, None]
+    g = numpy.arange(shard.groups, dtype=numpy.int64)[None, :]
+    starts = ((o * shard.groups + g) * n + shard.start) * inner
+    runs = numpy.stack([starts.reshape(-1), numpy.full(starts.size, c * inner)], axis=1)
+    return tuple(full), merge(runs)
+
+
+def holdings(model: Module, optimizer: Any, writes: bool, tensor_rank: int) -> tuple:
+    """The :class:`~mpidl.parallel.holdings.Held` records of a tensor-parallel model
+    (and its optimizer, built over ``model.parameters()``; None: the model only).
+
+    ``writes``: this rank is the replica that writes (the first of its replica group);
+    a parameter that is not split is written by tensor rank 0 of it only.
+    """
+    from mpidl.parallel.holdings import parameter_holdings
+
+    def owner(p: Any) -> bool:
+        return writes and (getattr(p, "shard", None) is not None or tensor_rank == 0)
+    return parameter_holdings(list(model.named_parameters()), list(model.named_buffers()),
+                              optimizer, shard_runs, owner, writes and tensor_rank == 0)
+
+
 # -- gradient norm over shards ----------------------------------------------------------
 def grad_norm(params: Iterable[Tensor], comm: Communicator) -> Any:
     """The 2-norm of the full model's gradient, as a 0-d array, the same on every rank.
@@ -515,5 +556,5 @@ __all__ = [
     "vocab_parallel_cross_entropy", "full_state_dict", "load_full_state_dict",
     "full_optimizer_state", "load_full_optimizer_state", "gather_state", "take_state",
     "grad_norm", "clip_grad_norm_",
-    "check_same_layer",
+    "check_same_layer", "shard_runs", "holdings",
 ]

@@ -495,7 +495,71 @@ def unit_layout(sdp: ShardedDataParallel) -> list[dict[str, Any]]:
              "shapes": [list(s) for s in u.shapes]} for u in sdp.units]
 
 
-__all__ = ["ShardedDataParallel", "STAGES", "unit_layout"]
+__all__ = ["ShardedDataParallel", "STAGES", "unit_layout", "holdings", "refresh_after_load"]
+
+
+# -- sharded checkpoints: what this rank holds, as typed records -----------------------------
+
+def holdings(sdp: ShardedDataParallel, optimizer: Any, runs_of: Any = None,
+             owner_of: Any = None, buffer_owner: bool | None = None) -> tuple[list, list]:
+    """The :class:`~mpidl.parallel.holdings.Held` records of this rank's blocks: each
+    member parameter's part of the block, and the same part of each optimizer array
+    (None: the model only). Not collective.
+
+    Args:
+        runs_of: ``(parameter, its shape here)`` -> the single-rank shape and the runs of
+            its elements (:func:`mpidl.parallel.tensor.shard_runs` on a grid); default:
+            the parameter is the single-rank one.
+        owner_of: whether this rank writes a parameter's part (default: yes: the blocks
+            are this rank's alone); a grid's unsplit parameters are written by one
+            tensor rank.
+        buffer_owner: whether this rank writes the buffers (held whole on every rank);
+            default: rank 0 of the group.
+    """
+    from mpidl.parallel.holdings import (Key, clip, optimizer_int, optimizer_state, record,
+                                         whole_runs)
+
+    runs_of = runs_of or whole_runs
+    owner_of = owner_of or (lambda p: True)
+    names = {id(p): n for n, p in sdp.named}
+    index = {id(s): i for i, s in enumerate(optimizer.params)} if optimizer is not None else {}
+    held, ints = [], []
+    for u in sdp.units:
+        if not u.block:
+            continue
+        lo, hi = u.start, min(u.start + u.block, u.size)
+        for p, a, b, shape in zip(u.params, u.offsets, u.offsets[1:], u.shapes):
+            x, y = max(lo, a), min(hi, b)
+            if x >= y:
+                continue
+            full, runs = runs_of(p, shape)
+            runs, name, part = clip(runs, x - a, y - a), names[id(p)], slice(x - lo, y - lo)
+            held.append(record(Key("model", name), full, u.dtype, runs,
+                               lambda create, u=u, part=part: u.shard.data[part], owner_of(p)))
+            if optimizer is None:
+                continue
+            i = index[id(u.shard)]
+            dtype = numpy.dtype(optimizer.state_dtype(u.shard.data))
+            for array in optimizer.state_arrays:
+                held.append(record(Key("optimizer", name, array), full, dtype, runs,
+                                   optimizer_state(optimizer, i, array, (u.block,), dtype,
+                                                   part), owner_of(p)))
+            for integer in optimizer.state_ints:
+                ints.append(optimizer_int(optimizer, i, Key("optimizer", name, integer),
+                                          owner_of(p)))
+    writes = sdp.comm.rank == 0 if buffer_owner is None else buffer_owner
+    for name, buf in sdp.module.named_buffers():
+        full, runs = whole_runs(buf, tuple(buf.shape))
+        held.append(record(Key("model", name), full, buf.dtype, runs,
+                           lambda create, buf=buf: buf, writes))
+    return held, ints
+
+
+def refresh_after_load(sdp: ShardedDataParallel) -> None:
+    """After this rank's blocks were set (a sharded checkpoint loaded): stages 1-2
+    gather the full parameters from every rank's blocks. Collective."""
+    sdp._stale = True
+    sdp.gather_parameters()
 
 
 # -- checkpoints: every rank's pieces of every parameter ------------------------------------

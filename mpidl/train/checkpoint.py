@@ -1,6 +1,7 @@
-"""Checkpoints: one HDF5 file per save, written atomically, never pickle.
+"""Checkpoints: HDF5 files written atomically, never pickle; listing, rotation, resume.
 
-Layout of ``RUN_DIR/checkpoints/checkpoint-00001200.h5`` (step 1200)::
+A replicated checkpoint (format 2), ``RUN_DIR/checkpoints/checkpoint-00001200.h5``
+(step 1200)::
 
     /                     attrs: format_version, step, epoch, config (TOML text),
                                  created (unix time), mpidl_version
@@ -10,68 +11,34 @@ Layout of ``RUN_DIR/checkpoints/checkpoint-00001200.h5`` (step 1200)::
     /sampler/...          the sampler's position (epoch, index)
     /extra/...            anything else the trainer keeps (size at save time, metrics)
 
-Integrity (format version 2): every dataset carries the CRC-32 of its bytes
-(``__crc32__``), every group's plain values the CRC-32 of their JSON
-(``__json_crc32__``), and the root the CRC-32 of step, epoch and config; a load checks
-them all, so flipped bytes inside the raw data (which HDF5 reads without complaint) are
-a :class:`CheckpointError` naming the file and the item. CRC-32 (zlib) runs at several
-GB/s, a small cost next to writing the bytes. Version 1 files (no checksums) still load.
+A sharded checkpoint (format 3, what ``mpidl train`` writes in every layout) has the same
+name for its index, with each rank's part beside it (:mod:`mpidl.train.sharded`);
+:func:`load_checkpoint` reads both, whole or not (``state=``). Trees, checksums and the
+atomic write: :mod:`mpidl.train.checkpoint_file`.
 
-A state dict is a tree: a ``dict`` is a group; an array (numpy or cupy) or a numpy scalar
-is a dataset (exact dtype and shape); Python ``int``/``float``/``bool``/``str``/``None``
-and lists of them are kept together in the group's ``__json__`` attribute. JSON keeps
-Python ints of any size exactly, which is what a PCG64 ``bit_generator.state`` holds
-(128-bit ``state`` and ``inc``), and ``repr``-exact floats, so RNG states round-trip bit
-for bit. Tuples come back as lists. Keys are strings (ints are turned into strings); a
-``/`` in a key is an error (HDF5 would make it a path), dots are fine.
-
-Who writes. :func:`save_checkpoint` is not collective: the trainer calls it on rank 0
-only (the model and data-parallel optimizer state are identical on every rank) and the
-other ranks wait on a barrier after it. The write is atomic: ``NAME.tmp`` in the same
-directory, flushed and fsynced, then ``os.replace`` and an fsync of the directory. A
-job killed half-way leaves a ``.tmp`` file, which :func:`latest_checkpoint` ignores.
-Every rank may then call :func:`load_checkpoint` on the same file (read-only, no lock).
+Who writes. :func:`save_checkpoint` is not collective: call it on one rank and make the
+other ranks wait on a barrier; every rank may then call :func:`load_checkpoint` on the
+same file (read-only, no lock). A job killed half-way leaves a ``.tmp`` file, which
+:func:`latest_checkpoint` ignores.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
 import warnings
-import zlib
 from typing import Any, Mapping
 
-import numpy
+from mpidl.train import pieces, sharded
+from mpidl.train.checkpoint_file import (_CRC_ATTR, _GROUPS, FORMAT_VERSION, READABLE_VERSIONS,
+                                         STATES, CheckpointError, _attr, _Corrupt, _fsync_dir,
+                                         _h5py, _read_tree, _root_crc, _write_file,
+                                         checkpoint_name)
 
-from mpidl.backend import as_numpy
-
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: before checksums
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt"     # under CHECKPOINT_DIR: files that failed to load, set aside
 _NAME_RE = re.compile(r"^checkpoint-(\d+)\.h5$")
-_GROUPS = ("model", "optimizer", "rng", "sampler", "extra")
-_JSON_ATTR = "__json__"
-_SCALAR_ATTR = "__scalar__"
-_ORDER_ATTR = "__order__"
-_CRC_ATTR = "__crc32__"
-_JSON_CRC_ATTR = "__json_crc32__"
-
-
-def _crc(data: bytes | numpy.ndarray) -> int:
-    if isinstance(data, numpy.ndarray):
-        data = numpy.ascontiguousarray(data).view(numpy.uint8).reshape(-1) if data.size else b""
-    return zlib.crc32(data)
-
-
-def _root_crc(step: int, epoch: int, config: str) -> int:
-    return zlib.crc32(json.dumps([int(step), int(epoch), str(config)]).encode())
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read: truncated, corrupt, or of another format version."""
 
 
 @dataclasses.dataclass
@@ -81,80 +48,18 @@ class Checkpoint:
     path: str
     step: int
     epoch: int
-    model: dict[str, numpy.ndarray]
+    model: dict[str, Any]
     optimizer: dict[str, Any]
     rng: dict[str, Any]
     sampler: dict[str, Any]
     config: str
     extra: dict[str, Any]
     format_version: int = FORMAT_VERSION
-
-
-def checkpoint_name(step: int) -> str:
-    """The file name of the checkpoint at ``step``: ``checkpoint-00001200.h5``."""
-    return f"checkpoint-{int(step):08d}.h5"
-
-
-def _h5py():
-    import h5py
-
-    return h5py
+    # A sharded checkpoint's table of pieces (format 3, mpidl.train.sharded), else None.
+    index: dict[str, Any] | None = None
 
 
 # -- writing ----------------------------------------------------------------------------
-
-def _is_array(value: Any) -> bool:
-    return hasattr(value, "shape") and hasattr(value, "dtype")
-
-
-def _write_tree(group: Any, tree: Mapping[Any, Any], where: str) -> None:
-    plain: dict[str, Any] = {}
-    for key, value in tree.items():
-        key = str(key)
-        if "/" in key or key in ("", "."):
-            raise ValueError(f"checkpoint key {where}/{key!r} is not a valid HDF5 name "
-                             "(no '/', not empty); rename it")
-        if isinstance(value, Mapping):
-            _write_tree(group.create_group(key), value, f"{where}/{key}")
-        elif _is_array(value):
-            array = as_numpy(value)
-            dataset = group.create_dataset(key, data=array)
-            dataset.attrs[_CRC_ATTR] = _crc(numpy.asarray(array))
-            if isinstance(value, numpy.generic):
-                dataset.attrs[_SCALAR_ATTR] = True
-        else:
-            plain[key] = _plain(value, f"{where}/{key}")
-    if plain:
-        text = json.dumps(plain)
-        group.attrs[_JSON_ATTR] = text
-        group.attrs[_JSON_CRC_ATTR] = _crc(text.encode())
-    # HDF5 lists members alphabetically; keep the caller's order (a model's parameter
-    # order is the order of its gradient buckets).
-    group.attrs[_ORDER_ATTR] = json.dumps([str(k) for k in tree])
-
-
-def _plain(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
-    raise TypeError(f"checkpoint value at {where} is a {type(value).__name__}; use arrays, "
-                    "numbers, strings, None, lists or dicts (no pickle in checkpoints)")
-
-
-def _fsync_dir(directory: str) -> None:
-    # The rename is durable only once the directory entry is on disk (POSIX).
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
 
 def save_checkpoint(directory: str | os.PathLike, step: int, *, model: Mapping[str, Any],
                     optimizer: Mapping[str, Any], rng: Mapping[str, Any],
@@ -208,83 +113,16 @@ def save_companion(directory: str | os.PathLike, step: int, rank: int, *,
     return path
 
 
-def _write_file(path: str, step: int, epoch: int, config: str,
-                trees: Mapping[str, Mapping[str, Any]]) -> None:
-    """One checkpoint-format file, atomically: ``PATH.tmp``, fsync, rename."""
-    h5py = _h5py()
-    tmp = path + ".tmp"
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["step"] = int(step)
-            f.attrs["epoch"] = int(epoch)
-            f.attrs["config"] = config
-            f.attrs["created"] = time.time()
-            f.attrs["mpidl_version"] = _mpidl_version()
-            f.attrs[_CRC_ATTR] = _root_crc(step, epoch, config)
-            for name, tree in trees.items():
-                _write_tree(f.create_group(name), tree, name)
-            f.flush()
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def _mpidl_version() -> str:
-    from mpidl import __version__
-
-    return __version__
-
-
 # -- reading ----------------------------------------------------------------------------
 
-class _Corrupt(Exception):
-    """An item of the file failed its checksum (turned into CheckpointError by the loader)."""
-
-
-def _read_tree(group: Any, verify: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if _JSON_ATTR in group.attrs:
-        text = group.attrs[_JSON_ATTR]
-        if verify and group.attrs.get(_JSON_CRC_ATTR) != _crc(str(text).encode()):
-            raise _Corrupt(f"the plain values of {group.name} fail their checksum")
-        try:
-            out.update(json.loads(text))
-        except ValueError:
-            raise _Corrupt(f"the plain values of {group.name} are not valid JSON") from None
-    for key, item in group.items():
-        if hasattr(item, "keys"):
-            out[key] = _read_tree(item, verify)
-            continue
-        array = item[...]                # an ndarray, 0-d arrays stay arrays
-        if verify and item.attrs.get(_CRC_ATTR) != _crc(array):
-            raise _Corrupt(f"{item.name} (shape {array.shape}, {array.dtype}) fails its "
-                           "checksum")
-        out[key] = array[()] if item.attrs.get(_SCALAR_ATTR, False) else array
-    if _ORDER_ATTR in group.attrs:
-        order = json.loads(group.attrs[_ORDER_ATTR])
-        out = ({k: out[k] for k in order if k in out}
-               | {k: v for k, v in out.items() if k not in order})
-    return out
-
-
-def _attr(f: Any, name: str, path: str) -> Any:
-    if name not in f.attrs:
-        raise CheckpointError(f"checkpoint {path} has no attribute {name!r}; not an mpidl "
-                              "checkpoint, or written by an incompatible version")
-    value = f.attrs[name]
-    return value.item() if isinstance(value, numpy.generic) else value
-
-
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, state: str = "full") -> Checkpoint:
     """Read a checkpoint file (any rank; read-only, without HDF5 file locking).
+
+    ``state`` says what to read of the model and optimizer: ``"full"`` both, whole (a
+    sharded checkpoint is assembled: ``mpidl checkpoint consolidate``, or tests);
+    ``"model"`` the model only (eval, predict); ``"none"`` neither, for a resume that
+    reads its share itself (:mod:`mpidl.train.sharded`): a single file's arrays are
+    then checked one at a time and dropped, a sharded one's parts must exist.
 
     Raises:
         FileNotFoundError: no such file.
@@ -308,22 +146,58 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raise CheckpointError(f"checkpoint {path} has format version {version}; this mpidl "
                                   f"reads versions {', '.join(map(str, READABLE_VERSIONS))}")
         verify = version >= 2
+        if state not in STATES:
+            raise ValueError(f"load_checkpoint: state={state!r}; one of {STATES}")
+        is_sharded = version >= 3
+        groups = ("rng", "sampler", "extra", "index") if is_sharded else _GROUPS
+        arrays = {"model": True if state != "none" else None,
+                  "optimizer": {"full": True, "model": False, "none": None}[state]}
+        if version < 2 and state != "full":  # nothing to check: not read
+            arrays = {"model": state == "model" or False, "optimizer": False}
         try:
             step, epoch = int(_attr(f, "step", path)), int(_attr(f, "epoch", path))
             config = str(_attr(f, "config", path))
             if verify and f.attrs.get(_CRC_ATTR) != _root_crc(step, epoch, config):
                 raise _Corrupt("its step, epoch and config fail their checksum")
-            trees = {name: _read_tree(f[name], verify) for name in _GROUPS}
+            trees = {name: _read_tree(f[name], verify, arrays.get(name, True))
+                     for name in groups}
         except KeyError as e:
             raise CheckpointError(f"checkpoint {path} lacks a group ({e})") from None
         except (OSError, _Corrupt, ValueError, TypeError) as e:
             raise CheckpointError(f"checkpoint {path} is corrupt: {e}") from None
-        state = Checkpoint(path=path, step=step, epoch=epoch, config=config,
-                           format_version=int(version), **trees)
+    index = trees.pop("index", None)
+    trees.setdefault("model", {})
+    trees.setdefault("optimizer", {})
+    loaded = Checkpoint(path=path, step=step, epoch=epoch, config=config,
+                        format_version=int(version), index=index, **trees)
+    if is_sharded:
+        sharded.read_state(loaded, state)
+        return loaded
+    if state == "none":
+        loaded.model, loaded.optimizer = {}, {}
+    elif state == "model":
+        loaded.optimizer = {}
+    layout = loaded.extra.get("layout")
+    if state != "none" and isinstance(layout, dict) and layout.get("kind") == "pieces":
+        _assemble_pieces(loaded, layout)
+    return loaded
+
+
+def open_source(state: Checkpoint, order: list[str]) -> pieces.Source:
+    """The pieces of a loaded checkpoint (:func:`load_checkpoint` with any ``state``): a
+    sharded one's index and parts, a single file's datasets read as needed, or the state
+    already in memory. ``order``: the parameters' names in the optimizer's order (the
+    single-rank model's). Not collective."""
+    if state.index is not None:
+        return sharded.ShardedSource(state.path, state.index)
+    if state.model:
+        return pieces.StateSource(state.path, state.model, state.optimizer, order)
     layout = state.extra.get("layout")
     if isinstance(layout, dict) and layout.get("kind") == "pieces":
-        _assemble_pieces(state, layout)
-    return state
+        # Format 2 with companions (ZeRO before format 3): assembled whole, as it was.
+        full = load_checkpoint(state.path)
+        return pieces.StateSource(state.path, full.model, full.optimizer, order)
+    return pieces.file_source(state.path, order)
 
 
 def _assemble_pieces(state: Checkpoint, layout: dict[str, Any]) -> None:
@@ -345,6 +219,8 @@ def _assemble_pieces(state: Checkpoint, layout: dict[str, Any]) -> None:
                                   f"unreadable: {e}") from None
         models.append(piece.model)
         optimizers.append(piece.optimizer)
+    if not optimizers[0]:  # state="model": the optimizer's pieces were not read
+        optimizers = [{} for _ in optimizers]
     try:
         state.model, state.optimizer = pieces_to_full(models, optimizers, layout["order"],
                                                       layout.get("buffers", ()))
@@ -359,7 +235,8 @@ def companions(path: str) -> list[str]:
     if not os.path.isdir(directory or "."):
         return []
     return sorted(os.path.join(directory, n) for n in os.listdir(directory or ".")
-                  if n.startswith(name + ".rank-") and not n.endswith(".tmp"))
+                  if (n.startswith(name + ".rank-") or n.startswith(name + ".part-"))
+                  and not n.endswith(".tmp"))
 
 
 def _move(path: str, target_dir: str, suffix: str = "") -> str:
@@ -388,18 +265,19 @@ def _listed(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def newest_loadable(directory: str | os.PathLike
+def newest_loadable(directory: str | os.PathLike, state: str = "full"
                     ) -> tuple[Checkpoint | None, list[tuple[str, str]]]:
     """The newest checkpoint in ``directory`` that loads and passes its checksums, and
     the newer ones that did not, as ``(path, reason)``, newest first.
 
     Files left half-written (``*.tmp``) are not checkpoints and are not listed. Each
-    file tried is read whole (the checksums cover every array). Not collective.
+    file tried is read whole (the checksums cover every array; ``state`` as
+    :func:`load_checkpoint`'s: what is kept). Not collective.
     """
     bad: list[tuple[str, str]] = []
     for _, path in reversed(_listed(os.fspath(directory))):
         try:
-            return load_checkpoint(path), bad
+            return load_checkpoint(path, state), bad
         except (CheckpointError, FileNotFoundError) as e:
             bad.append((path, str(e)))
     return None, bad
@@ -413,7 +291,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     naming it, and the next older one is returned. Nothing is moved (see
     :func:`set_aside_corrupt`).
     """
-    found, bad = newest_loadable(directory)
+    found, bad = newest_loadable(directory, "none")
     for path, reason in bad:
         warnings.warn(f"skipping checkpoint {path}: {reason}", RuntimeWarning, stacklevel=2)
     return found.path if found is not None else None
@@ -451,7 +329,8 @@ def keep_last(directory: str | os.PathLike, k: int) -> list[str]:
         names = set(os.listdir(directory))
         removed += [os.path.join(directory, n) for n in names
                     if (n.endswith(".tmp") and _NAME_RE.match(n.split(".h5")[0] + ".h5"))
-                    or (".h5.rank-" in n and n.split(".rank-")[0] not in names)]
+                    or (".h5.rank-" in n and n.split(".rank-")[0] not in names)
+                    or (".h5.part-" in n and n.split(".part-")[0] not in names)]
     for path in removed:
         try:
             os.remove(path)
@@ -526,14 +405,16 @@ class ResumePlan:
     previous: bool = False
 
 
-def plan_resume(resume: bool | str, run_dir: str | os.PathLike) -> ResumePlan:
+def plan_resume(resume: bool | str, run_dir: str | os.PathLike, state: str = "full"
+                ) -> ResumePlan:
     """Decide where a run starts, per the ``resume`` config key. Changes no file.
 
     ``"auto"`` resumes from the newest checkpoint that loads (the newer ones that do not
     are listed in ``corrupt``); with no checkpoint at all it starts fresh. ``True`` is
     the same, but needs a checkpoint. ``False``/``"never"`` starts fresh (``previous``
     when the directory holds an earlier run). A path names a checkpoint file, or a run
-    or checkpoint directory whose newest loadable checkpoint is used.
+    or checkpoint directory whose newest loadable checkpoint is used. ``state``: what
+    the checkpoint keeps of the model and optimizer (:func:`load_checkpoint`).
 
     Raises:
         FileNotFoundError: ``resume`` names nothing resumable, or is True and there is
@@ -547,7 +428,7 @@ def plan_resume(resume: bool | str, run_dir: str | os.PathLike) -> ResumePlan:
         used = any(os.path.exists(os.path.join(run_dir, n)) for n in RUN_FILES)
         return ResumePlan(previous=used or bool(_listed(own)))
     if resume is True or resume == "auto":
-        found, bad = newest_loadable(own)
+        found, bad = newest_loadable(own, state)
         if found is None and bad:
             raise CheckpointError(_none_loads(own, bad))
         if found is None and resume is True:
@@ -556,9 +437,10 @@ def plan_resume(resume: bool | str, run_dir: str | os.PathLike) -> ResumePlan:
         return ResumePlan(found, bad)
     target = os.fspath(resume)
     if os.path.isfile(target):
-        return ResumePlan(load_checkpoint(target))
+        return ResumePlan(load_checkpoint(target, state))
     for directory in (os.path.join(target, CHECKPOINT_DIR), target):
-        found, bad = newest_loadable(directory) if os.path.isdir(directory) else (None, [])
+        found, bad = (newest_loadable(directory, state) if os.path.isdir(directory)
+                      else (None, []))
         if found is not None:
             return ResumePlan(found)  # another directory's bad files are not ours to move
         if bad:

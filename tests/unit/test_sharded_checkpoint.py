@@ -1,0 +1,287 @@
+"""Sharded checkpoints without MPI: the run arithmetic, part and index round trips,
+damage named, old formats, and resharding between rank counts and layouts on thread
+ranks (the bodies of tests/mpi/test_sharded_checkpoint.py, and more)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import types
+
+import numpy
+import pytest
+
+from mpidl.models import gpt, mlp
+from mpidl.optim import SGD, AdamW
+from mpidl.parallel import ShardedDataParallel, parallel_gpt
+from mpidl.parallel.holdings import clip, merge, overlap, runs_array
+from mpidl.parallel.tensor import Shard, shard_runs
+from mpidl.testing import run_ranks
+from mpidl.train import checkpoint as ckpt
+from mpidl.train.checkpoint import CheckpointError
+from mpidl.train.checkpointer import LoadError, choose_checkpointer
+from mpidl.train.layout import Layout, LayoutPlan
+
+_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi",
+                     "test_sharded_checkpoint.py")
+_spec = importlib.util.spec_from_file_location("_threads_sharded_checkpoint", _path)
+M = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(M)
+
+
+# -- runs -------------------------------------------------------------------------------------
+
+def elements(runs):
+    return numpy.concatenate([numpy.arange(s, s + n) for s, n in runs]) if len(runs) else \
+        numpy.zeros(0, dtype=numpy.int64)
+
+
+def test_clip_takes_local_elements_across_run_boundaries():
+    runs = runs_array([(10, 3), (20, 4), (30, 2)])  # local 0-2, 3-6, 7-8
+    for lo in range(10):
+        for hi in range(lo, 10):
+            assert list(elements(clip(runs, lo, hi))) == list(elements(runs)[lo:hi])
+
+
+def test_merge_joins_adjacent_runs_only():
+    assert merge(runs_array([(0, 2), (2, 3), (6, 1), (7, 1)])).tolist() == [[0, 5], [6, 2]]
+
+
+def test_overlap_maps_shared_elements_between_two_orders():
+    rng = numpy.random.default_rng(0)
+    for _ in range(200):
+        a = numpy.sort(rng.choice(60, size=rng.integers(0, 40), replace=False))
+        b = numpy.sort(rng.choice(60, size=rng.integers(0, 40), replace=False))
+        ra, rb = merge(runs_array([(x, 1) for x in a])), merge(runs_array([(x, 1) for x in b]))
+        got = {}
+        for mine, theirs, n in overlap(ra, rb):
+            for k in range(n):
+                got[a[mine + k]] = b[theirs + k]
+        shared = set(a) & set(b)
+        assert got == {x: x for x in shared}
+
+
+@pytest.mark.parametrize("shape,axis,groups", [((6, 4), 0, 1), ((6, 4), 1, 1), ((3, 12, 2), 1, 3),
+                                               ((12,), 0, 3), ((5, 7), 1, 1)])
+def test_a_tensor_parallel_shard_runs_name_exactly_the_elements_take_keeps(shape, axis, groups):
+    full = numpy.arange(int(numpy.prod(shape))).reshape(shape)
+    n = shape[axis] // groups
+    for size in range(1, min(n, 3) + 1):
+        counts = tuple(numpy.diff(numpy.linspace(0, n, size + 1).astype(int)))
+        for rank in range(size):
+            shard = Shard(axis, counts, types.SimpleNamespace(rank=rank, size=size), groups)
+            local = shard.take(full)
+            p = types.SimpleNamespace(shard=shard)
+            got_shape, runs = shard_runs(p, local.shape)
+            assert got_shape == shape
+            assert elements(runs).tolist() == local.reshape(-1).tolist()
+
+
+# -- resharding on thread ranks ------------------------------------------------------------------
+
+def save_then_load(tmp_path, saved, loaded):
+    """Save at ``saved`` = (ranks, layout), load at ``loaded``; the loaded parameters and
+    one more step equal one rank's (the reference of the same global batches)."""
+    directory = str(tmp_path / f"{saved}-{loaded}")
+    ranks, layout = saved
+    run_ranks(ranks, M.save_at, directory, layout, timeout=60)
+    path = os.path.join(directory, ckpt.checkpoint_name(2))
+
+    def load(comm):
+        model, wrapper, opt = M.build(comm, loaded[1], seed=9)
+        checkpointer = choose_checkpointer(comm, None, wrapper, model, opt)
+        read = checkpointer.load(ckpt.load_checkpoint(path, "none"))
+        held = checkpointer.holdings()[0]
+        got = M.full_parameters(model, wrapper)
+        return read, sum(h.count for h in held), got, model, wrapper, opt
+    return run_ranks(loaded[0], load, timeout=60)
+
+
+@pytest.mark.parametrize("saved,loaded", [((3, 3), (2, 1)), ((3, 3), (1, 0)), ((2, 0), (3, 2)),
+                                          ((1, 0), (3, 3)), ((2, 2), (3, 3))])
+def test_a_checkpoint_reshards_to_another_rank_count_and_stage_reading_only_its_share(
+        tmp_path, saved, loaded):
+    results = save_then_load(tmp_path, saved, loaded)
+    # The reference batches are the saving run's: its rank count sets their size.
+    expected, _ = M.reference(types.SimpleNamespace(size=saved[0]), 2)
+    for read, held, got, *_ in results:
+        assert read == held
+        for name, q in expected.named_parameters():
+            numpy.testing.assert_allclose(got[name], q.data, rtol=1e-12, atol=1e-12)
+    if loaded[1]:  # ZeRO: the ranks' reads add up to the state once
+        total = 3 * sum(p.size for p in expected.parameters())
+        assert sum(r for r, *_ in results) == total
+
+
+def test_only_one_replica_writes_replicated_state(tmp_path):
+    run_ranks(3, M.save_at, str(tmp_path), 0, timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-00000002.h5",
+                                            "checkpoint-00000002.h5.part-00000"]
+
+
+def test_a_tensor_parallel_grid_and_a_grid_with_zero_save_the_single_rank_model(tmp_path):
+    kw = dict(vocab=11, seq_len=16, dim=8, layers=2, heads=4, ffn=24, seed=2, dtype="float64")
+    expected = gpt(**kw).state_dict()
+
+    def save(comm, zero, directory):
+        layout = Layout(LayoutPlan(tensor=2, data=comm.size // 2, zero=zero), comm)
+        model = parallel_gpt(layout.grid, **kw)
+        wrapper = (ShardedDataParallel(model, layout.replicas, stage=zero) if zero
+                   else types.SimpleNamespace())
+        opt = AdamW(wrapper.parameters() if zero else model.parameters(), lr=0.1)
+        path = choose_checkpointer(comm, layout, wrapper, model, opt).save(
+            directory, 1, rng={}, sampler={})
+        layout.free()
+        return path
+
+    for zero in (0, 3):
+        directory = str(tmp_path / str(zero))
+        path = run_ranks(4, save, zero, directory, timeout=60)[0]
+        full = ckpt.load_checkpoint(path, "model")
+        assert list(full.model) == list(expected)
+        for name, value in expected.items():
+            numpy.testing.assert_array_equal(full.model[name], value, err_msg=name)
+
+        def load(comm):  # the other way: into a grid of another tensor size
+            layout = Layout(LayoutPlan(tensor=3, data=1), comm)
+            model = parallel_gpt(layout.grid, **dict(kw, seed=5))
+            opt = AdamW(model.parameters(), lr=0.1)
+            choose_checkpointer(comm, layout, None, model, opt).load(
+                ckpt.load_checkpoint(path, "none"), optimizer=False)
+            got = model.full_state_dict()
+            layout.free()
+            return got
+        for got in run_ranks(3, load, timeout=60):
+            for name, value in expected.items():
+                numpy.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+# -- formats -------------------------------------------------------------------------------------
+
+def one_rank_saved(tmp_path, layout=3):
+    return run_ranks(1, M.save_at, str(tmp_path), layout)[0]
+
+
+def test_a_sharded_checkpoint_reads_back_whole_or_model_only_or_just_its_index(tmp_path):
+    path = one_rank_saved(tmp_path)
+    full = ckpt.load_checkpoint(path)
+    assert full.format_version == 3 and full.step == 2 and full.config == "x = 1"
+    assert full.rng == {"numpy": {"seed": 1}} and full.sampler == {"epoch": 0, "index": 2}
+    assert {"step", "lr", "state.0.exp_avg", "state.3.step"} <= set(full.optimizer)
+    assert set(ckpt.load_checkpoint(path, "model").optimizer) == set()
+    none = ckpt.load_checkpoint(path, "none")
+    assert none.model == {} and none.index is not None
+
+
+def flip_a_byte(path, dataset):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 3)
+        byte = fh.read(1)
+        fh.seek(offset + 3)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def load_fresh(path, layout=0, optimizer=None):
+    def body(comm):
+        model, wrapper, opt = M.build(comm, layout, seed=9)
+        opt = optimizer(wrapper.parameters()) if optimizer else opt
+        choose_checkpointer(comm, None, wrapper, model, opt).load(
+            ckpt.load_checkpoint(path, "none"))
+    return body
+
+
+def test_a_corrupt_piece_is_named_with_its_part_and_tensor(tmp_path):
+    path = one_rank_saved(tmp_path)
+    part = path + ".part-00000"
+    flip_a_byte(part, "0")
+    with pytest.raises(LoadError, match=r"part-00000 is corrupt: piece 0 \(model:layers"):
+        run_ranks(1, load_fresh(path))
+    with pytest.raises(CheckpointError, match="part-00000 is corrupt"):
+        ckpt.load_checkpoint(path)
+
+
+def test_a_missing_part_is_named_before_any_state_is_read(tmp_path):
+    path = run_ranks(2, M.save_at, str(tmp_path), 2)[0]
+    os.remove(path + ".part-00001")
+    with pytest.raises(CheckpointError, match="lacks 1 of its parts.*part-00001"):
+        ckpt.load_checkpoint(path, "none")
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+        assert ckpt.latest_checkpoint(str(tmp_path)) is None
+
+
+def test_another_model_or_optimizer_is_said_so(tmp_path):
+    path = one_rank_saved(tmp_path)
+
+    def other_model(comm):
+        model = mlp(sizes=(7, 12, 5), seed=1, dtype="float64")
+        opt = AdamW(model.parameters(), lr=0.1)
+        choose_checkpointer(comm, None, types.SimpleNamespace(), model, opt).load(
+            ckpt.load_checkpoint(path, "none"))
+    with pytest.raises(LoadError, match="shape") as e:
+        run_ranks(1, other_model)
+    assert e.value.kind == "model"
+    with pytest.raises(LoadError, match="unexpected keys") as e:
+        run_ranks(1, load_fresh(path, optimizer=lambda ps: SGD(ps, lr=0.1, momentum=0.9)))
+    assert e.value.kind == "optimizer"
+
+
+@pytest.mark.parametrize("layout", [0, 1, 3])
+def test_a_format_2_file_loads_into_any_layout(tmp_path, layout):
+    model, opt = M.reference(types.SimpleNamespace(size=2), 2)
+    path = ckpt.save_checkpoint(str(tmp_path), 2, model=model.state_dict(),
+                                optimizer=opt.state_dict(), rng={}, sampler={})
+
+    def body(comm):
+        fresh, wrapper, fresh_opt = M.build(comm, layout, seed=9)
+        choose_checkpointer(comm, None, wrapper, fresh, fresh_opt).load(
+            ckpt.load_checkpoint(path, "none"))
+        return M.full_parameters(fresh, wrapper)
+    for got in run_ranks(3, body):
+        for name, q in model.named_parameters():
+            numpy.testing.assert_array_equal(got[name], q.data)
+
+
+def test_a_format_2_checkpoint_with_zero_companions_still_loads(tmp_path):
+    from mpidl.parallel.zero import state_pieces
+
+    def save_old(comm):  # what the trainer wrote before format 3
+        model, wrapper, opt = M.build(comm, 2)
+        M.train(comm, wrapper, opt, M.batches(2, M.PER_RANK * comm.size))
+        pieces, optimizer = state_pieces(wrapper, opt)
+        if comm.rank:
+            ckpt.save_companion(str(tmp_path), 2, comm.rank, model=pieces, optimizer=optimizer)
+        comm.barrier()
+        if comm.rank == 0:
+            ckpt.save_checkpoint(str(tmp_path), 2, model=pieces, optimizer=optimizer, rng={},
+                                 sampler={}, extra={"layout": {
+                                     "kind": "pieces", "ranks": comm.size, "zero": 2,
+                                     "order": [n for n, _ in model.named_parameters()]}})
+    run_ranks(2, save_old)
+    path = os.path.join(str(tmp_path), ckpt.checkpoint_name(2))
+    expected, _ = M.reference(types.SimpleNamespace(size=2), 2)
+
+    def body(comm):
+        fresh, wrapper, opt = M.build(comm, 3, seed=9)
+        choose_checkpointer(comm, None, wrapper, fresh, opt).load(
+            ckpt.load_checkpoint(path, "none"))
+        return M.full_parameters(fresh, wrapper)
+    for got in run_ranks(3, body):
+        for name, q in expected.named_parameters():
+            numpy.testing.assert_allclose(got[name], q.data, rtol=1e-12, atol=1e-12)
+
+
+def test_keep_last_removes_old_parts_and_parts_without_an_index(tmp_path):
+    for step in (1, 2, 3):
+        def save(comm, step=step):
+            model, wrapper, opt = M.build(comm, 3)
+            choose_checkpointer(comm, None, wrapper, model, opt).save(
+                str(tmp_path), step, rng={}, sampler={})
+        run_ranks(2, save)
+    os.remove(tmp_path / ckpt.checkpoint_name(3))  # killed before its index
+    ckpt.keep_last(str(tmp_path), 1)
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoint-00000002.h5", "checkpoint-00000002.h5.part-00000",
+        "checkpoint-00000002.h5.part-00001"]
