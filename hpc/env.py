@@ -38,7 +38,8 @@ A launcher's local rank is unique on its node but need not follow world-rank ord
 Pick one source for GPU binding and keep it.
 
 Where nothing says how the ranks are spread over nodes, all ranks are assumed to share
-one node (``local_rank = rank``); :func:`from_mpi` asks MPI for the truth.
+one node (``local_rank = rank``); :func:`from_mpi` asks MPI for the truth, checked
+against the node names (:func:`split_nodes`).
 
 Empty variables count as unset. A malformed value raises ``ValueError`` naming the
 variable and the value.
@@ -381,6 +382,91 @@ def stdin_problem(environ: Mapping[str, str] | None = None, fd: int = 0) -> str 
     return None
 
 
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """This process's node: ``SLURMD_NODENAME`` (the slurmd that started its process
+    tree, under srun or mpirun in an allocation) where set, else the host name. Not
+    collective; never raises."""
+    environ = os.environ if environ is None else environ
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class NodeGrouping:
+    """How a communicator's ranks were grouped into nodes: the same on every rank.
+
+    Attributes:
+        nodes: each rank's node index, nodes numbered in the order of their lowest rank.
+        names: each node's name (:func:`node_name` of its ranks).
+        by: ``"shared memory"`` (MPI's ``COMM_TYPE_SHARED`` split, which agreed with
+            the node names) or ``"node name"`` (where it did not).
+        shared_memory: MPI can share memory among each node's ranks (a shared window
+            over a node's ranks works).
+        reason: why the node names were used ("" when MPI's split was).
+    """
+
+    nodes: tuple[int, ...]
+    names: tuple[str, ...]
+    by: str
+    shared_memory: bool
+    reason: str = ""
+
+
+def _numbered(labels: Any) -> tuple[int, ...]:
+    """Labels as indices in the order of first appearance: ``[b, a, b] -> (0, 1, 0)``."""
+    index: dict[Any, int] = {}
+    return tuple(index.setdefault(label, len(index)) for label in labels)
+
+
+def group_nodes(names: Any, domains: Any) -> NodeGrouping:
+    """Decide the nodes from every rank's node name and shared-memory domain (pure).
+
+    Args:
+        names: rank r's node name (:func:`node_name`), for every rank.
+        domains: the lowest rank of rank r's ``COMM_TYPE_SHARED`` group, for every rank.
+
+    MPI's split is used where it groups the ranks exactly as their node names do. Where
+    not, the names win: ``srun --mpi=pmix`` has been seen to give every rank a split of
+    its own (Open MPI issues 8299, 10416, 11585), which made each rank a node of one,
+    so the hierarchical exchange crossed the "network" inside a node and local ranks
+    (GPU binding) were all 0. A node's ranks then share memory only if MPI put them in
+    one domain.
+    """
+    names, domains = list(names), list(domains)
+    by_name, by_domain = _numbered(names), _numbered(domains)
+    first = list(dict.fromkeys(names))
+    if by_name == by_domain:
+        return NodeGrouping(by_name, tuple(first), "shared memory", True)
+    members: dict[int, set] = {}
+    for node, domain in zip(by_name, domains):
+        members.setdefault(node, set()).add(domain)
+    shared = all(len(d) == 1 for d in members.values())
+    reason = (f"MPI's shared-memory split found {len(set(domains))} node(s), the node names "
+              f"{len(first)} ({', '.join(first[:8])}{' ...' if len(first) > 8 else ''}); "
+              "grouping by node name" + ("" if shared else
+                                         ", without shared memory between a node's ranks"))
+    return NodeGrouping(by_name, tuple(first), "node name", shared, reason)
+
+
+def split_nodes(comm: Any, environ: Mapping[str, str] | None = None) -> tuple[Any, NodeGrouping]:
+    """This rank's node communicator (ranks ordered as in ``comm``) and the grouping.
+
+    Collective: every rank of the mpi4py communicator ``comm`` calls it. The decision
+    (:func:`group_nodes`) is taken from facts every rank has gathered, so it is the
+    same on every rank. The caller frees the returned communicator.
+    """
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    lowest = shared.allreduce(rank, op=MPI.MIN)
+    facts = comm.allgather((node_name(environ), lowest))
+    grouping = group_nodes([f[0] for f in facts], [f[1] for f in facts])
+    if grouping.by == "shared memory":
+        return shared, grouping
+    shared.Free()
+    return comm.Split(grouping.nodes[rank], key=rank), grouping
+
+
 def from_mpi(comm: Any, environ: Mapping[str, str] | None = None) -> JobEnv:
     """Ask MPI where this process runs; job facts still come from :func:`detect`.
 
@@ -393,21 +479,17 @@ def from_mpi(comm: Any, environ: Mapping[str, str] | None = None) -> JobEnv:
 
     Returns:
         A JobEnv whose rank, size, local rank/size, node index and node count are MPI's:
-        the node-local group is ``Split_type(COMM_TYPE_SHARED)``, nodes are numbered in
-        the order of their lowest rank.
+        the node-local group is :func:`split_nodes`' (MPI's shared-memory split, or the
+        node names where they disagree), nodes are numbered in the order of their
+        lowest rank.
     """
-    from mpi4py import MPI
-
     comm = getattr(comm, "mpi_comm", None) or comm
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local, grouping = split_nodes(comm, environ)
     try:
         local_rank, local_size = local.Get_rank(), local.Get_size()
-        leader = int(local_rank == 0)
-        nodes = comm.allreduce(leader, op=MPI.SUM)
-        before = comm.exscan(leader, op=MPI.SUM)  # leaders on lower ranks; None on rank 0
-        node_index = local.bcast(before or 0, root=0)
     finally:
         local.Free()
+    node_index, nodes = grouping.nodes[comm.Get_rank()], len(grouping.names)
     # After the collectives, so a malformed variable cannot leave other ranks waiting.
     job = detect(environ)
     return dataclasses.replace(

@@ -82,11 +82,12 @@ def _blas() -> list[dict[str, Any]]:
 
 def rank_facts(comm: Any, environ: dict[str, str] | None = None) -> dict[str, Any]:
     """This rank's own facts (not collective); errors are recorded, never raised."""
-    from hpc import gpu
+    from hpc import env, gpu
 
     environ = dict(os.environ if environ is None else environ)
     facts: dict[str, Any] = {
-        "rank": comm.rank, "host": socket.gethostname(), "pid": os.getpid(),
+        "rank": comm.rank, "host": socket.gethostname(), "node": env.node_name(environ),
+        "pid": os.getpid(),
         "local_rank": getattr(comm, "local_rank", 0),
         "local_size": getattr(comm, "local_size", 1),
         "omp_num_threads": environ.get("OMP_NUM_THREADS"),
@@ -128,8 +129,9 @@ def collect(comm: Any, probe: bool = True) -> dict[str, Any]:
     else:
         cuda_aware = {"aware": None, "reason": "not probed (--no-probe)", "method": None,
                       "cases": {}}
-    hosts = list(dict.fromkeys(r["host"] for r in per_rank))  # in order of first rank
-    counts = Counter(r["host"] for r in per_rank)
+    hosts = list(dict.fromkeys(r["node"] for r in per_rank))  # in order of first rank
+    counts = Counter(r["node"] for r in per_rank)
+    grouping = getattr(comm, "node_grouping", None)  # None: one process, no MPI
     left = None
     if comm.rank == 0:  # squeue asks the controller: once per job, not once per rank
         try:
@@ -156,6 +158,10 @@ def collect(comm: Any, probe: bool = True) -> dict[str, Any]:
         "ranks": comm.size,
         "nodes": len(hosts),
         "ranks_per_node": {h: counts[h] for h in hosts},
+        # how mpidl found the nodes (hpc.env.group_nodes): MPI's shared-memory split, or
+        # the node names where the split disagreed with them
+        "nodes_found_by": None if grouping is None else grouping.by,
+        "nodes_note": None if grouping is None else grouping.reason,
         "job": job_info,
         "cuda_aware": cuda_aware,
         "versions": versions,
@@ -191,6 +197,10 @@ def format_report(report: dict[str, Any]) -> str:
     per_node = report["ranks_per_node"]
     lines.append("ranks per node: " + ", ".join(f"{h}={n}" for h, n in per_node.items()))
     lines.append("hosts: " + " ".join(per_node))
+    if report.get("nodes_found_by") == "shared memory":
+        lines.append("nodes found by: MPI's shared-memory split (agrees with the node names)")
+    elif report.get("nodes_found_by"):
+        lines.append(f"nodes found by: node name ({report['nodes_note']})")
     job = report["job"]
     if job.get("error"):
         lines.append(f"job: cannot read the launcher variables: {job['error']}")
@@ -221,7 +231,9 @@ def format_report(report: dict[str, Any]) -> str:
         dev = "no device" if r["device"] is None else \
             f"device {r['device']}" + (f" {r['device_name']} [{r['pci_bus_id']}]"
                                        if r["device_name"] else "")
-        line = (f"  rank {r['rank']} on {r['host']}: local {r['local_rank']}/"
+        where = r["host"] if r.get("node", r["host"]) == r["host"] else \
+            f"{r['node']} (host {r['host']})"
+        line = (f"  rank {r['rank']} on {where}: local {r['local_rank']}/"
                 f"{r['local_size']}, {dev}, CUDA_VISIBLE_DEVICES="
                 f"{'unset' if r['cuda_visible_devices'] is None else r['cuda_visible_devices']}, "
                 f"pid {r['pid']}")

@@ -14,6 +14,8 @@ size-1 :class:`SingleCommunicator`, so the same script runs as ``python train.py
 from __future__ import annotations
 
 import os
+import sys
+from typing import Any
 
 from mpidl.comm.base import (
     Communicator,
@@ -43,6 +45,15 @@ def _want_mpi() -> bool:
     if mpi is not None and mpi.Is_initialized():
         return True
     return is_mpi_launch(os.environ)
+
+
+def _say_how_nodes_were_found(comm: Any) -> None:
+    """Rank 0 says so when the nodes are not MPI's shared-memory split (hpc.env)."""
+    grouping = comm.node_grouping
+    if grouping.by != "shared memory" and comm.rank == 0:
+        print(f"mpidl: note: {grouping.reason}: {len(grouping.names)} node(s), "
+              f"{comm.local_size} rank(s) on rank 0's node {grouping.names[0]}",
+              file=sys.stderr, flush=True)
 
 
 def _warn_if_alone(comm: Communicator) -> None:
@@ -97,6 +108,7 @@ def world() -> Communicator:
 
                 _world = MpiCommunicator(MPI.COMM_WORLD)
                 _warn_if_alone(_world)
+                _say_how_nodes_were_found(_world)
                 watchdog.start_for(_world)
         else:
             _world = SingleCommunicator()

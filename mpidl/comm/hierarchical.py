@@ -22,8 +22,10 @@ class HierarchicalCommunicator:
     Args:
         comm: the group to reduce over (an MPI communicator of mpidl). Collective.
         ranks_per_node: group consecutive ranks into "nodes" of this many ranks instead
-            of the real nodes (``COMM_TYPE_SHARED``): to test or tune the scheme on one
-            machine, or where the launcher's node notion is not the one wanted.
+            of the real nodes (``comm.node_comm``: MPI's shared-memory split, or the
+            node names where the two disagree, :func:`hpc.env.group_nodes`): to test or
+            tune the scheme on one machine, or where the launcher's node notion is not
+            the one wanted.
     """
 
     def __init__(self, comm: Communicator, ranks_per_node: int | None = None) -> None:

@@ -188,13 +188,15 @@ class MpiCommunicator(Communicator):
     """
 
     def __init__(self, comm: Any, cuda_aware: bool | None = None) -> None:
-        MPI = _mpi()
+        from hpc.env import split_nodes
+
         self.mpi_comm = comm.Dup()
         self.rank = self.mpi_comm.Get_rank()
         self.size = self.mpi_comm.Get_size()
         # The node-local group is found now, while every rank is in this collective
-        # constructor: a lazy Split_type would be collective behind an attribute read.
-        self.node_comm = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        # constructor: a lazy split would be collective behind an attribute read. MPI's
+        # shared-memory split, unless it disagrees with the node names (hpc.env).
+        self.node_comm, self.node_grouping = split_nodes(self.mpi_comm)
         self.local_rank = self.node_comm.Get_rank()
         self.local_size = self.node_comm.Get_size()
         self.max_message_bytes = MAX_MESSAGE_BYTES

@@ -250,6 +250,8 @@ def shared_memory_excluded(comm: Any, flats: Sequence[Any], compression: str | N
         return "one rank (or no dense gradients): nothing to exchange"
     if comm.local_size != comm.size or not hasattr(comm, "node_comm"):
         return "the ranks do not all share one node (an MPI communicator)"
+    if not comm.node_grouping.shared_memory:  # nodes found by name (hpc.env.group_nodes)
+        return f"MPI shares no memory between the node's ranks: {comm.node_grouping.reason}"
     if compression is not None or hierarchical or overlap:
         return "compression, hierarchical and overlap use MPI's allreduce"
     if get_array_module(flats[0]) is not numpy:

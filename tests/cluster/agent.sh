@@ -37,5 +37,11 @@ fi
 set -- "$*"   # ssh joins the remote command's words with spaces, as we do
 name=$(echo "$line" | awk '{print $1}')
 netns=$(echo "$line" | awk '{print $2}')
+# Each node gets a temporary folder of its own (TMPDIR, for its daemon and ranks), as a
+# real node has its own /tmp: what a killed job leaves there (PRRTE's session folders)
+# goes with `cluster.sh down`.
+tmp=$dir/tmp/$name
+mkdir -p "$tmp"
 exec nsenter --net="/var/run/netns/$netns" \
-    unshare --uts /bin/sh -c 'hostname "$0" && eval "$1"' "$name" "$1"
+    unshare --uts /usr/bin/env TMPDIR="$tmp" \
+    /bin/sh -c 'hostname "$0" && eval "$1"' "$name" "$1"

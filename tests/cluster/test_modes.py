@@ -21,8 +21,8 @@ from test_gpt_model_parallel import (  # noqa: F401  (gpt_cache, single: fixture
 pytestmark = [pytest.mark.timeout(600)]
 
 
-def train(cluster, layout, run, cache, *args):
-    cmd = [sys.executable, "-m", "mpidl", "train", *GPT, f"--data.cache-dir={cache}",
+def train(cluster, layout, run, cache, *args, prefix=()):
+    cmd = [*prefix, sys.executable, "-m", "mpidl", "train", *GPT, f"--data.cache-dir={cache}",
            f"--run-dir={run}", *args]
     return cluster.mpiexec(layout, cmd, timeout=400)
 
