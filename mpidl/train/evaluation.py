@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy
+
 from mpidl.autograd import no_grad
 from mpidl.data import DataLoader, DistributedSampler
 from mpidl.data.evaluate import Scores
@@ -64,7 +66,9 @@ def evaluate(objective: Objective, model: Any, loader: DataLoader, comm: Any) ->
     model.eval()  # before the sums: a classifier's probe of its width runs the model
     loader.set_epoch(0)
     try:
-        with no_grad():
+        # A diverged model's overflow shows once, in its record (a null loss), not as a
+        # NumPy RuntimeWarning per batch (CuPy warns of none).
+        with no_grad(), numpy.errstate(over="ignore", invalid="ignore", divide="ignore"):
             sums = objective.eval_sums(model, loader.dataset, xp)
             for batch in loader:
                 x, y = batch[0], batch[1] if labelled else None

@@ -232,14 +232,21 @@ def format_confusion(scores: Any, names: Sequence[str]) -> str:
                         title="confusion matrix (rows: true class, columns: predicted class):")
 
 
+def _json(obj: dict[str, Any]) -> str:
+    """Strict JSON, as metrics.jsonl: a score that is not finite (a diverged model) is null."""
+    from mpidl.train.metrics import jsonable
+
+    return json.dumps(jsonable(obj), allow_nan=False)
+
+
 def report(scores: Any, names: Sequence[str], state: Any, as_json: bool) -> str:
     """What ``mpidl eval`` prints for ``scores`` of the checkpoint ``state``."""
     if as_json:
-        return json.dumps({"checkpoint": state.path, "step": state.step,
-                           "test_samples": scores.samples, "classes": list(names),
-                           **scores.as_record(),
-                           "confusion": None if scores.confusion is None
-                           else scores.confusion.tolist()})
+        return _json({"checkpoint": state.path, "step": state.step,
+                      "test_samples": scores.samples, "classes": list(names),
+                      **scores.as_record(),
+                      "confusion": None if scores.confusion is None
+                      else scores.confusion.tolist()})
     majority = scores.majority_class
     always = f" (always {names[majority]!r})" if majority is not None else ""
     return (f"checkpoint: {state.path} (step {state.step})\n"
@@ -297,7 +304,7 @@ def eval_main(argv: Sequence[str]) -> int:
         names = [description.class_name(c) for c in range(result.scores.num_classes)]
         print(report(result.scores, names, state, args.json), flush=True)
     else:  # regression, a language model
-        print(json.dumps({"checkpoint": state.path, "step": state.step, **result.record})
+        print(_json({"checkpoint": state.path, "step": state.step, **result.record})
               if args.json else f"checkpoint: {state.path} (step {state.step})\n{result.line}",
               flush=True)
     return 0

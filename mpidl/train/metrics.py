@@ -41,17 +41,19 @@ import numpy
 CATEGORIES = ("compute", "comm", "input")
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """``value`` for strict JSON: NumPy scalars and arrays as Python ones, non-finite floats
+    (NaN, inf: strict JSON has none) as None, recursively through dicts, lists, tuples."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, (numpy.floating, numpy.integer, numpy.bool_)):
-        return _jsonable(value.item())
+        return jsonable(value.item())
     if isinstance(value, numpy.ndarray):
-        return _jsonable(value.tolist())
+        return jsonable(value.tolist())
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 
 
@@ -84,7 +86,7 @@ class MetricsWriter:
             return
         rec = dict(record or {}, **fields)
         rec.setdefault("time", time.time())
-        self._file.write(json.dumps(_jsonable(rec), allow_nan=False) + "\n")
+        self._file.write(json.dumps(jsonable(rec), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -108,3 +108,30 @@ def test_one_process_scores_every_sample_once(tmp_path):
     correct = int((logits.argmax(1) == split.read("y", numpy.arange(9))).sum())
     assert result.scores.samples == 9 and result.scores.correct == correct
     assert result.line.startswith("test loss ")
+
+
+@pytest.mark.parametrize("objective", [Classification(), Regression()], ids=lambda o: type(o).__name__)
+def test_a_diverged_model_is_scored_without_runtime_warnings_and_as_strict_json(
+        tmp_path, objective):
+    import json
+    import warnings
+
+    from mpidl.train.inference import _json
+
+    comm = SingleCommunicator()
+    rng = numpy.random.default_rng(0)
+    y = rng.integers(0, 4, size=9) if isinstance(objective, Classification) else \
+        rng.normal(size=9).astype(numpy.float32)
+    write_shards(str(tmp_path / "d"), {"x": rng.normal(size=(9, 3)).astype(numpy.float32),
+                                       "y": y}, **({"num_classes": 4} if y.dtype.kind == "i"
+                                                   else {}))
+    split = ShardedDataset(os.path.join(tmp_path, "d", "train"))
+    model = models.mlp(sizes=(3, 8, 4 if y.dtype.kind == "i" else 1), seed=1)
+    for p in model.parameters():
+        p.data[...] = 3e37  # as after an update that overflowed: the logits are inf - inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's RuntimeWarnings would raise here
+        result = evaluate(objective, model, evaluation_loader(split, comm, numpy, prefetch=0),
+                          comm)
+    record = json.loads(_json(result.record), parse_constant=pytest.fail)
+    assert record["test_loss"] is None  # not finite
