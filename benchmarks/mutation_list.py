@@ -103,9 +103,10 @@ MUTATIONS: list[Mutation] = [
         original="return [base + (1 if r < extra else 0) for r in range(parts)]",
         mutated="return [base + (1 if r >= parts - extra else 0) for r in range(parts)]",
         why="the one splitting rule gives the extra items to the last ranks, not the first",
-        # Every user follows split_counts, so a consistent change passes the MPI tests
-        # (the sampler's own copy of the rule included, untested against it).
-        tests=("tests/unit/test_cli.py::test_split_counts_gives_the_first_ranks_one_more",),
+        # Every user follows split_counts, so a consistent change passes the MPI tests;
+        # the sampler's own copies of the rule are held to it by the second test.
+        tests=("tests/unit/test_cli.py::test_split_counts_gives_the_first_ranks_one_more",
+               SAMPLER + "test_rank_range_and_runs_between_split_each_batch_as_split_counts_does"),
     ),
     Mutation(
         name="reduce-scatter-counts-in-rows",
@@ -519,6 +520,69 @@ MUTATIONS: list[Mutation] = [
         why="a bucket or unit is counted once per view of it: the memory report inflates",
         tests=("tests/unit/test_wrapper.py::test_held_bytes_counts_a_buffer_once_through_all_"
                "its_views",),
+    ),
+    # -- gaps a later mutation run found (rows no two ranks shared, a chunked path, a
+    #    counter, the resume, the sampler's copy of the splitting rule), and their tests --
+    Mutation(
+        name="sparse-rows-assigned-not-added",
+        file="mpidl/parallel/sparse.py",
+        original="grad[ids[start:start + n]] += values[start:start + n]",
+        mutated="grad[ids[start:start + n]] = values[start:start + n]",
+        why="a row several ranks touched keeps the last rank's gradient instead of the sum",
+        # Test data over a 5000-row table almost never has two ranks touch one row.
+        tests=(THREADS.format("test_data_parallel::test_rows_that_several_ranks_touch_are_"
+                              "summed_in_the_sparse_exchange", 2),
+               DP + "test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange"),
+    ),
+    Mutation(
+        name="sparse-rows-not-accumulated-over-no-sync",
+        file="mpidl/parallel/sparse.py",
+        original="self._rows[id(p)] = touched if seen is None else xp.logical_or(seen, touched)",
+        mutated="self._rows[id(p)] = touched",
+        why="the sync after a no_sync cycle sends only the last micro-batch's rows",
+        tests=(THREADS.format("test_data_parallel::test_the_sparse_exchange_after_no_sync_"
+                              "sends_the_rows_of_every_micro_batch", 2),
+               DP + "test_the_sparse_exchange_after_no_sync_sends_the_rows_of_every_micro_"
+               "batch"),
+    ),
+    Mutation(
+        name="reduce-scatter-chunked-block-offset",
+        file="mpidl/comm/mpi.py",
+        original="start = sum(rows[: self.rank])",
+        mutated="start = self.rank * rows[self.rank]",
+        why="a reduce_scatter above max_message_bytes keeps rows as if every block were "
+            "as long as this rank's",
+        tests=(COMM + "test_a_large_reduce_scatter_gives_each_rank_its_block_of_uneven_rows",),
+    ),
+    Mutation(
+        name="loss-scale-keeps-good-steps-after-overflow",
+        file="mpidl/optim/scaler.py",
+        original="        if not finite:\n            self.good_steps = 0\n",
+        mutated="        if not finite:\n",
+        why="the dynamic loss scale counts good steps from before an overflow and grows early",
+        tests=(OPTIM + "test_an_overflow_starts_the_count_of_good_steps_again",),
+    ),
+    Mutation(
+        name="trainer-resume-forgets-sampler-position",
+        file="mpidl/train/trainer.py",
+        original="            self.loader.load_state_dict(state.sampler)\n",
+        mutated="            pass\n",
+        why="a resumed run reads its epoch from the first batch again, not from where it "
+            "stopped",
+        tests=("tests/unit/test_train_resume.py::test_a_run_stopped_mid_epoch_resumes_at_the_"
+               "next_batch_of_the_epoch",),
+    ),
+    Mutation(
+        name="sampler-rank-range-extra-to-last-ranks",
+        file="mpidl/data/sampler.py",
+        original="        lo = a + self.rank * base + min(self.rank, extra)\n"
+                 "        return lo, lo + base + (self.rank < extra)\n",
+        mutated="        lo = a + self.rank * base + max(0, self.rank - (self.size - extra))\n"
+                "        return lo, lo + base + (self.rank >= self.size - extra)\n",
+        why="the sampler's own copy of the splitting rule gives the extra samples to the last "
+            "ranks, unlike split_counts (each sample still read once)",
+        tests=(SAMPLER + "test_rank_range_and_runs_between_split_each_batch_as_split_counts_"
+                         "does",),
     ),
     # -- pipeline parallelism (mpidl/parallel/pipeline.py): add its mutations here as it
     #    lands.

@@ -175,6 +175,25 @@ def test_large_messages_are_chunked(comm, xp):
         what="chunked iallreduce_")
 
 
+def test_a_large_reduce_scatter_gives_each_rank_its_block_of_uneven_rows(comm, xp):
+    """Above max_message_bytes reduce_scatter sums the whole array in chunks and keeps
+    this rank's rows: block r starts after every block before it, the longer ones too."""
+    if not hasattr(comm, "max_message_bytes"):
+        pytest.skip("size-1 communicator sends no messages")
+    n = 2 * comm.size + 1  # uneven blocks at size > 1
+    old = comm.max_message_bytes
+    comm.max_message_bytes = 64
+    try:
+        mine = comm.reduce_scatter(ranked(xp, (n, 5), "float64", comm.rank))  # 40 bytes a row
+    finally:
+        comm.max_message_bytes = old
+    total = sum(ranked(numpy, (n, 5), "float64", r) for r in range(comm.size))
+    counts = split_counts(n, comm.size)
+    start = sum(counts[:comm.rank])
+    assert_allclose_all_ranks(comm, mine, total[start:start + counts[comm.rank]],
+                              what="chunked reduce_scatter")
+
+
 def test_object_collectives_carry_small_metadata(comm):
     everyone = comm.allgather_obj({"rank": comm.rank})
     root_value = comm.bcast_obj({"from": comm.rank} if comm.rank == 0 else None, root=0)

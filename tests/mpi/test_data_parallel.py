@@ -476,6 +476,42 @@ def test_sparse_embedding_exchange_matches_dense(comm):
     assert_same_parameters(comm, dense_model, ref)
 
 
+def test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange(comm):
+    # Tokens from 11 ids of a 5000-row table: every rank touches the same rows, each
+    # several times, yet the rows are few enough that the sparse exchange is chosen.
+    vocab = 5000
+    model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab)
+    dp = DataParallel(model, comm)
+    data = list(batches("tokens", 2, 3 * comm.size + 1, vocab=12))
+    train_parallel(comm, dp, SGD(model.parameters(), lr=0.5), data)
+    train_reference(ref, SGD(ref.parameters(), lr=0.5), data)
+    assert_all_ranks(comm, dp.sparse_used or comm.size == 1,
+                     f"sparse tables {len(dp.sparse)}, used {dp.sparse_used}")
+    assert_same_parameters(comm, model, ref)
+
+
+def test_the_sparse_exchange_after_no_sync_sends_the_rows_of_every_micro_batch(comm):
+    # Each micro-batch of the cycle reads its own 10 rows of the table: the sync must
+    # sum the rows the first ones touched too, not only the last one's.
+    vocab, m = 5000, 3
+    model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab)
+    dp = DataParallel(model, comm)
+    micro = [(x + 100 * k, y) for k, (x, y) in
+             enumerate(batches("tokens", m, 2 * comm.size + 1, vocab=11))]
+    total = sum(len(x) for x, _ in micro)
+    for k, (x, y) in enumerate(micro):
+        xs, ys = my_share(comm, x, y)
+        loss = softmax_cross_entropy(dp(xs), ys, reduction="sum")
+        with dp.no_sync() if k < m - 1 else contextlib.nullcontext():
+            dp.backward(loss, global_count=total)
+    x, y = (numpy.concatenate(parts) for parts in zip(*micro))
+    softmax_cross_entropy(ref(x), y, reduction="mean").backward()
+    assert_all_ranks(comm, dp.sparse_used or comm.size == 1,
+                     f"sparse tables {len(dp.sparse)}, used {dp.sparse_used}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_allclose_all_ranks(comm, p.grad, q.grad, what=name)
+
+
 def test_a_tied_embedding_table_is_exchanged_dense(comm):
     # GPT ties its output projection to the token table (linear(h, tok.weight)): the
     # table's gradient is dense, although only Embedding modules hold it.

@@ -8,6 +8,7 @@ import itertools
 import numpy
 import pytest
 
+from mpidl.comm import split_counts
 from mpidl.data.sampler import DistributedSampler, FeistelPermutation, coalesce_runs
 
 MODES = ("block", "full", "none")
@@ -173,3 +174,26 @@ def test_runs_between_rejects_steps_outside_the_epoch():
     s = DistributedSampler(100, 10, 0, 2)
     with pytest.raises(IndexError, match="step 10 out of range"):
         s.runs_between(5, 11)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_rank_range_and_runs_between_split_each_batch_as_split_counts_does(size):
+    # The sampler has two copies of mpidl's one splitting rule (split_counts): per step in
+    # rank_range, vectorised over steps in runs_between. Both must follow it for every
+    # batch length (full batches and every remainder), rank count and rank, empty shares
+    # included: rank r takes positions [a + sum(counts[:r]), + counts[r]) of batch [a, b).
+    for g in range(1, 11):
+        for n in [*range(1, g), *range(2 * g, 3 * g)]:  # a lone partial batch; any remainder
+            whole = DistributedSampler(n, g, 0, 1, seed=5, block_size=3)
+            for rank in range(size):
+                s = DistributedSampler(n, g, rank, size, seed=5, block_size=3)
+                planned = s.runs_between(0, len(s))
+                for step in range(len(s)):
+                    a, b = whole.global_range(step)
+                    counts = split_counts(b - a, size)
+                    lo = a + sum(counts[:rank])
+                    where = f"n={n} global_batch={g} rank {rank} of {size}, step {step}"
+                    assert s.rank_range(step) == (lo, lo + counts[rank]), where
+                    ids = [i for start, stop in planned[step] for i in range(start, stop)]
+                    share = whole.indices(step)[lo - a:lo - a + counts[rank]]
+                    assert ids == share.tolist(), where

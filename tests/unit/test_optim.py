@@ -266,6 +266,16 @@ def test_the_dynamic_loss_scale_backs_off_on_overflow_and_grows_after_good_steps
         DynamicLossScale(init=0.5)
 
 
+def test_an_overflow_starts_the_count_of_good_steps_again():
+    from mpidl.optim import DynamicLossScale
+
+    s = DynamicLossScale(init=1024.0, growth_interval=3)
+    assert [s.update(True) for _ in range(2)] == [False, False]  # one short of growing
+    assert s.update(False) and s.scale == 512.0
+    assert [s.update(True) for _ in range(2)] == [False, False] and s.scale == 512.0
+    assert s.update(True) and s.scale == 1024.0  # three good steps since the overflow
+
+
 def test_unscale_divides_every_gradient_in_place():
     from mpidl.optim import DynamicLossScale, unscale_
 
