@@ -41,6 +41,7 @@ from mpidl import functions as F
 from mpidl.backend import as_numpy, get_array_module
 from mpidl.data.evaluate import ClassCounts, Scores
 from mpidl.data.stats import column_scale
+from mpidl.parallel.wrapper import Wrapper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,9 +304,10 @@ class ParallelLanguageModel(LanguageModel):
         self.grid = grid
 
     def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
-        module = getattr(model, "module", model)  # the wrapper's hooks sit on parameters
-        if module is not model:
+        module = model  # in evaluation: the model itself
+        if isinstance(model, Wrapper):  # in training: its hooks sit on the parameters
             model.before_forward()  # ZeRO 1-2: the updated parameters; not model.__call__
+            module = model.module
         loss, hits = module.loss(x, reduction="sum", hits=True)
         return loss, module.count_targets(x), hits
 
