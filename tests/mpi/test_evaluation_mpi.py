@@ -146,8 +146,9 @@ def test_zero_3_evaluation_with_an_empty_share_completes_and_equals_one_rank(
 @pytest.mark.parametrize("axis", ["tensor", "sequence"])
 def test_a_split_gpt_scores_a_batch_of_no_rows_as_nothing(comm, axis):
     grid = ProcessGrid(comm, **{axis: comm.size})
-    model = parallel_gpt(grid, vocab=23, seq_len=8, dim=6, layers=1, heads=comm.size,
-                         seed=3, dtype="float64")
+    # A head and at least a token per rank, at any size (the many-rank tier runs 16).
+    model = parallel_gpt(grid, vocab=max(23, comm.size), seq_len=max(8, comm.size),
+                         dim=2 * comm.size, layers=1, heads=comm.size, seed=3, dtype="float64")
     objective = ParallelLanguageModel(None, grid)
     model.eval()
     scores = objective.score(model, numpy.zeros((0, 9), numpy.int64), None, numpy)
