@@ -8,6 +8,7 @@ Run under a launcher for several ranks::
     mpidl shard --from-csv reviews.csv --text-col review --label-col sentiment data/
     mpiexec -n 2 mpidl eval runs/reviews     # score a run's checkpoint on its test split
     echo "great stay" | mpidl predict runs/reviews
+    mpidl checkpoint consolidate runs/reviews  # one full file of the newest checkpoint
     mpidl info
 
 Every sub-command runs under the global exception hook (:mod:`mpidl.excepthook`): an
@@ -36,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "classify new inputs (text lines, feature rows) with a run's checkpoint"),
     "shard": ("mpidl.data.command:main", "write or verify a sharded HDF5 dataset"),
     "plot": ("mpidl.train.plot:main", "plot a run's metrics to PNG (needs the [plot] extra)"),
+    "checkpoint": ("mpidl.train.consolidate:main",
+                   "consolidate a sharded checkpoint into one full file (eval, sharing)"),
     "info": ("mpidl.info:main", "report MPI, ranks, nodes, GPUs, library versions"),
     "sbatch": ("hpc.sbatch:main", "render a Slurm batch script for a site profile"),
     "bench": ("hpc.bench:main", "collective micro-benchmarks: latency, busbw, alpha-beta fit"),

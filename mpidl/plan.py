@@ -339,7 +339,7 @@ def _run_ranks(run_dir: str) -> int:
     from mpidl.train.checkpoint import latest_checkpoint, load_checkpoint
 
     path = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
-    return int(load_checkpoint(path).extra.get("ranks", 1)) if path else 1
+    return int(load_checkpoint(path, "none").extra.get("ranks", 1)) if path else 1
 
 
 def shared_memory_link() -> Any:

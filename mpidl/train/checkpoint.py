@@ -265,17 +265,23 @@ def _listed(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def newest_loadable(directory: str | os.PathLike, state: str = "full"
+def newest_loadable(directory: str | os.PathLike, state: str = "full",
+                    bad: list[tuple[str, str]] = ()
                     ) -> tuple[Checkpoint | None, list[tuple[str, str]]]:
     """The newest checkpoint in ``directory`` that loads and passes its checksums, and
     the newer ones that did not, as ``(path, reason)``, newest first.
 
     Files left half-written (``*.tmp``) are not checkpoints and are not listed. Each
     file tried is read whole (the checksums cover every array; ``state`` as
-    :func:`load_checkpoint`'s: what is kept). Not collective.
+    :func:`load_checkpoint`'s: what is kept). ``bad``: ``(path, reason)`` of
+    checkpoints already found damaged (a part, while a resume read it): passed over, and
+    listed first. Not collective.
     """
-    bad: list[tuple[str, str]] = []
+    bad = list(bad)
+    known = {p for p, _ in bad}
     for _, path in reversed(_listed(os.fspath(directory))):
+        if path in known:
+            continue
         try:
             return load_checkpoint(path, state), bad
         except (CheckpointError, FileNotFoundError) as e:
@@ -405,8 +411,8 @@ class ResumePlan:
     previous: bool = False
 
 
-def plan_resume(resume: bool | str, run_dir: str | os.PathLike, state: str = "full"
-                ) -> ResumePlan:
+def plan_resume(resume: bool | str, run_dir: str | os.PathLike, state: str = "full",
+                bad: list[tuple[str, str]] = ()) -> ResumePlan:
     """Decide where a run starts, per the ``resume`` config key. Changes no file.
 
     ``"auto"`` resumes from the newest checkpoint that loads (the newer ones that do not
@@ -414,7 +420,8 @@ def plan_resume(resume: bool | str, run_dir: str | os.PathLike, state: str = "fu
     the same, but needs a checkpoint. ``False``/``"never"`` starts fresh (``previous``
     when the directory holds an earlier run). A path names a checkpoint file, or a run
     or checkpoint directory whose newest loadable checkpoint is used. ``state``: what
-    the checkpoint keeps of the model and optimizer (:func:`load_checkpoint`).
+    the checkpoint keeps of the model and optimizer (:func:`load_checkpoint`); ``bad``:
+    checkpoints found damaged since (:func:`newest_loadable`).
 
     Raises:
         FileNotFoundError: ``resume`` names nothing resumable, or is True and there is
@@ -428,7 +435,7 @@ def plan_resume(resume: bool | str, run_dir: str | os.PathLike, state: str = "fu
         used = any(os.path.exists(os.path.join(run_dir, n)) for n in RUN_FILES)
         return ResumePlan(previous=used or bool(_listed(own)))
     if resume is True or resume == "auto":
-        found, bad = newest_loadable(own, state)
+        found, bad = newest_loadable(own, state, bad)
         if found is None and bad:
             raise CheckpointError(_none_loads(own, bad))
         if found is None and resume is True:

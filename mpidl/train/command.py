@@ -165,26 +165,41 @@ def _train(argv: Sequence[str], comm, preempt) -> int:
     plan = _plan(config, run_dir, comm)
     if plan is None:
         return EXIT_CONFIG
-    if plan.checkpoint is not None:
+    from mpidl.train.checkpoint import CheckpointError  # as _plan: h5py when needed
+
+    while plan.checkpoint is not None:
         error = None
         try:
             trainer.restore(plan.checkpoint)
         except ConfigError as e:  # another model, another sample order: the same everywhere
             error = str(e)
+        except CheckpointError as e:  # a damaged part, found by the rank that reads it
+            if config.resume not in (True, "auto"):
+                error = str(e)  # the checkpoint asked for: no other will do
+            else:  # as rank 0's choice does with a damaged file: the next older one
+                plan = _plan(config, run_dir, comm, bad=[*plan.corrupt,
+                                                         (plan.checkpoint.path, str(e))])
+                if plan is None:
+                    return EXIT_CONFIG
+                continue
         if _config_error(comm, error):
             return EXIT_CONFIG
+        break
     preempt.check(comm, "loading the checkpoint to resume from")
     # Only now, with the resume accepted, does the run directory change.
     trainer.begin(text, corrupt=plan.corrupt, previous=plan.previous)
     return trainer.fit(preempt)
 
 
-def _plan(config, run_dir: str, comm):
+def _plan(config, run_dir: str, comm, bad=()):
     """Where the run starts (:func:`~mpidl.train.checkpoint.plan_resume`), on every rank;
     None after reporting a configuration error. Collective.
 
-    Rank 0 chooses (reading candidates whole, checksums checked); the others read the
-    chosen file themselves.
+    Rank 0 chooses (a single file's checksums checked, a sharded one's index read and
+    its parts found); the others read the chosen index or file themselves. Nobody reads
+    the state here: :meth:`Trainer.restore` reads each rank's share. ``bad``:
+    checkpoints found damaged while restoring, ``(path, reason)``: passed over, and set
+    aside with the others once a resume succeeds.
     """
     from mpidl.train.checkpoint import (CheckpointError, ResumePlan, load_checkpoint,
                                         plan_resume)
@@ -192,7 +207,7 @@ def _plan(config, run_dir: str, comm):
     plan, error = None, None
     if comm.rank == 0:
         try:
-            plan = plan_resume(config.resume, run_dir)
+            plan = plan_resume(config.resume, run_dir, state="none", bad=list(bad))
         except (FileNotFoundError, CheckpointError) as e:
             error = str(e)
     if _config_error(comm, error):
@@ -202,7 +217,7 @@ def _plan(config, run_dir: str, comm):
     state = plan.checkpoint if plan is not None else None
     if comm.rank != 0 and path is not None:
         try:
-            state = load_checkpoint(path)
+            state = load_checkpoint(path, "none")
         except (FileNotFoundError, CheckpointError) as e:
             error = f"rank {comm.rank}: {e}"
     if _config_error(comm, error):

@@ -21,8 +21,9 @@ sequence are split into near-equal parts), so only what cannot be split is refus
 
 :class:`Layout` then gives the trainer the communicators each job runs over: samples are
 split over :attr:`Layout.data`, gradients averaged over :attr:`Layout.replicas` (data x
-sequence: the sequence ranks' loss shares add up), and a checkpoint holds the full
-(single-rank) parameters under their own names, so a run resumes at any layout.
+sequence: the sequence ranks' loss shares add up). A checkpoint holds the single-rank
+parameters under their own names, each rank writing and reading only its elements
+(:mod:`mpidl.train.checkpointer`), so a run resumes at any layout.
 """
 from __future__ import annotations
 
@@ -152,55 +153,6 @@ class Layout:
 
         return ParallelGPT(model, self.grid, sequence_parallel=self.plan.megatron,
                            attention=self.plan.attention if self.plan.sequence > 1 else "ring")
-
-    # -- full state: what checkpoints hold, at any layout -------------------------------------
-    def full_state(self, wrapper: Any, optimizer: Any, model: Any
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The single-rank model's parameters by name and the single-rank optimizer's
-        state, from this layout. Collective. (ZeRO without a grid writes every rank's
-        pieces instead, gathering nothing: the trainer's own path.)
-
-        Under ZeRO on a grid, each tensor rank's pieces are first gathered over its
-        replicas (the whole of this rank's shards on every replica, for the moment of
-        the checkpoint), then the split parameters over the tensor group.
-        """
-        if self.grid is None:
-            return model.state_dict(), optimizer.state_dict()
-        from mpidl.parallel.tensor import gather_state
-
-        if self.plan.zero:
-            from mpidl.parallel.zero import pieces_to_full, state_pieces
-
-            pieces = self.replicas.allgather_obj(state_pieces(wrapper, optimizer))
-            order = [n for n, _ in model.named_parameters()]
-            params, opt = pieces_to_full([m for m, _ in pieces], [o for _, o in pieces], order)
-        else:
-            params = {n: p.data for n, p in model.named_parameters()}
-            opt = optimizer.state_dict()
-        return gather_state(model, params, opt)
-
-    def load_state(self, wrapper: Any, optimizer: Any, model: Any, params: dict[str, Any],
-                   optimizer_state: dict[str, Any] | None = None) -> None:
-        """Load a full (single-rank) state from any layout: the parameters, and the
-        optimizer's state when given. Not collective (every rank reads the same file).
-        KeyError or ValueError when it is another model's or optimizer's."""
-        if self.grid is None:
-            if optimizer_state is None:
-                model.load_state_dict(params)
-            else:
-                optimizer.load_state_dict(optimizer_state)
-            return
-        from mpidl.parallel.tensor import take_state
-
-        local, local_optimizer = take_state(model, params, optimizer_state)
-        if self.plan.zero:
-            from mpidl.parallel.zero import load_full_state
-
-            load_full_state(wrapper, local, local_optimizer, optimizer)
-        elif optimizer_state is None:
-            model.load_state_dict(local)
-        else:
-            optimizer.load_state_dict(local_optimizer)
 
     def clip_grad_norm_(self, wrapper: Any, max_norm: float) -> Any:
         """Clip the averaged gradients to a global 2-norm of ``max_norm`` (every shard

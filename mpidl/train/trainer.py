@@ -39,6 +39,7 @@ import numpy
 
 from hpc.files import write_text
 from mpidl.train import checkpoint as ckpt
+from mpidl.train.checkpointer import LoadError, choose_checkpointer
 from mpidl.train.config import Config, ConfigError, to_toml
 from mpidl.train.evaluation import evaluate, evaluation_loader
 from mpidl.train.log import Logger, ProgressBar, format_summary
@@ -164,6 +165,9 @@ class Trainer:
                                    keep_freed_memory=config.keep_freed_memory, **dp_options)
         # What the optimizer updates: the model's parameters, or this rank's shards.
         self.optimizer = build_optimizer(config, self.dp.parameters())
+        # How this layout saves and loads its share of the state, chosen once.
+        self.checkpointer = choose_checkpointer(comm, self.layout, self.dp, self.model,
+                                                self.optimizer)
         data = self.layout.data  # every rank of a tensor x sequence group reads the same
         sampler = DistributedSampler(len(self.train_set), config.global_batch, data.rank,
                                      data.size, seed=config.seed, shuffle=config.data.shuffle,
@@ -249,7 +253,8 @@ class Trainer:
             seed_dropout_per_rank(self.model, self.config.seed, data.rank, salt=step)
 
     def save(self) -> str | None:
-        """Rank 0 writes a checkpoint of the current step; every rank waits. Collective.
+        """Write a checkpoint of the current step: every rank its part, rank 0 the index
+        (:mod:`mpidl.train.checkpointer`). Collective.
 
         Not from non-finite parameters: then nothing is written or rotated (the last
         good checkpoint stays) and None is returned, with a warning.
@@ -271,38 +276,18 @@ class Trainer:
         extra = {"ranks": self.comm.size, "total_steps": self.total_steps,
                  "train_window": window, "skipped_steps": self.skipped_steps,
                  "loss_scale": self.loss_scale.state_dict() if self.loss_scale else None}
-        if self.config.zero and self.layout.grid is None:
-            # Every rank writes its own pieces (nobody gathers the model); rank 0 writes
-            # the checkpoint itself once all parts are on disk.
-            from mpidl.parallel.zero import state_pieces
-
-            model, optimizer = state_pieces(self.dp, self.optimizer)
-            extra["layout"] = {"kind": "pieces", "ranks": self.comm.size,
-                               "zero": self.config.zero,
-                               "order": [n for n, _ in self.model.named_parameters()],
-                               "buffers": [n for n, _ in self.model.named_buffers()]}
-            if self.comm.rank != 0:
-                try:
-                    ckpt.save_companion(self.checkpoint_dir, self.step, self.comm.rank,
-                                        model=model, optimizer=optimizer)
-                except OSError as e:
-                    error = f"cannot write a checkpoint part into {self.checkpoint_dir}: {e}"
-            with patience("the ranks write their checkpoint parts"):
-                self.comm.check(error is None, str(error))
-        else:  # the single-rank model's state, whatever the layout
-            model, optimizer = self.layout.full_state(self.dp, self.optimizer, self.model)
-            if self.layout.grid is not None:
-                extra["layout"] = {"kind": "full", "grid": self.layout.plan.describe()}
-        if self.comm.rank == 0:
-            try:
-                path = ckpt.save_checkpoint(
-                    self.checkpoint_dir, self.step, model=model, optimizer=optimizer,
-                    rng=rng, sampler=self.loader.state_dict(), config=to_toml(self.config),
-                    epoch=self.loader.state_dict()["epoch"], extra=extra)
+        # Every rank writes its own part of the state (nobody gathers it), then rank 0
+        # the index; an index on disk means all its parts are.
+        try:
+            path = self.checkpointer.save(
+                self.checkpoint_dir, self.step, rng=rng, sampler=self.loader.state_dict(),
+                config=to_toml(self.config), epoch=self.loader.state_dict()["epoch"],
+                extra=extra)
+            if self.comm.rank == 0:
                 ckpt.keep_last(self.checkpoint_dir, self.config.keep_checkpoints)
-            except OSError as e:
-                error = f"cannot write a checkpoint into {self.checkpoint_dir}: {e}"
-        with patience("rank 0 writes a checkpoint"):
+        except OSError as e:
+            error = f"cannot remove old checkpoints in {self.checkpoint_dir}: {e}"
+        with patience("rank 0 removes old checkpoints"):
             self.comm.check(error is None, str(error))
         return path
 
@@ -356,26 +341,18 @@ class Trainer:
         another sample order.
         """
         path = state.path
-        if self.config.zero and self.layout.grid is None:
-            from mpidl.parallel.zero import load_full_state
-
-            def load(optimizer_state: Any) -> None:  # any checkpoint: DP or any stage
-                load_full_state(self.dp, state.model, optimizer_state, self.optimizer)
-        else:
-            def load(optimizer_state: Any) -> None:  # full state, into any layout
-                self.layout.load_state(self.dp, self.optimizer, self.model, state.model,
-                                       optimizer_state)
-        try:
-            load(None)
-        except (KeyError, ValueError) as e:
-            raise another_model(path, self.config, "resume from", e) from None
-        try:
-            load(state.optimizer)
-        except (KeyError, ValueError, IndexError) as e:
-            raise ConfigError(
-                f"cannot resume from {path}: its optimizer state does not fit the configured "
-                f"optimizer {self.config.optimizer!r} ({first_line(e)}); resume with the "
-                "optimizer it was saved with, or use another --run-dir") from None
+        try:  # each rank reads only what it holds, from any layout's checkpoint
+            self.checkpointer.load(state)
+        except LoadError as e:
+            if e.kind == "model":
+                raise another_model(path, self.config, "resume from", e) from None
+            if e.kind == "optimizer":
+                raise ConfigError(
+                    f"cannot resume from {path}: its optimizer state does not fit the "
+                    f"configured optimizer {self.config.optimizer!r} ({first_line(e)}); "
+                    "resume with the optimizer it was saved with, or use another "
+                    "--run-dir") from None
+            raise ckpt.CheckpointError(str(e)) from None
         self._load_rng_states(state.rng, int(state.step))
         try:
             self.loader.load_state_dict(state.sampler)

@@ -197,8 +197,11 @@ def test_float16_gradients_that_overflow_back_off_the_loss_scale(tmp_path):
 # -- checkpoint integrity -------------------------------------------------------------------
 
 def _flip_bytes_in_parameters(path, count=4000):
+    """Flip bytes inside the largest piece of the checkpoint's first part (its pieces
+    are datasets "0", "1", ...; their runs "0.runs", ...)."""
     with h5py.File(path, "r") as f:
-        biggest = max(f["model"].values(), key=lambda d: d.size)
+        biggest = max((d for n, d in f.items() if not n.endswith(".runs")),
+                      key=lambda d: d.size)
         offset = biggest.id.get_offset()
         size = biggest.id.get_storage_size()
     rng = numpy.random.default_rng(1)
@@ -214,12 +217,13 @@ def test_a_corrupt_newest_checkpoint_is_named_set_aside_and_the_previous_one_res
         trained, tmp_path, cache):
     run = copy_run(trained, tmp_path)
     newest = os.path.join(run, "checkpoints", checkpoints(run)[-1])
-    _flip_bytes_in_parameters(newest)
+    _flip_bytes_in_parameters(newest + ".part-00000")  # found by the rank that reads it
     result = train(2, run, cache, "--epochs=2")
     assert result.returncode == 0, result.output
-    assert f"checkpoint {newest} is corrupt" in result.stdout, result.stdout
-    assert "fails its checksum" in result.stdout
-    assert os.path.exists(os.path.join(run, "checkpoints", "corrupt", os.path.basename(newest)))
+    assert f"checkpoint part {newest}.part-00000 is corrupt" in result.stdout, result.stdout
+    assert "fail their checksum" in result.stdout
+    for name in (os.path.basename(newest), os.path.basename(newest) + ".part-00000"):
+        assert os.path.exists(os.path.join(run, "checkpoints", "corrupt", name))
     assert f"resumed from {os.path.join(run, 'checkpoints', checkpoints(trained)[0])}" in \
         result.stdout
     # The redone epoch ends where the uninterrupted run ended, bit for bit.

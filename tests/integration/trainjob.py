@@ -6,9 +6,8 @@ import os
 import sys
 import time
 
-import h5py
-
 from mpidl.testing.launch import mpiexec
+from mpidl.train.checkpoint import load_checkpoint
 
 # 6000 reviews, 64 tokens: 94 steps of 64 per epoch, about a second of training.
 SMALL = ["--data.num-train=6000", "--data.num-test=2000", "--data.vocab-size=2000",
@@ -23,10 +22,11 @@ def train(n, run_dir, cache, *args, timeout=240):
 
 
 def final_parameters(run_dir):
+    """The step and parameters of the run's newest checkpoint (its parts assembled)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     last = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".h5"))[-1]
-    with h5py.File(os.path.join(ckpt_dir, last), "r") as f:
-        return int(f.attrs["step"]), {k: f["model"][k][()] for k in f["model"]}
+    state = load_checkpoint(os.path.join(ckpt_dir, last), "model")
+    return state.step, state.model
 
 
 def evals(run_dir):

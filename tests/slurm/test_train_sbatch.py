@@ -60,21 +60,17 @@ def _progress(run_dir: Path) -> bool:
 
 
 def _final_parameters(run_dir: Path) -> dict[str, np.ndarray]:
-    """The parameters (group ``model``) of the run dir's newest checkpoint."""
-    import h5py
+    """The parameters of the run dir's newest checkpoint (a sharded one's index:
+    assembled)."""
+    import re
 
-    checkpoints = []
-    for path in run_dir.glob("**/*.h5"):
-        with h5py.File(path, "r") as f:
-            if "model" in f:
-                checkpoints.append(path)
-    assert checkpoints, f"no checkpoint with a 'model' group under {run_dir}"
+    from mpidl.train.checkpoint import load_checkpoint
+
+    checkpoints = [p for p in run_dir.glob("**/*.h5")
+                   if re.fullmatch(r"checkpoint-\d+\.h5", p.name)]
+    assert checkpoints, f"no checkpoint under {run_dir}"
     newest = max(checkpoints, key=lambda p: p.stat().st_mtime_ns)
-    params: dict[str, np.ndarray] = {}
-    with h5py.File(newest, "r") as f:
-        f["model"].visititems(lambda name, obj: params.__setitem__(name, obj[()])
-                              if isinstance(obj, h5py.Dataset) else None)
-    return params
+    return dict(load_checkpoint(str(newest), "model").model)
 
 
 @needs_train

@@ -285,3 +285,37 @@ def test_keep_last_removes_old_parts_and_parts_without_an_index(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [
         "checkpoint-00000002.h5", "checkpoint-00000002.h5.part-00000",
         "checkpoint-00000002.h5.part-00001"]
+
+
+# -- mpidl checkpoint consolidate ----------------------------------------------------------------
+
+def test_consolidate_writes_one_full_format_2_file_equal_to_the_sharded_one(tmp_path, capsys):
+    from mpidl.train.consolidate import main
+
+    run = tmp_path / "run"
+    path = run_ranks(3, M.save_at, str(run / "checkpoints"), 3)[0]
+    assert main(["consolidate", str(run)]) == 0
+    out = run / "consolidated" / "checkpoint-00000002.h5"
+    assert f"-> {out}" in capsys.readouterr().out
+    full, sharded = ckpt.load_checkpoint(str(out)), ckpt.load_checkpoint(path)
+    assert full.format_version == 2 and full.index is None and full.step == 2
+    assert list(full.model) == list(sharded.model) and full.optimizer.keys() == \
+        sharded.optimizer.keys()
+    for name in full.model:
+        numpy.testing.assert_array_equal(full.model[name], sharded.model[name])
+    for key, value in full.optimizer.items():
+        numpy.testing.assert_array_equal(value, sharded.optimizer[key])
+    assert (full.rng, full.sampler, full.config) == (sharded.rng, sharded.sampler, "x = 1")
+    assert main(["consolidate", path, str(tmp_path / "mine.h5")]) == 0
+    assert ckpt.load_checkpoint(str(tmp_path / "mine.h5")).step == 2
+
+
+def test_consolidate_names_a_damaged_part_and_writes_nothing(tmp_path, capsys):
+    from mpidl.train.consolidate import main
+
+    path = run_ranks(2, M.save_at, str(tmp_path), 1)[0]
+    flip_a_byte(path + ".part-00001", "0")
+    assert main(["consolidate", path, str(tmp_path / "out.h5")]) == 2
+    assert "part-00001 is corrupt" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out.h5")
+    assert main(["consolidate", str(tmp_path / "nothing")]) == 2
