@@ -170,7 +170,7 @@ def load_model(run: TrainedRun, description: Any, xp: Any, doing: str) -> tuple[
     check_model(run.config)
     model = build_model(run.config, description).to(xp)
     try:
-        state = load_checkpoint(run.checkpoint)
+        state = load_checkpoint(run.checkpoint, state="model")  # no optimizer state
     except CheckpointError as e:  # only a --checkpoint: the run's own newest one loaded
         raise CheckpointError(f"{e}; name another with --checkpoint, or leave it out for the "
                               "run's newest checkpoint that loads") from None
