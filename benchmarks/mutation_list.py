@@ -404,7 +404,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="zero-stage-1-keeps-an-unreached-gradient",
-        file="mpidl/parallel/zero.py",
+        file="mpidl/parallel/units.py",
         original="                view = self.grad_flat[a:b].reshape(shape)\n"
                  "                view[...] = 0\n",
         mutated="                view = self.grad_flat[a:b].reshape(shape)\n",
@@ -426,7 +426,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="zero-full-state-skips-the-buffers",
-        file="mpidl/parallel/zero.py",
+        file="mpidl/parallel/zero_state.py",
         original="b[...] = xp.asarray(v)  # in place: the module keeps its array",
         mutated="pass",
         why="loading a full state into ZeRO restores the parameters but not the buffers",
@@ -447,7 +447,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="zero-member-slices-from-the-parameter-start",
-        file="mpidl/parallel/zero.py",
+        file="mpidl/parallel/units.py",
         original="block[x - u.start:y - u.start]",
         mutated="block[x - a:y - a]",
         why="a member's piece of a block is sliced from the parameter's offset, not the block's",
@@ -564,8 +564,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="trainer-resume-forgets-sampler-position",
-        file="mpidl/train/trainer.py",
-        original="            self.loader.load_state_dict(state.sampler)\n",
+        file="mpidl/train/checkpointing.py",
+        original="            run.loader.load_state_dict(state.sampler)\n",
         mutated="            pass\n",
         why="a resumed run reads its epoch from the first batch again, not from where it "
             "stopped",

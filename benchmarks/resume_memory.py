@@ -68,7 +68,7 @@ def worker(args) -> None:
         if args.old:  # as before #24: the whole checkpoint on every rank, then a share
             state = ckpt.load_checkpoint(path)
             if args.mode == "zero3":
-                from mpidl.parallel.zero import load_full_state
+                from mpidl.parallel.zero_state import load_full_state
 
                 load_full_state(wrapper, state.model, state.optimizer, opt)
             else:

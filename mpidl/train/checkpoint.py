@@ -203,7 +203,7 @@ def open_source(state: Checkpoint, order: list[str]) -> pieces.Source:
 def _assemble_pieces(state: Checkpoint, layout: dict[str, Any]) -> None:
     """Read a sharded checkpoint's other parts and put the full state in ``state``
     (the model by name, the optimizer in its data-parallel layout)."""
-    from mpidl.parallel.zero import pieces_to_full
+    from mpidl.parallel.zero_state import pieces_to_full
 
     directory, step = os.path.dirname(state.path), state.step
     models, optimizers = [state.model], [state.optimizer]

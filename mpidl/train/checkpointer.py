@@ -24,7 +24,7 @@ from typing import Any
 
 from mpidl.comm.ledger import patience
 from mpidl.parallel import holdings as hold
-from mpidl.parallel import tensor, zero
+from mpidl.parallel import tensor, zero_state
 from mpidl.parallel.zero import ShardedDataParallel
 from mpidl.train import checkpoint as ckpt
 from mpidl.train import pieces, sharded
@@ -208,10 +208,10 @@ class ZeroCheckpointer(Checkpointer):
         self.wrapper = wrapper
 
     def holdings(self) -> tuple[list[hold.Held], list[hold.HeldInt]]:
-        return zero.holdings(self.wrapper, self.optimizer)
+        return zero_state.holdings(self.wrapper, self.optimizer)
 
     def after_load(self) -> None:
-        zero.refresh_after_load(self.wrapper)
+        zero_state.refresh_after_load(self.wrapper)
 
 
 class GridCheckpointer(Checkpointer):
@@ -242,7 +242,7 @@ class GridZeroCheckpointer(ZeroCheckpointer):
 
         def owner(p: Any) -> bool:  # unsplit: alike on every tensor rank; one writes
             return getattr(p, "shard", None) is not None or first
-        return zero.holdings(self.wrapper, self.optimizer, runs_of=tensor.shard_runs,
+        return zero_state.holdings(self.wrapper, self.optimizer, runs_of=tensor.shard_runs,
                              owner_of=owner,
                              buffer_owner=first and self.layout.replicas.rank == 0)
 

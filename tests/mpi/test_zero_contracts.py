@@ -17,7 +17,7 @@ from mpidl.models import mlp
 from mpidl.nn import Linear, Module
 from mpidl.optim import SGD, AdamW, clip_grad_norm_
 from mpidl.parallel import ShardedDataParallel
-from mpidl.parallel.zero import load_full_state, pieces_to_full, state_pieces
+from mpidl.parallel.zero_state import load_full_state, pieces_to_full, state_pieces
 from mpidl.testing import allclose, assert_all_ranks, assert_allclose_all_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]

@@ -245,7 +245,7 @@ def test_a_format_2_file_loads_into_any_layout(tmp_path, layout):
 
 
 def test_a_format_2_checkpoint_with_zero_companions_still_loads(tmp_path):
-    from mpidl.parallel.zero import state_pieces
+    from mpidl.parallel.zero_state import state_pieces
 
     def save_old(comm):  # what the trainer wrote before format 3
         model, wrapper, opt = M.build(comm, 2)
