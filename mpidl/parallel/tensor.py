@@ -412,7 +412,10 @@ def load_full_state_dict(model: Module, state: dict[str, Any], strict: bool = Tr
     Not collective: every rank needs the full ``state`` (read from the same checkpoint).
     Arguments and errors as :meth:`~mpidl.nn.Module.load_state_dict`.
     """
-    model.load_state_dict(take_state(model, state, None)[0], strict=strict)
+    local = dict(state)
+    local.update({n: p.shard.take(state[n]) for n, p in model.named_parameters()
+                  if getattr(p, "shard", None) is not None and n in state})
+    model.load_state_dict(local, strict=strict)
 
 
 def _shards_by_index(optimizer: Any, model: Module) -> list[Shard | None]:
@@ -453,31 +456,6 @@ def load_full_optimizer_state(optimizer: Any, model: Module, state: dict[str, An
     """Load a :func:`full_optimizer_state` (from any layout) into this rank's optimizer."""
     optimizer.load_state_dict(_per_parameter(state, _shards_by_index(optimizer, model),
                                              Shard.take))
-
-
-def gather_state(model: Module, params: dict[str, Any], optimizer: dict[str, Any]
-                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The full state from this rank's: ``params`` by name (this rank's shards) and an
-    optimizer state in the layout over ``model.parameters()`` (as a sharding wrapper
-    that is not the optimizer's own, ZeRO, reassembles them). Collective as
-    :func:`full_state_dict`."""
-    named = list(model.named_parameters())
-    shards = [getattr(p, "shard", None) for _, p in named]
-    full = {n: s.gather(params[n]) if s is not None else params[n]
-            for (n, _), s in zip(named, shards)}
-    return full, _per_parameter(optimizer, shards, Shard.gather)
-
-
-def take_state(model: Module, params: dict[str, Any], optimizer: dict[str, Any] | None
-               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """This rank's shards of a full state (the inverse of :func:`gather_state`; not
-    collective)."""
-    named = list(model.named_parameters())
-    shards = [getattr(p, "shard", None) for _, p in named]
-    local = dict(params)
-    local.update({n: s.take(params[n]) for (n, _), s in zip(named, shards)
-                  if s is not None and n in params})
-    return local, None if optimizer is None else _per_parameter(optimizer, shards, Shard.take)
 
 
 # -- what a sharded checkpoint records ------------------------------------------------------
@@ -554,7 +532,7 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, comm: Communicato
 __all__ = [
     "Shard", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "full_state_dict", "load_full_state_dict",
-    "full_optimizer_state", "load_full_optimizer_state", "gather_state", "take_state",
+    "full_optimizer_state", "load_full_optimizer_state",
     "grad_norm", "clip_grad_norm_",
     "check_same_layer", "shard_runs", "holdings",
 ]
