@@ -41,6 +41,7 @@ SAMPLER = "tests/unit/test_data_sampler.py::"
 OPTIM = "tests/unit/test_optim.py::"
 ZERO_CONTRACTS = "tests/mpi/test_zero_contracts.py::"
 ZC = "test_zero_contracts::"
+SHARDED_UNIT = "tests/unit/test_sharded_checkpoint.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -583,6 +584,103 @@ MUTATIONS: list[Mutation] = [
             "ranks, unlike split_counts (each sample still read once)",
         tests=(SAMPLER + "test_rank_range_and_runs_between_split_each_batch_as_split_counts_"
                          "does",),
+    ),
+    # -- sharded checkpoints (format 3): the run arithmetic of mpidl/parallel/holdings.py,
+    #    the records of each layout, the parts' block CRCs and the loader ----------------
+    Mutation(
+        name="holdings-overlap-end-off-by-one",
+        file="mpidl/parallel/holdings.py",
+        original="lo, hi = max(a0, b0), min(a0 + an, b0 + bn)",
+        mutated="lo, hi = max(a0, b0), min(a0 + an, b0 + bn) - 1",
+        why="two runs' shared elements stop one short of their common end: the last "
+            "element of each overlap is never loaded",
+        tests=(SHARDED_UNIT + "test_overlap_maps_shared_elements_between_two_orders",),
+    ),
+    Mutation(
+        name="holdings-merge-drops-adjacent-run",
+        file="mpidl/parallel/holdings.py",
+        original="lengths = numpy.add.reduceat(runs[:, 1], starts)",
+        mutated="lengths = runs[starts, 1]",
+        why="joining a run to the one before keeps the first run's length: the runs "
+            "after it are dropped",
+        tests=(SHARDED_UNIT + "test_merge_joins_adjacent_runs_only",),
+    ),
+    Mutation(
+        name="holdings-clip-end-off-by-one",
+        file="mpidl/parallel/holdings.py",
+        original="over = ends[keep][-1] - hi",
+        mutated="over = ends[keep][-1] - hi + 1",
+        why="a ZeRO block's runs end one element early where the block ends inside a run",
+        tests=(SHARDED_UNIT + "test_clip_takes_local_elements_across_run_boundaries",),
+    ),
+    Mutation(
+        name="sharded-block-crc-not-checked",
+        file="mpidl/train/sharded.py",
+        original="if zlib.crc32(data) != int(crcs[b]):",
+        mutated="if False:",
+        why="a part's blocks are read without checking their CRC-32: a damaged part "
+            "loads silently",
+        tests=(SHARDED_UNIT + "test_a_corrupt_piece_is_named_with_its_part_and_tensor",),
+    ),
+    Mutation(
+        name="sharded-loader-reads-whole-piece",
+        file="mpidl/train/sharded.py",
+        original="blocks = sorted({b for _, at, n in segments\n"
+                 "                         for b in range(at // block, (at + n - 1) // block + 1)})",
+        mutated="blocks = range(len(crcs))",
+        why="the loader reads (and checks) every block of a piece it overlaps, not only "
+            "the blocks holding the overlap: a reshard reads more than its share",
+        tests=(SHARDED_UNIT + "test_a_rank_reads_only_the_blocks_of_a_piece_that_hold_its_"
+                              "elements",),
+    ),
+    Mutation(
+        name="replicated-checkpoint-every-rank-writes",
+        file="mpidl/train/checkpointer.py",
+        original="writes = self.comm.rank == 0",
+        mutated="writes = True",
+        why="every data-parallel replica writes the whole state: N copies on disk, each "
+            "element in the index N times",
+        tests=(SHARDED_UNIT + "test_only_one_replica_writes_replicated_state",),
+    ),
+    Mutation(
+        name="grid-checkpoint-every-replica-writes",
+        file="mpidl/train/checkpointer.py",
+        original="tensor.holdings(self.model, self.optimizer, self.layout.replicas.rank == 0,",
+        mutated="tensor.holdings(self.model, self.optimizer, True,",
+        why="every replica of a tensor-parallel grid writes its slices: pieces duplicated "
+            "in the index",
+        tests=(SHARDED_UNIT + "test_a_tensor_parallel_grid_and_a_grid_with_zero_save_the_"
+                              "single_rank_model",),
+    ),
+    Mutation(
+        name="zero-holdings-runs-from-block-start",
+        file="mpidl/parallel/zero_state.py",
+        original="runs, name, part = clip(runs, x - a, y - a), names[id(p)], slice(x - lo, y - lo)",
+        mutated="runs, name, part = clip(runs, x - lo, y - lo), names[id(p)], slice(x - lo, y - lo)",
+        why="a ZeRO member's runs count from the rank's block start, not the parameter's "
+            "first element: a reshard puts elements in the wrong places",
+        tests=(SHARDED_UNIT + "test_a_checkpoint_reshards_to_another_rank_count_and_stage_"
+                              "reading_only_its_share",),
+    ),
+    Mutation(
+        name="shard-runs-split-axis-as-rows",
+        file="mpidl/parallel/tensor.py",
+        original="full[shard.axis] = shard.groups * n",
+        mutated="full[0] = shard.groups * n",
+        why="a column-split parameter's full shape is widened along the rows: its "
+            "records name another tensor's shape",
+        tests=(SHARDED_UNIT + "test_a_tensor_parallel_shard_runs_name_exactly_the_elements_"
+                              "take_keeps",),
+    ),
+    Mutation(
+        name="holdings-bounds-last-inclusive",
+        file="mpidl/parallel/holdings.py",
+        original="return int(self.runs[0, 0]), int(self.runs[-1, 0] + self.runs[-1, 1])",
+        mutated="return int(self.runs[0, 0]), int(self.runs[-1, 0] + self.runs[-1, 1] - 1)",
+        why="the index's [first, last) range ends one element early: the loader skips a "
+            "piece whose last element is the first one this rank needs",
+        # The reshards' ZeRO blocks never start on a piece's last element: none caught it.
+        tests=(SHARDED_UNIT + "test_a_record_of_any_runs_loads_exactly_those_elements",),
     ),
     # -- pipeline parallelism (mpidl/parallel/pipeline.py): add its mutations here as it
     #    lands.

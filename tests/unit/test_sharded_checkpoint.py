@@ -4,6 +4,7 @@ ranks (the bodies of tests/mpi/test_sharded_checkpoint.py, and more)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import types
 
@@ -13,13 +14,14 @@ import pytest
 from mpidl.models import gpt, mlp
 from mpidl.optim import SGD, AdamW
 from mpidl.parallel import ShardedDataParallel, parallel_gpt
-from mpidl.parallel.holdings import clip, merge, overlap, runs_array
+from mpidl.parallel.holdings import Held, Key, clip, merge, overlap, runs_array
 from mpidl.parallel.tensor import Shard, shard_runs
 from mpidl.testing import run_ranks
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.checkpoint import CheckpointError
 from mpidl.train.checkpointer import LoadError, choose_checkpointer
 from mpidl.train.layout import Layout, LayoutPlan
+from mpidl.train.pieces import load as load_pieces
 
 _path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi",
                      "test_sharded_checkpoint.py")
@@ -201,6 +203,63 @@ def test_a_corrupt_piece_is_named_with_its_part_and_tensor(tmp_path):
         run_ranks(1, load_fresh(path))
     with pytest.raises(CheckpointError, match="part-00000 is corrupt"):
         ckpt.load_checkpoint(path)
+
+
+def held_of(key, runs, shape):
+    """A record of ``runs`` of the tensor ``key`` that keeps what a load writes into it."""
+    got = {}
+    runs = runs_array(runs)
+    return got, Held(key, shape, numpy.dtype(numpy.float64), runs, lambda: None,
+                     lambda values: got.setdefault("values", values.copy()))
+
+
+def load_records(path, key, runs, shape):
+    got, held = held_of(key, runs, shape)
+    with ckpt.open_source(ckpt.load_checkpoint(path, "none"), []) as source:
+        read = load_pieces(source, [held])
+    return read, got["values"]
+
+
+def test_a_record_of_any_runs_loads_exactly_those_elements(tmp_path):
+    """The index's [first, last) bound of each piece is exclusive: a record that needs
+    only a piece's first or last element still finds that piece."""
+    path = one_rank_saved(tmp_path, layout=0)  # one piece per tensor, held whole
+    full = ckpt.load_checkpoint(path, "model").model["layers.0.weight"].reshape(-1)  # (77,)
+    for runs in [[(0, 1)], [(76, 1)], [(0, 1), (76, 1)], [(5, 20)], [(70, 7)], [(0, 77)]]:
+        read, values = load_records(path, Key("model", "layers.0.weight"), runs, (11, 7))
+        want = numpy.concatenate([full[s:s + n] for s, n in runs])
+        assert read == want.size
+        numpy.testing.assert_array_equal(values, want, err_msg=str(runs))
+
+
+def test_a_rank_reads_only_the_blocks_of_a_piece_that_hold_its_elements(tmp_path,
+                                                                       monkeypatch):
+    """Damage in a block the record does not need goes unread; in one it needs, it is
+    named by its elements."""
+    import h5py
+
+    from mpidl.train import sharded
+
+    monkeypatch.setattr(sharded, "BLOCK_BYTES", 64)  # 8 float64 elements a block
+    path = one_rank_saved(tmp_path, layout=0)
+    full = ckpt.load_checkpoint(path, "model").model["layers.0.weight"].reshape(-1)  # (77,)
+    part = path + ".part-00000"
+    with h5py.File(part, "r") as f:
+        name = next(n for n, ds in f.items() if not n.endswith(".runs") and
+                    json.loads(ds.attrs["key"]) == ["model", "layers.0.weight", ""])
+        assert f[name].attrs["block"] == 8 and f[name].size == 77
+        offset = f[name].id.get_offset()
+    with open(part, "r+b") as fh:  # element 74, in the last block (72-76)
+        fh.seek(offset + 74 * 8)
+        byte = fh.read(1)
+        fh.seek(offset + 74 * 8)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    key = Key("model", "layers.0.weight")
+    read, values = load_records(path, key, [(0, 10), (40, 32)], (11, 7))  # blocks 0-1, 5-8
+    assert read == 42
+    numpy.testing.assert_array_equal(values, numpy.concatenate([full[:10], full[40:72]]))
+    with pytest.raises(CheckpointError, match=r"elements 72-76 fail their checksum"):
+        load_records(path, key, [(71, 2)], (11, 7))
 
 
 def test_a_missing_part_is_named_before_any_state_is_read(tmp_path):
