@@ -6,16 +6,19 @@
 #   bash tests/cluster/cluster.sh mpiexec --nodes 1 -n 2 ...   # only the first K nodes
 #   bash tests/cluster/cluster.sh status
 #   bash tests/cluster/cluster.sh link n2 down|up              # cut or mend a node's link
+#   bash tests/cluster/cluster.sh reap                         # stop orphaned daemons
 #   bash tests/cluster/cluster.sh down                         # idempotent
 #
 # Each node nI is a network namespace mpidl-nI, holding one end of a veth pair (eth0,
-# address SUBNET.(I+1)); the other end, mpidl-vI, is on the bridge mpidl-br, whose
-# address SUBNET.1 is where mpiexec (which stays in this namespace) is reached. The
+# address SUBNET.(I+1)); the other end, mpidl-vI, is on the bridge mpidl-br (address
+# SUBNET.1, this namespace's way in). mpiexec runs on a head node, the namespace
+# mpidl-h (SUBNET.254), whose kernel gives up on a silent TCP peer in seconds (see
+# up), and reaches the nodes through a launch agent (agent.sh) instead of ssh. The
 # subnet (MPIDL_CLUSTER_SUBNET, default 10.213.0, a /24) exists only on the bridge and in
 # these namespaces: the nodes have no default route and nothing is forwarded or NATed,
 # so no packet of theirs can leave the machine. A node's processes also get their own
-# UTS namespace with the host name nI (see agent.sh), so host names differ per node as
-# on a real cluster; /etc/hosts is never touched (the hostfile holds addresses).
+# UTS namespace with the host name nI and a TMPDIR of its own, so host names differ per
+# node as on a real cluster; /etc/hosts is never touched (the hostfile holds addresses).
 #
 # --rate RATE shapes both directions of every node's link (its eth0 and its bridge
 # port) with `tc`: htb by default, or tbf with --shaper tbf (this kernel has no netem,
@@ -100,6 +103,25 @@ up() {
     sysctl -qw "net.ipv6.conf.$bridge.disable_ipv6=1"
     ip addr add "$subnet.1/24" dev "$bridge"
     ip link set "$bridge" up
+    # The head node, where mpiexec runs (as on a login node): its kernel gives up on a
+    # TCP peer that stopped answering after 5 retransmissions (~13 s) instead of the
+    # default 15 (~15 min). Measured: with a node's link cut, Open MPI's mpiexec waits
+    # for the lost daemon until TCP gives up, even after MPI_Abort; in the machine's
+    # own namespace that was the default's quarter of an hour, and its sysctls are not
+    # ours to change.
+    local head=$prefix-h
+    ip netns list | grep -qw "^$head" && die "up: a namespace named $head exists already"
+    record "netns $head"
+    ip netns add "$head"
+    record "link $prefix-vh"
+    ip link add "$prefix-vh" type veth peer name eth0 netns "$head"
+    sysctl -qw "net.ipv6.conf.$prefix-vh.disable_ipv6=1"
+    ip netns exec "$head" sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv4.tcp_retries2=5
+    ip link set "$prefix-vh" master "$bridge" up
+    ip -n "$head" addr add "$subnet.254/24" dev eth0
+    ip -n "$head" link set lo up
+    ip -n "$head" link set eth0 up
+    echo "$head" >"$dir/head"
     : >"$dir/nodes"
     : >"$dir/hostfile"
     local i ns veth addr
@@ -173,13 +195,19 @@ down() {
             link) ip link show "$name" >/dev/null 2>&1 && ip link del "$name" ;;
         esac
     done < <(tac "$dir/made")
-    local left=""
-    while read -r kind name; do
-        case $kind in
-            netns) ip netns list | grep -qw "^$name" && left+=" netns $name" ;;
-            link) ip link show "$name" >/dev/null 2>&1 && left+=" link $name" ;;
-        esac
-    done <"$dir/made"
+    # A namespace's links go a moment after the namespace (the kernel frees it later).
+    local left try
+    for try in $(seq 1 25); do
+        left=""
+        while read -r kind name; do
+            case $kind in
+                netns) ip netns list | grep -qw "^$name" && left+=" netns $name" ;;
+                link) ip link show "$name" >/dev/null 2>&1 && left+=" link $name" ;;
+            esac
+        done <"$dir/made"
+        [[ -n $left ]] || break
+        sleep 0.2
+    done
     [[ -z $left ]] || { echo "cluster.sh: down could not remove:$left" >&2; return 1; }
     rm -rf "$dir"
     echo "cluster: down"
@@ -233,12 +261,52 @@ mpiexec_() {
     for arg in "$@"; do
         [[ $arg == --bind-to ]] && bind=()
     done
-    exec "$launcher" --hostfile "$hostfile" "${bind[@]}" \
+    # mpiexec runs on the head node. A copy of its standard error keeps the exit status
+    # honest: measured with Open MPI 5.0.11, after MPI_Abort (the watchdog's, status
+    # 124) and then "PRTE has lost communication with a remote daemon" (a node's link
+    # cut), mpiexec exits 0. This then exits with the abort's code, or 1 if none.
+    local copy status=0
+    copy=$(mktemp "$dir/mpiexec-stderr.XXXXXX")
+    nsenter --net="/var/run/netns/$(<"$dir/head")" \
+        "$launcher" --hostfile "$hostfile" "${bind[@]}" \
         --prtemca plm_ssh_agent "$here/agent.sh" \
         --prtemca oob_tcp_if_include "$net" \
         --mca btl "${MPIDL_CLUSTER_BTL:-tcp,sm,self}" --mca btl_tcp_if_include "$net" \
         --mca mpi_yield_when_idle 1 \
-        "$@"
+        "$@" 2> >(tee "$copy" >&2) || status=$?
+    wait  # for tee
+    reap
+    if ((status == 0)) && grep -q "lost communication with a remote daemon" "$copy"; then
+        status=$(awk '/MPI_ABORT was invoked/ { a = 1 } a && $1 == "Errorcode:" { print $2; exit }' "$copy")
+        status=${status:-1}
+    fi
+    rm -f "$copy"
+    return "$status"
+}
+
+# reap: stop the daemons (and their ranks) whose mpiexec has ended. A node cut off when
+# its mpiexec gave up keeps its prted, which holds mpiexec's standard output and error
+# open: whoever reads them (a test) would wait for ever. PRRTE names a job after its
+# launcher, "prterun-HOST-PID@0"; a daemon whose PID is gone is an orphan.
+reap() {
+    [[ -s $dir/nodes ]] || return 0
+    local name ns addr veth pid launcher orphans=()
+    while read -r name ns addr veth; do
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do
+            launcher=$({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null \
+                | grep -o 'ess_base_nspace prterun-[^ ]*-[0-9]*@' | sed 's/.*-\([0-9]*\)@$/\1/' || true)
+            [[ -n $launcher ]] && ! kill -0 "$launcher" 2>/dev/null && orphans+=("$pid")
+        done
+    done < <(sort -u -k2,2 "$dir/nodes")
+    ((${#orphans[@]})) || return 0
+    local sig p
+    for sig in TERM KILL; do
+        for p in "${orphans[@]}"; do
+            pkill -"$sig" -P "$p" 2>/dev/null || true   # its ranks
+            kill -"$sig" "$p" 2>/dev/null || true
+        done
+        sleep 1
+    done
 }
 
 status() {
@@ -271,6 +339,7 @@ case ${1:-} in
     mpiexec) shift; mpiexec_ "$@" ;;
     status) status ;;
     link) shift; link "$@" ;;
+    reap) reap ;;
     unavailable) unavailable ;;
     *) usage ;;
 esac

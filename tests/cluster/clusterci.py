@@ -95,6 +95,25 @@ class Cluster:
         self.launches.append((layout, result.seconds))
         return result
 
+    def reap(self) -> None:
+        """Stop the daemons and ranks of jobs whose mpiexec has ended (``cluster.sh reap``)."""
+        script(self.state_dir, "reap")
+
     def link(self, node: str, state: str) -> None:
         """Cut (``down``) or mend (``up``) ``node``'s link to the bridge."""
         script(self.state_dir, "link", node, state)
+
+    def processes(self, node: str, containing: str) -> list[int]:
+        """Pids of the processes in ``node``'s namespace whose command line holds
+        ``containing`` (the node's ranks, say)."""
+        out = subprocess.run(["ip", "netns", "pids", f"{NAME}-{node}"], capture_output=True,
+                             text=True).stdout
+        found = []
+        for pid in map(int, out.split()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if containing.encode() in f.read():
+                        found.append(pid)
+            except OSError:  # gone meanwhile
+                pass
+        return found

@@ -1,0 +1,112 @@
+"""Faults across nodes: a lost node ends the job on every rank that can still be reached,
+within the watchdog's timeout, naming the ranks it lost, with a non-zero status.
+
+When a node's ranks are killed (the node's link is up), Open MPI ends the job at once by
+itself, and does not always name the lost ranks (see that test).
+
+Not covered yet (issue 32): a link cut while the ranks write a checkpoint. Those waits
+are exempt from the timeout (mpidl.comm.ledger.patience), and with a node gone they
+last for ever: measured, ranks 0-1 of 2x2 stayed in the checkpoint's comm.check after
+n2's link went down.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpidl.comm.watchdog import EXIT_HUNG
+from mpidl.testing.launch import start
+
+# the tiny gpt's corpus, shared with the layout tests
+from test_gpt_model_parallel import gpt_cache  # noqa: F401  (a fixture)
+
+pytestmark = [pytest.mark.timeout(300)]
+
+TIMEOUT = 5       # MPIDL_TIMEOUT of these jobs, seconds
+ANSWER = 5        # the watchdog's wait for the other ranks' answers (watchdog.ANSWER)
+SLACK = 10        # for a loaded 2-core machine
+
+# A job that trains until stopped: the tiny gpt, no checkpoints and no evaluation (so
+# that the cut meets the ranks in a training step's collectives).
+ENDLESS = ["gpt", "--progress=never", "--log-every=1", "--data.num-train=480",
+           "--data.num-test=96", "--data.seq-len=16", "--model.dim=24", "--model.layers=2",
+           "--model.heads=3", "--epochs=100000", "--checkpoint-every=0",
+           "--checkpoint-epochs=false", "--eval-every=100000"]
+
+
+def started(cluster, run, cache):
+    cmd = cluster.command((2, 2), [sys.executable, "-m", "mpidl", "train", *ENDLESS,
+                                   f"--data.cache-dir={cache}", f"--run-dir={run}"])
+    proc = start(cmd, env=cluster.env({"MPIDL_TIMEOUT": str(TIMEOUT)}))
+    from trainjob import wait_for_first_record
+
+    wait_for_first_record(proc, run)
+    assert proc.poll() is None, proc.communicate()
+    time.sleep(1)  # a few steps, with every rank inside the loop
+    return proc
+
+
+def ended(cluster, proc, limit):
+    """(status, stdout, stderr); a failure with the output so far if ``proc`` outlives
+    ``limit``. The job's daemons are outside its process group (PRRTE gives its launch
+    agent a group of its own), so they are reaped by cluster.sh, not signalled here."""
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        cluster.reap()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the job did not end within {limit:.0f} s:\n{out[-3000:]}{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def wait_until_gone(cluster, node, limit):
+    """Seconds until ``node`` has no rank left (None if some outlive ``limit``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if not cluster.processes(node, "mpidl"):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
+def test_a_node_whose_link_is_cut_ends_the_job_naming_its_ranks(cluster, tmp_path, gpt_cache):
+    proc = started(cluster, str(tmp_path / "run"), gpt_cache)
+    try:
+        cluster.link("n2", "down")
+        # ranks 0-1 on n1 see the step's collective never complete; the watchdog asks
+        # every rank, waits ANSWER s for n2's, reports and aborts
+        gone = wait_until_gone(cluster, "n1", TIMEOUT + ANSWER + SLACK)
+        assert gone is not None, "ranks on n1 outlived the watchdog's timeout"
+        # mpiexec waits for n2's daemon until the head node's TCP gives up (cluster.sh)
+        status, out, err = ended(cluster, proc, 90)
+    finally:
+        cluster.link("n2", "up")
+    assert status == EXIT_HUNG, err[-3000:]
+    assert "never arrived: 2, 3" in err, err[-3000:]
+    for rank in (2, 3):
+        assert f"rank {rank}: no answer in" in err, err[-3000:]
+    print(f"ranks on n1 ended {gone:.1f} s after the cut")
+
+
+def test_a_node_whose_ranks_are_killed_ends_the_job(cluster, tmp_path, gpt_cache):
+    proc = started(cluster, str(tmp_path / "run"), gpt_cache)
+    victims = cluster.processes("n2", "mpidl")
+    assert len(victims) == 2, victims
+    for pid in victims:
+        subprocess.run(["kill", "-KILL", str(pid)])
+    gone = wait_until_gone(cluster, "n1", TIMEOUT + ANSWER + SLACK)
+    assert gone is not None, "ranks on n1 outlived the watchdog's timeout"
+    status, out, err = ended(cluster, proc, 60)
+    # Open MPI ends the job itself, at once, before the watchdog could. Who is named
+    # depends on who notices first (measured, about half the runs each): its launcher
+    # ("process rank 2 ... on node n2 exited on signal 9"), or a rank of n1 whose TCP
+    # socket to n2 closed, which aborts the job (MPI_ERRORS_ARE_FATAL) naming only
+    # itself. Naming n2's ranks then would need mpidl to see MPI's error first.
+    assert status != 0, err[-3000:]
+    print(f"ranks on n1 ended {gone:.1f} s after n2's ranks were killed; status {status}")
