@@ -9,7 +9,7 @@ import pytest
 
 # the tiny float64 gpt of the layout tests, and the check against its single-rank run
 from test_gpt_model_parallel import STEPS, gpt_cache, single  # noqa: F401  (fixtures)
-from test_modes import assert_trains_like_one_rank, train
+from test_modes_across_nodes import assert_trains_like_one_rank, train
 
 pytestmark = [pytest.mark.timeout(300)]
 
