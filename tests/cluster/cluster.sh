@@ -267,7 +267,10 @@ mpiexec_() {
     # cut), mpiexec exits 0. This then exits with the abort's code, or 1 if none.
     local copy status=0
     copy=$(mktemp "$dir/mpiexec-stderr.XXXXXX")
-    nsenter --net="/var/run/netns/$(<"$dir/head")" \
+    # TMPDIR: mpiexec's session folder (/tmp/ompi.PID, left behind when it is killed)
+    # goes with `down`; the agent gives each node its own.
+    mkdir -p "$dir/tmp/head"
+    TMPDIR=$dir/tmp/head nsenter --net="/var/run/netns/$(<"$dir/head")" \
         "$launcher" --hostfile "$hostfile" "${bind[@]}" \
         --prtemca plm_ssh_agent "$here/agent.sh" \
         --prtemca oob_tcp_if_include "$net" \
