@@ -169,6 +169,12 @@ ROWS = [
     # -- launch
     ("launch", "", 2, "usage: mpidl launch"),
     ("launch --launcher=/nonexist -n 1 true", "", 2, "cannot run the launcher"),
+    # -- checkpoint
+    ("checkpoint", "", 2, "the following arguments are required: command"),
+    ("checkpoint consolidate {inputs}/nowhere", "", 2, "no such checkpoint file, and no "
+     "checkpoint that loads in"),
+    ("checkpoint consolidate {inputs}/garbage.npz {inputs}/out.h5", "", 2,
+     "garbage.npz cannot be opened: it is truncated, corrupt or not an HDF5 file"),
     # -- plot, run
     ("plot", "", 2, "the following arguments are required: run_dir"),
     ("plot {inputs}/nowhere", "", 2, "metrics.jsonl does not exist"),
