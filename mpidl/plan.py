@@ -260,17 +260,14 @@ def workload(config: Any, model: Any, samples: int, epochs: float) -> Workload:
                     overlap=config.overlap, state_copies=copies)
 
 
-class _NoSignal:
-    is_set = False
-
-
 def measure_compute(config: Any, data_dir: str, batches: Sequence[int], repeats: int = 7
                     ) -> dict[int, float]:
     """Seconds of one training step at each per-rank batch size, measured here: the
-    trainer's own step (:meth:`mpidl.train.trainer.Trainer._train_step` on one rank:
-    the objective's forward and loss, backward through DataParallel with its sparse
-    embedding update, the finite-step guard, clipping, the optimizer) on the run's own
-    data, with one BLAS thread, the median of ``repeats`` after two warm-up steps.
+    step ``mpidl train`` runs (:class:`mpidl.train.step.TrainStep` of a run built by
+    :func:`mpidl.train.build.build_run` on one rank: the objective's forward and loss,
+    backward through DataParallel with its sparse embedding update, the finite-step
+    guard, clipping, the optimizer) on the run's own data, with one BLAS thread, the
+    median of ``repeats`` after two warm-up steps. Nothing is written: no run directory.
 
     Measured on a 1 ms step (bow), the guard, the schedule and the loss bookkeeping are
     a fifth of the step: timing the bare forward/backward/optimizer instead predicted
@@ -279,40 +276,41 @@ def measure_compute(config: Any, data_dir: str, batches: Sequence[int], repeats:
     300 was 3% above the median; the slowest of 2 ranks' steps, the expected maximum
     of two draws, 6% above: left out).
     """
-    import tempfile
-
+    # Here, not at the top: `mpidl plan --help` and the cost model answer without
+    # NumPy and the whole training stack.
     import numpy
 
     from mpidl.comm import SingleCommunicator
-    from mpidl.train.trainer import Trainer
+    from mpidl.train.build import build_run
+    from mpidl.train.step import TrainStep
 
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - a dependency
         threadpool_limits = None
-    with tempfile.TemporaryDirectory() as run_dir:  # the trainer writes nothing there
-        trainer = Trainer(config, SingleCommunicator(), run_dir, data_dir)
-        limit = threadpool_limits(limits=1, user_api="blas") if threadpool_limits else None
-        rng = numpy.random.default_rng(0)
-        features = trainer.objective.features
-        out = {}
-        try:
-            for b in sorted(set(batches)):
-                ids = numpy.sort(rng.choice(len(trainer.train_set), size=b,
-                                            replace=len(trainer.train_set) < b))
-                arrays = [trainer.train_set.read(name, ids) for name in features]
-                x, y = arrays[0], arrays[1] if len(arrays) > 1 else None
-                times = []
-                for i in range(repeats + 2):  # two warm-up steps
-                    t0 = time.perf_counter()
-                    trainer._train_step(x, y, b, _NoSignal())
-                    if i >= 2:
-                        times.append(time.perf_counter() - t0)
-                out[b] = statistics.median(times)
-        finally:
-            trainer.dp.close()
-            if limit is not None:
-                limit.restore_original_limits()
+    run = build_run(config, SingleCommunicator(), data_dir)
+    step = TrainStep(run)
+    limit = threadpool_limits(limits=1, user_api="blas") if threadpool_limits else None
+    rng = numpy.random.default_rng(0)
+    features = run.objective.features
+    out = {}
+    try:
+        for b in sorted(set(batches)):
+            ids = numpy.sort(rng.choice(len(run.train_set), size=b,
+                                        replace=len(run.train_set) < b))
+            arrays = [run.train_set.read(name, ids) for name in features]
+            x, y = arrays[0], arrays[1] if len(arrays) > 1 else None
+            times = []
+            for i in range(repeats + 2):  # two warm-up steps
+                t0 = time.perf_counter()
+                step(x, y, b, 0)
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            out[b] = statistics.median(times)
+    finally:
+        run.close()
+        if limit is not None:
+            limit.restore_original_limits()
     return out
 
 

@@ -206,8 +206,8 @@ def seed_dropout_per_rank(model: Any, seed: int, rank: int, salt: int = 0) -> in
     would get the same mask: one mask, repeated across the global batch. Rank 0 keeps
     its generators (a 1-rank run is unchanged); rank r > 0 reseeds each from
     ``(seed, r, module index, salt)``. The states are checkpointed per rank
-    (:meth:`~mpidl.train.trainer.Trainer._rng_states`), so a resume on as many ranks is
-    exact; on another number, rank r > 0 reseeds with the step as ``salt``.
+    (:meth:`~mpidl.train.checkpointing.RunCheckpoints.rng_states`), so a resume on as
+    many ranks is exact; on another number, rank r > 0 reseeds with the step as ``salt``.
     """
     import numpy
 

@@ -201,13 +201,13 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_cleanly_then_resumes_exactly(
 
 _SIGNAL_AT_STEP = """
 import os, signal, sys
-from mpidl.train import trainer
-at, train_step = int(os.environ["SIGNAL_AT_STEP"]), trainer.Trainer._train_step
-def step(self, *args):  # rank 0 gets SIGUSR1 while it runs step `at`, as from Slurm
-    if self.step == at and self.comm.rank == 0:
+from mpidl.train.step import TrainStep
+at, train_step = int(os.environ["SIGNAL_AT_STEP"]), TrainStep.__call__
+def step(self, x, y, n, index, flag=None):  # rank 0 gets SIGUSR1 while it runs step `at`,
+    if index == at and self.run.comm.rank == 0:  # as from Slurm
         os.kill(os.getpid(), signal.SIGUSR1)
-    return train_step(self, *args)
-trainer.Trainer._train_step = step
+    return train_step(self, x, y, n, index, flag)
+TrainStep.__call__ = step
 from mpidl.cli import main
 sys.exit(main(["train", *sys.argv[1:]]))
 """

@@ -176,7 +176,7 @@ def test_dropout_resumes_exactly_from_the_checkpointed_host_state(xp):
     run = Dropout(0.5, seed=3)
     for _ in range(2):
         run(x)
-    saved = run.rng.bit_generator.state  # what Trainer._rng_states checkpoints
+    saved = run.rng.bit_generator.state  # what RunCheckpoints.rng_states checkpoints
     after = [as_numpy(run(x).data) for _ in range(2)]
     resumed = Dropout(0.5, seed=99)
     resumed.rng.bit_generator.state = saved

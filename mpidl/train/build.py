@@ -1,0 +1,187 @@
+"""Building a run: from the configuration and the dataset to the parts that train.
+
+:func:`build_run` makes, on every rank, what one training run is made of: the splits,
+the objective, the model on its layout (whole, or split over a tensor x sequence grid),
+the wrapper that averages gradients (data parallel or ZeRO), the optimizer, the loaders,
+the loss scale and the dropout generators. It reads the dataset and nothing else: it
+touches no run directory and writes no file, so the planner builds a run to time its
+step (:class:`~mpidl.train.step.TrainStep`) and ``mpidl train`` builds one before it
+decides where to resume from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy
+
+from hpc.gpu import bind
+from mpidl import optim
+from mpidl.backend import get_xp, limit_cpu_threads
+from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
+from mpidl.data.splits import check_splits_agree
+from mpidl.data.stats import majority
+from mpidl.parallel import DataParallel, ShardedDataParallel, convert_sync_batchnorm
+from mpidl.train.config import Config
+from mpidl.train.evaluation import evaluation_loader
+from mpidl.train.layout import Layout, plan_layout
+from mpidl.train.log import Logger
+from mpidl.train.model import build_model, seed_dropout_per_rank, unscaled_note
+from mpidl.train.objective import Objective, objective_for
+
+
+@dataclasses.dataclass
+class Run:
+    """The parts of one training run on this rank (:func:`build_run`).
+
+    Attributes:
+        config: the resolved configuration.
+        comm: the world communicator.
+        xp: the array module (numpy or cupy).
+        threads: the BLAS threads per rank set here (None: left as the environment has it).
+        train_set, test_set: the dataset's splits.
+        objective: what is learned and how it is scored (split over the grid if any).
+        layout: the run's communicators: data, replicas, and the grid when split.
+        model: the model this rank trains (its shards on a grid), on ``xp``.
+        dp: the wrapper that averages gradients over ``layout.replicas``.
+        optimizer: over ``dp.parameters()`` (the model's, or this rank's ZeRO shards).
+        loader: the training batches of this rank's share (its sampler: seed, epoch).
+        eval_loader: every test sample once, in order.
+        loss_scale: a :class:`~mpidl.optim.DynamicLossScale` for float16 parameters,
+            else None.
+        total_steps: optimizer steps of the whole run (``epochs`` or ``steps``).
+    """
+
+    config: Config
+    comm: Any
+    xp: Any
+    threads: int | None
+    train_set: ShardedDataset
+    test_set: ShardedDataset
+    objective: Objective
+    layout: Layout
+    model: Any
+    dp: Any
+    optimizer: Any
+    loader: DataLoader
+    eval_loader: DataLoader
+    loss_scale: Any
+    total_steps: int
+
+    def close(self) -> None:
+        """Stop the wrapper's communication (its transport threads). Not collective."""
+        self.dp.close()
+
+
+def check_splits(train: Any, test: Any, needed: tuple[str, ...] = ("x", "y")) -> None:
+    """What the trainer reads: features ``x`` (inputs) and ``y`` (labels; a language
+    model reads ``x`` only), some samples."""
+    for split in (train, test):
+        missing = [name for name in needed if name not in split.features]
+        if missing:
+            what = " and ".join(f"{n!r}" for n in needed)
+            raise ValueError(
+                f"dataset {split.path} has features {sorted(split.features)}, but the "
+                f"trainer reads {what}: write the split with those names "
+                f"(missing: {', '.join(missing)})")
+    if len(train) == 0:
+        raise ValueError(f"dataset {train.path} has no samples: nothing to train on; "
+                         f"write a non-empty train split")
+    # Features, vocabulary, classes.
+    check_splits_agree({train.path: train.manifest, test.path: test.manifest})
+
+
+def warn_if_one_class_dominates(train_set: Any, log: Logger) -> None:
+    """Say so when always guessing one class scores high: the accuracy to beat.
+
+    "Dominates": more than halfway from a balanced share to all of them (75% of 2
+    classes, 55% of 10), where a high accuracy stops meaning the model learned.
+    """
+    found = majority(train_set.manifest)
+    classes = train_set.num_classes or 0
+    if found is None or classes < 2:
+        return
+    name, share = found
+    if share >= 0.5 + 0.5 / classes:
+        log.info(f"warning: one class dominates the training data: {name!r} is "
+                 f"{share:.0%} of {train_set.path}; always guessing it scores "
+                 f"{share:.2f}, the accuracy a model must beat")
+
+
+def build_optimizer(config: Config, params: list) -> Any:
+    """The configured optimizer over ``params`` at the scaled base learning rate."""
+    lr = config.scaled_lr()
+    if config.optimizer == "sgd":
+        return optim.SGD(params, lr=lr, momentum=config.momentum,
+                         weight_decay=config.weight_decay)
+    cls = optim.AdamW if config.optimizer == "adamw" else optim.Adam
+    return cls(params, lr=lr, weight_decay=config.weight_decay)
+
+
+def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = None) -> Run:
+    """The parts of a run of ``config`` on ``data_dir`` (with ``train/`` and ``test/``
+    splits). Collective over ``comm`` (the dataset's checks, the grid's communicators).
+
+    Raises ConfigError for an impossible layout or a model option the data
+    contradicts, DataError or ValueError for unusable data (alike on every rank).
+    """
+    log = log if log is not None else Logger(comm.rank, comm.size)
+    xp = get_xp(config.backend)
+    threads = limit_cpu_threads(comm.local_size)
+    if config.backend == "cupy":
+        bind(comm.local_rank)
+    train_set = ShardedDataset(os.path.join(data_dir, "train"), comm=comm)
+    test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
+    objective = objective_for(config, train_set)
+    # The same files: alike on every rank.
+    check_splits(train_set, test_set, objective.features)
+    warn_if_one_class_dominates(train_set, log)
+    note = unscaled_note(config, train_set)
+    if note:
+        log.info(note)
+    model = build_model(config, train_set)
+    # Where the model lives: whole on every rank, or split over a tensor x sequence
+    # grid (mpidl.train.layout); an impossible layout is a ConfigError (exit 2).
+    length = max(int(train_set.features["x"].shape[-1]) - 1, 1) if config.task == "gpt" else 1
+    layout = Layout(plan_layout(config, comm.size, model, length), comm)
+    if layout.grid is not None:
+        objective = objective.split_over(layout.grid)
+        log.info(f"model layout: {layout.plan.describe()}")
+    # Before the split: the shards' dropout keeps the full model's generators, the
+    # same on every rank of a replica, one of its own on every data rank.
+    seed_dropout_per_rank(model, config.seed, layout.data.rank)
+    model = layout.split_model(model).to(xp)
+    replicas = layout.replicas  # gradients are averaged over these ranks
+    dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
+    if config.sync_batchnorm and replicas.size > 1:
+        convert_sync_batchnorm(model, replicas)  # no-op without batch norm layers
+    if config.zero:
+        dp = ShardedDataParallel(model, replicas, stage=config.zero,
+                                 keep_freed_memory=config.keep_freed_memory, **dp_options)
+    else:
+        dp = DataParallel(model, replicas, overlap=config.overlap,
+                          keep_freed_memory=config.keep_freed_memory, **dp_options)
+    # What the optimizer updates: the model's parameters, or this rank's shards.
+    optimizer = build_optimizer(config, dp.parameters())
+    data = layout.data  # every rank of a tensor x sequence group reads the same
+    sampler = DistributedSampler(len(train_set), config.global_batch, data.rank, data.size,
+                                 seed=config.seed, shuffle=config.data.shuffle,
+                                 block_size=config.data.block_size)
+    loader = DataLoader(train_set, sampler, objective.features, xp=xp,
+                        prefetch=config.data.prefetch)
+    eval_loader = evaluation_loader(test_set, data, xp, config.data.prefetch,
+                                    objective.features)
+    steps = config.epochs * len(loader)
+    total_steps = min(steps, config.steps) if config.steps else steps
+    # float16 parameters (--model.dtype=float16) train with a dynamic loss scale.
+    half = any(p.data.dtype == numpy.float16 for p in dp.parameters())
+    loss_scale = optim.DynamicLossScale() if half else None
+    return Run(config=config, comm=comm, xp=xp, threads=threads, train_set=train_set,
+               test_set=test_set, objective=objective, layout=layout, model=model, dp=dp,
+               optimizer=optimizer, loader=loader, eval_loader=eval_loader,
+               loss_scale=loss_scale, total_steps=total_steps)
+
+
+__all__ = ["Run", "build_run", "build_optimizer", "check_splits",
+           "warn_if_one_class_dominates"]

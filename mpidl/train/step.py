@@ -1,0 +1,178 @@
+"""One training step: the function ``mpidl train`` runs per batch and ``mpidl plan`` times.
+
+:class:`TrainStep` takes a built run (:class:`~mpidl.train.build.Run`) and does one
+optimizer step on this rank's share of a global batch: the objective's forward and
+loss, backward through the wrapper (the gradient allreduce or reduce-scatter overlapped),
+the finite-step guard, the float16 loss scale, clipping, and the optimizer at the
+scheduled learning rate (:func:`learning_rate`). Call it on every rank with each
+rank's share of the same batch::
+
+    run = build_run(config, comm, data_dir)
+    step = TrainStep(run)
+    for i, (x, y, n) in enumerate(batches):
+        result = step(x, y, n, i)          # collective
+
+A step whose loss or gradient is not finite on any rank is skipped on every rank (the
+ranks agree on it, together with the preemption flag, in one small allreduce after
+backward); under the ``stop`` policy ``nonfinite_steps`` of them in a row raise
+:class:`Diverged`, and parameters that are no longer finite raise it at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy
+
+from mpidl.optim import grads_finite, params_finite, unscale_, warmup_cosine, warmup_linear
+from mpidl.train.build import Run
+from mpidl.train.config import Config
+from mpidl.train.log import Logger
+
+
+class Diverged(RuntimeError):
+    """The run cannot go on: too many non-finite steps in a row, or non-finite parameters."""
+
+
+def learning_rate(config: Config, step: int, total: int) -> float:
+    """The scheduled learning rate of optimizer step ``step`` (0-based) of ``total``."""
+    base = config.scaled_lr()
+    warmup = config.warmup_for(total)
+    if config.schedule == "constant":
+        return base if step >= warmup or warmup == 0 else base * (step + 1) / warmup
+    fn = warmup_cosine if config.schedule == "cosine" else warmup_linear
+    return fn(step, total, warmup, base, min_lr=config.min_lr_ratio * base)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one :class:`TrainStep` call returns.
+
+    Attributes:
+        loss: this rank's loss sum (an ``xp`` scalar: reading it syncs the device), 0
+            for a skipped step.
+        correct: this rank's correct count (``xp`` scalar), 0 for a skipped step.
+        counted: the samples this rank counted, 0 for a skipped step.
+        preempted: whether the preemption flag was set on any rank.
+    """
+
+    loss: Any
+    correct: Any
+    counted: int
+    preempted: bool
+
+
+class _NoSignal:
+    is_set = False
+
+
+class TrainStep:
+    """One optimizer step of ``run`` on a batch, or a skipped one. Callable, collective.
+
+    Args:
+        run: the run's parts (:func:`~mpidl.train.build.build_run`).
+        log: where warnings go (rank 0 prints): a skipped step, an overflow.
+        timer: a :class:`~mpidl.train.metrics.StepTimer` to which each step adds its
+            communication wait, or None.
+        last_checkpoint: names the last good checkpoint in a :class:`Diverged` message.
+
+    Attributes:
+        skipped_steps: non-finite (or overflowed) steps skipped so far; a resume sets it.
+        nonfinite_in_a_row: the current run of non-finite steps.
+    """
+
+    def __init__(self, run: Run, log: Logger | None = None, timer: Any = None,
+                 last_checkpoint: Callable[[], str] = lambda: "none written yet") -> None:
+        self.run = run
+        self.log = log if log is not None else Logger(run.comm.rank, run.comm.size)
+        self.timer = timer
+        self.last_checkpoint = last_checkpoint
+        self.skipped_steps = 0
+        self.nonfinite_in_a_row = 0
+
+    def __call__(self, x: Any, y: Any, n: int, step: int, flag: Any = None) -> StepResult:
+        """Train on this rank's share ``x``, ``y`` (None for a language model) of a
+        global batch of ``n`` samples as optimizer step ``step`` (0-based: its learning
+        rate). Collective.
+
+        ``flag`` (a :class:`~mpidl.train.signals.PreemptionFlag`, or None) is read when
+        the ranks agree after backward: its ``is_set`` on any rank comes back as
+        ``preempted``. After backward the ranks agree, in one allreduce, on the flag and
+        on whether the step is finite everywhere (this rank's loss and the averaged
+        gradients, which every rank holds alike); a non-finite step skips the update.
+        """
+        run = self.run
+        flag = flag if flag is not None else _NoSignal
+        loss_scale = run.loss_scale
+        # Non-finite values are reported once per step by the guard below, not by NumPy's
+        # warnings on every operation they pass through.
+        scale = loss_scale.scale if loss_scale else 1.0
+        with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            loss, counted, correct = run.objective.step(run.dp, x, y, run.xp)
+            count = run.objective.global_count(run.comm, n, counted)
+            run.dp.backward(loss, global_count=count, scale=scale)
+        if self.timer is not None:
+            self.timer.add("comm", run.dp.comm_wait_seconds, start=run.dp.comm_wait_start)
+        params = run.dp.parameters()  # the model's, or this rank's shards (ZeRO)
+        loss_finite = bool(run.xp.isfinite(loss.data))
+        finite = loss_finite and bool(grads_finite(params))
+        preempted, nonfinite, bad_loss = run.comm.agree_each(
+            flag.is_set, not finite, not loss_finite)
+        if loss_scale is not None:
+            if nonfinite and not bad_loss and not loss_scale.at_minimum:
+                # Scaled float16 gradients overflowed: routine, not divergence.
+                loss_scale.update(False)
+                run.optimizer.zero_grad()
+                self.skipped_steps += 1
+                self.log.info(f"step {step + 1}: float16 gradients overflowed at loss "
+                              f"scale {scale:g}; step skipped, scale now "
+                              f"{loss_scale.scale:g}")
+                return StepResult(0, 0, 0, preempted)
+            loss_scale.update(not nonfinite)
+        if nonfinite:
+            run.optimizer.zero_grad()
+            self._nonfinite_step(finite, step)
+            return StepResult(0, 0, 0, preempted)
+        self.nonfinite_in_a_row = 0
+        if loss_scale is not None:
+            unscale_(params, loss_scale)
+        if run.config.clip_grad_norm:
+            run.layout.clip_grad_norm_(run.dp, run.config.clip_grad_norm)  # global norm
+        run.optimizer.lr = learning_rate(run.config, step, run.total_steps)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+        return StepResult(loss.data, correct, counted, preempted)
+
+    def _nonfinite_step(self, finite_here: bool, step: int) -> None:
+        """Handle a step skipped for a non-finite loss or gradient. Collective.
+
+        Raises Diverged when the parameters themselves are no longer finite (skipping
+        cannot help), or under the "stop" policy at ``nonfinite_steps`` in a row.
+        """
+        run, config = self.run, self.run.config
+        self.skipped_steps += 1
+        self.nonfinite_in_a_row += 1
+        ranks = [r for r, ok in enumerate(run.comm.allgather_obj(finite_here)) if not ok]
+        where = (f"the loss on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                 "is not finite" if ranks else
+                 "the averaged gradients are not finite")
+        shown = step + 1
+        if run.comm.agree_each(not bool(params_finite(run.dp.parameters())))[0]:
+            raise Diverged(f"step {shown}: the parameters are no longer finite (the last "
+                           f"update overflowed); the last good checkpoint is "
+                           f"{self.last_checkpoint()}. Lower --lr, or set --clip-grad-norm")
+        limit = config.nonfinite_steps
+        if config.nonfinite == "stop" and self.nonfinite_in_a_row >= limit:
+            raise Diverged(
+                f"{self.nonfinite_in_a_row} non-finite steps in a row (the last, step {shown}: "
+                f"{where}): the run is diverging or the data holds NaN/inf. The last good "
+                f"checkpoint is kept: {self.last_checkpoint()}. Lower --lr, set "
+                "--clip-grad-norm, check the data, or allow more with --nonfinite-steps / "
+                "--nonfinite=skip")
+        until = (f"; stopping at {limit}: --nonfinite-steps"
+                 if config.nonfinite == "stop" else "")
+        self.log.info(f"warning: step {shown}: {where}; the step is skipped on every rank "
+                      f"({self.nonfinite_in_a_row} in a row{until})")
+
+
+__all__ = ["TrainStep", "StepResult", "Diverged", "learning_rate"]
