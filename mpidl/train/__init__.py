@@ -11,9 +11,9 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "mpidl.train.checkpoint": ["Checkpoint", "CheckpointError", "keep_last",
-                               "latest_checkpoint", "load_checkpoint", "resolve_resume",
-                               "save_checkpoint"],
+    "mpidl.train.checkpoint": ["Checkpoint", "CheckpointError", "latest_checkpoint",
+                               "load_checkpoint", "resolve_resume", "save_checkpoint"],
+    "mpidl.train.retention": ["keep_last"],
     "mpidl.train.config": ["Config", "ConfigError", "list_presets", "load_config", "to_toml"],
     "mpidl.train.log": ["Logger", "ProgressBar", "format_summary", "format_table"],
     "mpidl.train.metrics": ["MetricsWriter", "StepTimer", "Throughput", "read_metrics"],

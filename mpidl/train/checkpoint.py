@@ -1,4 +1,4 @@
-"""Checkpoints: HDF5 files written atomically, never pickle; listing, rotation, resume.
+"""Checkpoints: HDF5 files written atomically, never pickle; reading them; where a run resumes.
 
 A replicated checkpoint (format 2), ``RUN_DIR/checkpoints/checkpoint-00001200.h5``
 (step 1200)::
@@ -14,7 +14,8 @@ A replicated checkpoint (format 2), ``RUN_DIR/checkpoints/checkpoint-00001200.h5
 A sharded checkpoint (format 3, what ``mpidl train`` writes in every layout) has the same
 name for its index, with each rank's part beside it (:mod:`mpidl.train.sharded`);
 :func:`load_checkpoint` reads both, whole or not (``state=``). Trees, checksums and the
-atomic write: :mod:`mpidl.train.checkpoint_file`.
+atomic write: :mod:`mpidl.train.checkpoint_file`; listing, rotation and setting files
+aside: :mod:`mpidl.train.retention`.
 
 Who writes. :func:`save_checkpoint` is not collective: call it on one rank and make the
 other ranks wait on a barrier; every rank may then call :func:`load_checkpoint` on the
@@ -25,20 +26,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import time
 import warnings
 from typing import Any, Mapping
 
+from mpidl.parallel.zero_state import pieces_to_full
 from mpidl.train import pieces, sharded
 from mpidl.train.checkpoint_file import (_CRC_ATTR, _GROUPS, FORMAT_VERSION, READABLE_VERSIONS,
                                          STATES, CheckpointError, _attr, _Corrupt, _fsync_dir,
                                          _h5py, _read_tree, _root_crc, _write_file,
                                          checkpoint_name)
-
-CHECKPOINT_DIR = "checkpoints"
-CORRUPT_DIR = "corrupt"     # under CHECKPOINT_DIR: files that failed to load, set aside
-_NAME_RE = re.compile(r"^checkpoint-(\d+)\.h5$")
+# Listing, rotation and setting aside live in mpidl.train.retention; the names stay
+# importable from here for the callers of this module.
+from mpidl.train.retention import (CHECKPOINT_DIR, CORRUPT_DIR, DATASET_FILE,  # noqa: F401
+                                   RUN_FILES, _listed, companions, keep_last,
+                                   listed_checkpoints, set_aside_after, set_aside_corrupt,
+                                   set_aside_run)
 
 
 @dataclasses.dataclass
@@ -203,8 +205,6 @@ def open_source(state: Checkpoint, order: list[str]) -> pieces.Source:
 def _assemble_pieces(state: Checkpoint, layout: dict[str, Any]) -> None:
     """Read a sharded checkpoint's other parts and put the full state in ``state``
     (the model by name, the optimizer in its data-parallel layout)."""
-    from mpidl.parallel.zero_state import pieces_to_full
-
     directory, step = os.path.dirname(state.path), state.step
     models, optimizers = [state.model], [state.optimizer]
     for rank in range(1, int(layout["ranks"])):
@@ -227,42 +227,6 @@ def _assemble_pieces(state: Checkpoint, layout: dict[str, Any]) -> None:
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint {state.path}: its parts do not fit together "
                               f"({e}); resume from an earlier checkpoint") from None
-
-
-def companions(path: str) -> list[str]:
-    """The other ranks' parts of the checkpoint at ``path`` (a sharded one), existing."""
-    directory, name = os.path.split(path)
-    if not os.path.isdir(directory or "."):
-        return []
-    return sorted(os.path.join(directory, n) for n in os.listdir(directory or ".")
-                  if (n.startswith(name + ".rank-") or n.startswith(name + ".part-"))
-                  and not n.endswith(".tmp"))
-
-
-def _move(path: str, target_dir: str, suffix: str = "") -> str:
-    """Move a checkpoint and its parts into ``target_dir``; return the new path."""
-    target = os.path.join(target_dir, os.path.basename(path) + suffix)
-    for part in companions(path):
-        os.replace(part, os.path.join(target_dir, os.path.basename(part) + suffix))
-    os.replace(path, target)
-    return target
-
-
-def listed_checkpoints(directory: str | os.PathLike) -> list[str]:
-    """The checkpoint files in ``directory``, oldest first (whether they load or not)."""
-    return [path for _, path in _listed(os.fspath(directory))]
-
-
-def _listed(directory: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of the checkpoint files in ``directory`` by step (``.tmp`` ignored)."""
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in os.listdir(directory):
-        m = _NAME_RE.match(name)
-        if m:
-            found.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(found)
 
 
 def newest_loadable(directory: str | os.PathLike, state: str = "full",
@@ -301,97 +265,6 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     for path, reason in bad:
         warnings.warn(f"skipping checkpoint {path}: {reason}", RuntimeWarning, stacklevel=2)
     return found.path if found is not None else None
-
-
-def set_aside_corrupt(paths: list[str]) -> list[str]:
-    """Move checkpoint files that failed to load into ``corrupt/`` beside them; return
-    the new paths. Never deleted: a damaged file may still be worth a look, and its
-    place must not make it the "latest" again. Call it on one rank."""
-    moved = []
-    for path in paths:
-        directory = os.path.join(os.path.dirname(path), CORRUPT_DIR)
-        os.makedirs(directory, exist_ok=True)
-        suffix = ""
-        if os.path.exists(os.path.join(directory, os.path.basename(path))):
-            suffix = f".{time.strftime('%Y%m%d-%H%M%S')}"
-        moved.append(_move(path, directory, suffix))
-    if moved:
-        _fsync_dir(os.path.dirname(paths[0]))
-    return moved
-
-
-def keep_last(directory: str | os.PathLike, k: int) -> list[str]:
-    """Delete all but the ``k`` newest checkpoints (with their parts), stale ``.tmp``
-    files and parts whose checkpoint was never written (a job killed between the two);
-    return them. Call it on the writing rank, after :func:`save_checkpoint`.
-    """
-    if k < 1:
-        raise ValueError(f"keep_last: k must be >= 1, got {k}")
-    directory = os.fspath(directory)
-    listed = _listed(directory)
-    removed = [path for _, path in listed[: max(0, len(listed) - k)]]
-    removed += [part for path in list(removed) for part in companions(path)]
-    if os.path.isdir(directory):
-        names = set(os.listdir(directory))
-        removed += [os.path.join(directory, n) for n in names
-                    if (n.endswith(".tmp") and _NAME_RE.match(n.split(".h5")[0] + ".h5"))
-                    or (".h5.rank-" in n and n.split(".rank-")[0] not in names)
-                    or (".h5.part-" in n and n.split(".part-")[0] not in names)]
-    for path in removed:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def set_aside_after(directory: str | os.PathLike, step: int) -> str | None:
-    """Move the checkpoints of steps after ``step`` into a subdirectory; return it.
-
-    A run resumed from an older checkpoint starts a new branch: the newer checkpoints
-    belong to the one abandoned, and left in place they would be the ``latest`` that a
-    plain rerun resumes from, and the ones ``keep_last`` keeps instead of the new
-    branch's. Moved, not deleted: they are someone's results. Call it on one rank.
-    """
-    directory = os.fspath(directory)
-    newer = [path for s, path in _listed(directory) if s > step]
-    if not newer:
-        return None
-    aside = os.path.join(directory, f"abandoned-after-{int(step):08d}-"
-                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(aside, exist_ok=True)
-    for path in newer:
-        _move(path, aside)
-    _fsync_dir(directory)
-    return aside
-
-
-# The description of the run's training data (mpidl.data.description), written at the
-# start of a run: enough to rebuild the model and encode inputs after the data is gone.
-DATASET_FILE = "dataset.json"
-# What a run writes besides its checkpoints.
-RUN_FILES = ("metrics.jsonl", "config.toml", "trace.json", DATASET_FILE)
-
-
-def set_aside_run(run_dir: str | os.PathLike) -> str | None:
-    """Move a run directory's checkpoints and records into ``previous-<time>/``; return
-    it (None when there was nothing). For a deliberate fresh start in a used run
-    directory (``--resume=never``): the old run's results are moved, never deleted.
-    Call it on one rank."""
-    run_dir = os.fspath(run_dir)
-    checkpoints = os.path.join(run_dir, CHECKPOINT_DIR)
-    items = [os.path.join(run_dir, n) for n in RUN_FILES
-             if os.path.exists(os.path.join(run_dir, n))]
-    if os.path.isdir(checkpoints) and os.listdir(checkpoints):
-        items.append(checkpoints)
-    if not items:
-        return None
-    aside = os.path.join(run_dir, f"previous-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(aside, exist_ok=True)
-    for item in items:
-        os.replace(item, os.path.join(aside, os.path.basename(item)))
-    _fsync_dir(run_dir)
-    return aside
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import numpy
 
+from mpidl import __version__
 from mpidl.backend import as_numpy
 
 FORMAT_VERSION = 2
@@ -66,6 +67,8 @@ def checkpoint_name(step: int) -> str:
 
 
 def _h5py():
+    # Here: h5py loads when a file is read or written, not with mpidl.train (which
+    # `mpidl train` imports before its signal handlers are in place).
     import h5py
 
     return h5py
@@ -158,8 +161,6 @@ def _write_file(path: str, step: int, epoch: int, config: str,
 
 
 def _mpidl_version() -> str:
-    from mpidl import __version__
-
     return __version__
 
 

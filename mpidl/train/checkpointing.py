@@ -24,6 +24,7 @@ from mpidl.train.checkpointer import LoadError, choose_checkpointer
 from mpidl.train.config import ConfigError, to_toml
 from mpidl.train.log import Logger
 from mpidl.train.model import another_model, first_line, seed_dropout_per_rank
+from mpidl.train.retention import keep_last
 from mpidl.train.rundir import checkpoint_dir, last_checkpoint
 
 
@@ -75,7 +76,7 @@ class RunCheckpoints:
                 self.directory, step, rng=rng, sampler=sampler, config=to_toml(run.config),
                 epoch=sampler["epoch"], extra=kept)
             if comm.rank == 0:
-                ckpt.keep_last(self.directory, run.config.keep_checkpoints)
+                keep_last(self.directory, run.config.keep_checkpoints)
         except OSError as e:
             error = f"cannot remove old checkpoints in {self.directory}: {e}"
         with patience("rank 0 removes old checkpoints"):

@@ -17,7 +17,9 @@ command again to resume; 1 any other error (a diverged run keeps 1 if also signa
 
 The SIGTERM/SIGUSR1 handlers are this command's first instruction, before any heavy
 import, and stay until the process ends (:mod:`mpidl.train.signals`): from then on a
-signal is a request to stop that every phase honours at its next safe point.
+signal is a request to stop that every phase honours at its next safe point. So this
+module imports inside its functions (the imports marked "lazy"): NumPy, MPI and h5py
+load after the handlers are in place, and ``mpidl train --help`` loads no engine.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ EXIT_CONFIG = 2
 def _help(argv: Sequence[str]) -> str:
     """The docstring, the presets, and every key as the given preset (and overrides) set
     it: what the same command line without --help would run."""
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.config import (DEFAULT_PRESET, ConfigError, list_presets, load_config,
                                     split_args, to_toml)
 
@@ -48,6 +51,7 @@ def _help(argv: Sequence[str]) -> str:
 
 def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
     """Load the config on every rank; on any error, rank 0 reports it once. Collective."""
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.config import ConfigError, check_model, load_config, split_args
 
     config, error = None, None
@@ -64,6 +68,7 @@ def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
 
 def _config_error(comm, error: str | None) -> bool:
     """Whether any rank has a configuration error; rank 0 reports the first. Collective."""
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.log import report_first_error
 
     return report_first_error(comm, error, "mpidl train")
@@ -76,6 +81,7 @@ def _trainer(config, comm, run_dir: str, data_dir: str):
     rank alike (the dataset's checks are collective, and every rank reads the same
     manifests), so it is reported like a configuration error, not as a crash per rank.
     """
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.data import DataError
     from mpidl.train.config import ConfigError
     from mpidl.train.trainer import Trainer
@@ -89,6 +95,7 @@ def _trainer(config, comm, run_dir: str, data_dir: str):
 
 
 def _run_dir(config, comm) -> str:
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.config import default_run_dir
 
     if config.run_dir:
@@ -102,12 +109,14 @@ def main(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(_help(argv))
         return 0
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.signals import EXIT_PREEMPTED, PreemptionFlag, Preempted
 
     # First, before NumPy and MPI load: a signal from here on stops the job with 75.
     # Never closed: the job owns the process, and a signal after a restored default
     # handler would kill a rank that has done its work (status 138, not 75).
     preempt = PreemptionFlag()
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.comm import world
 
     comm = world()
@@ -137,6 +146,7 @@ def _which(preempt) -> str:
 def _train(argv: Sequence[str], comm, preempt) -> int:
     """The job after its signal handlers: :class:`~mpidl.train.signals.Preempted` on
     every rank at a safe point before training, or the exit status. Collective."""
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.comm import watchdog
     from mpidl.train.config import ConfigError, to_toml
     from mpidl.train.task import prepare_data
@@ -153,6 +163,7 @@ def _train(argv: Sequence[str], comm, preempt) -> int:
         print(f"mpidl train on {comm.size} rank{'s' if comm.size > 1 else ''}, "
               f"run directory {run_dir}\n--- config ---\n{text.rstrip()}\n--------------",
               flush=True)
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.log import Logger
 
     data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size),
@@ -165,6 +176,7 @@ def _train(argv: Sequence[str], comm, preempt) -> int:
     plan = _plan(config, run_dir, comm)
     if plan is None:
         return EXIT_CONFIG
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.checkpoint import CheckpointError  # as _plan: h5py when needed
 
     while plan.checkpoint is not None:
@@ -201,6 +213,7 @@ def _plan(config, run_dir: str, comm, bad=()):
     checkpoints found damaged while restoring, ``(path, reason)``: passed over, and set
     aside with the others once a resume succeeds.
     """
+    # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.checkpoint import (CheckpointError, ResumePlan, load_checkpoint,
                                         plan_resume)
 

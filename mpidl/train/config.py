@@ -179,6 +179,7 @@ class Config:
     def scaled_lr(self) -> float:
         """``lr`` scaled from ``base_batch`` to ``global_batch`` by ``lr_scaling``."""
         if self.lr_scaling == "linear":
+            # Here: reading a config (`mpidl train --help`, the planner) loads no engine.
             from mpidl.optim.schedule import linear_scaling_rule
 
             return linear_scaling_rule(self.lr, self.global_batch, self.base_batch)
@@ -247,6 +248,7 @@ def _validate(config: Config) -> None:
         raise ConfigError("task 'custom' trains on your dataset: pass --data=DIR (a directory "
                           "written by `mpidl shard`)")
     if config.task == "gpt" and not d.path:  # the generated corpus's own limits
+        # Here: the corpus generator loads only for a gpt config (no engine to read one).
         from mpidl.data.language import MIN_SEQ_LEN, MIN_VOCAB
 
         for key, least in (("seq_len", MIN_SEQ_LEN), ("vocab_size", MIN_VOCAB)):
@@ -340,6 +342,8 @@ def check_model(config: Config) -> Callable[..., Any]:
     Raises ConfigError (an unknown name with the close matches, or a bad ``model.*``
     key), so that ``mpidl train`` reports it once with exit 2 before building anything.
     """
+    # Here: the model zoo (the whole nn engine) loads when a model is checked, not when a
+    # config is read (`mpidl train --help`).
     from mpidl import models
 
     name = config.model.name

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpidl.comm.base import split_counts
+from mpidl.models.gpt import GPT
+from mpidl.parallel import ParallelGPT, ProcessGrid
+from mpidl.parallel.tensor import clip_grad_norm_ as clip_tensor_parallel_grad_norm_
 from mpidl.parallel.sequence import ulysses_heads_fit
 from mpidl.train.config import Config, ConfigError
 
@@ -87,8 +90,6 @@ def plan_layout(config: Config, ranks: int, model: Any, length: int) -> LayoutPl
                           "regions within a tensor group: it needs --tensor-parallel >= 2")
     if k == 1 and s == 1:
         return LayoutPlan(data=ranks, attention=mode)
-    from mpidl.models.gpt import GPT
-
     if not isinstance(model, GPT):
         raise ConfigError(f"--tensor-parallel and --sequence-parallel split the gpt model; "
                           f"this run's model is {config.model.name!r}: use `mpidl train gpt` "
@@ -140,8 +141,6 @@ class Layout:
         self.grid = None
         self.data = self.replicas = comm
         if plan.split:
-            from mpidl.parallel import ProcessGrid
-
             self.grid = ProcessGrid(comm, tensor=plan.tensor, sequence=plan.sequence)
             self.data, self.replicas = self.grid.data, self.grid.replicas
 
@@ -149,8 +148,6 @@ class Layout:
         """The model this rank trains: ``model`` itself, or its shards on the grid."""
         if self.grid is None:
             return model
-        from mpidl.parallel import ParallelGPT
-
         return ParallelGPT(model, self.grid, sequence_parallel=self.plan.megatron,
                            attention=self.plan.attention if self.plan.sequence > 1 else "ring")
 
@@ -162,9 +159,7 @@ class Layout:
             return wrapper.clip_grad_norm_(max_norm)
         if self.plan.zero:
             return wrapper.clip_grad_norm_(max_norm, tensor=self.grid.tensor)
-        from mpidl.parallel.tensor import clip_grad_norm_
-
-        return clip_grad_norm_(wrapper.parameters(), max_norm, self.grid.tensor)
+        return clip_tensor_parallel_grad_norm_(wrapper.parameters(), max_norm, self.grid.tensor)
 
     def free(self) -> None:
         if self.grid is not None:

@@ -133,7 +133,7 @@ class ProgressBar:
             return
         is_tty = bool(getattr(self.file, "isatty", lambda: False)())
         if mode == "always" or is_tty:
-            from tqdm import tqdm
+            from tqdm import tqdm  # here: only when a bar is drawn (a terminal, or always)
 
             self._tqdm = tqdm(total=self.total, initial=self.initial, desc=desc, unit="step",
                               file=self.file, dynamic_ncols=True, smoothing=0.1)

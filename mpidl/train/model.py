@@ -18,9 +18,14 @@ with the column means and deviations ``mpidl shard`` stored (:func:`data_stats`;
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import TYPE_CHECKING, Any
 
+import numpy
+
+from mpidl import models
+from mpidl.data.stats import column_scale
 from mpidl.train.config import Config, ConfigError, check_model, model_parameters
 
 if TYPE_CHECKING:
@@ -61,8 +66,6 @@ def data_stats(dataset: Any) -> dict[str, Any]:
     """``input_stats`` (the inputs' column mean and std) and, for regression targets,
     ``target_stats``, from the split's stored statistics
     (:func:`mpidl.data.stats.column_scale`); a split without them gives neither."""
-    from mpidl.data.stats import column_scale
-
     manifest = getattr(dataset, "manifest", None)
     if manifest is None:
         return {}
@@ -147,11 +150,7 @@ def _same_samples(given: Any, wanted: tuple) -> bool:
 def _mlp_sizes(kwargs: dict[str, Any], shapes: dict[str, Any], dataset: Any) -> list[int]:
     """The mlp's widths: the user's hidden layers (the reference's two of 1024 by default)
     between the data's input width and class count."""
-    from mpidl.models import mlp
-
-    import inspect
-
-    default = list(inspect.signature(mlp).parameters["sizes"].default)
+    default = list(inspect.signature(models.mlp).parameters["sizes"].default)
     sizes = list(kwargs.get("sizes", default))
     if len(sizes) < 2:
         raise ConfigError(f"--model.sizes={sizes} needs at least an input and an output width")
@@ -209,8 +208,6 @@ def seed_dropout_per_rank(model: Any, seed: int, rank: int, salt: int = 0) -> in
     (:meth:`~mpidl.train.checkpointing.RunCheckpoints.rng_states`), so a resume on as
     many ranks is exact; on another number, rank r > 0 reseeds with the step as ``salt``.
     """
-    import numpy
-
     if rank == 0:
         return 0
     changed = 0

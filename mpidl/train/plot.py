@@ -26,7 +26,7 @@ from mpidl.train.metrics import read_metrics
 
 
 def _matplotlib():
-    try:
+    try:  # here: matplotlib is an extra ([plot]), needed by `mpidl plot` alone
         import matplotlib
     except ImportError:
         raise ImportError("mpidl plot needs matplotlib: install it with "

@@ -12,8 +12,9 @@ from typing import Any
 
 from hpc.files import write_text
 from mpidl.data.description import write_description
-from mpidl.train import checkpoint as ckpt
 from mpidl.train.metrics import trim_metrics
+from mpidl.train.retention import (CHECKPOINT_DIR, DATASET_FILE, listed_checkpoints,
+                                   set_aside_after, set_aside_corrupt, set_aside_run)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
@@ -22,13 +23,13 @@ TRACE_FILE = "trace.json"
 
 def checkpoint_dir(run_dir: str) -> str:
     """Where a run's checkpoints are: ``RUN_DIR/checkpoints``."""
-    return os.path.join(run_dir, ckpt.CHECKPOINT_DIR)
+    return os.path.join(run_dir, CHECKPOINT_DIR)
 
 
 def last_checkpoint(run_dir: str) -> str:
     """The newest checkpoint listed in ``run_dir``, or ``"none written yet"``. Not
     collective (it lists the directory)."""
-    listed = ckpt.listed_checkpoints(checkpoint_dir(run_dir))
+    listed = listed_checkpoints(checkpoint_dir(run_dir))
     return listed[-1] if listed else "none written yet"
 
 
@@ -49,20 +50,20 @@ def claim_run_dir(run_dir: str, config_text: str, step: int, train_set: Any,
     notes = []
     os.makedirs(run_dir, exist_ok=True)
     if previous:
-        aside = ckpt.set_aside_run(run_dir)
+        aside = set_aside_run(run_dir)
         if aside:
             notes.append(f"--resume=never: the previous checkpoints and metrics of this "
                          f"run directory moved to {aside}")
     trim_metrics(os.path.join(run_dir, METRICS_FILE), step)
     write_text(os.path.join(run_dir, CONFIG_FILE), config_text)
-    for (path, reason), moved in zip(corrupt, ckpt.set_aside_corrupt(
+    for (path, reason), moved in zip(corrupt, set_aside_corrupt(
             [p for p, _ in corrupt])):
         notes.append(f"warning: {reason}; moved to {moved}")
-    aside = ckpt.set_aside_after(checkpoint_dir(run_dir), step)
+    aside = set_aside_after(checkpoint_dir(run_dir), step)
     if aside:
         notes.append(f"checkpoints after step {step} (another branch of this run) "
                      f"moved to {aside}")
-    write_description(os.path.join(run_dir, ckpt.DATASET_FILE), train_set.manifest,
+    write_description(os.path.join(run_dir, DATASET_FILE), train_set.manifest,
                       train_set.path)
     return notes
 

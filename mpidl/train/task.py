@@ -19,6 +19,11 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from mpidl.comm.ledger import patience
+from mpidl.data import write_text_shards
+from mpidl.data.cosmo import write_cosmo
+from mpidl.data.language import write_language
+from mpidl.data.synthetic import generate_reviews
 from mpidl.train.config import Config
 from mpidl.train.signals import Preempted
 
@@ -77,18 +82,11 @@ def _write_corpus(config: Config, out: str, stop: Callable[[], bool]) -> None:
     if stop():
         raise Preempted("generating the corpus")
     if config.task == "gpt":
-        from mpidl.data.language import write_language
-
         write_language(out, d.num_train, d.num_test, d.seq_len, d.vocab_size, d.seed)
         return
     if config.task == "cosmo":
-        from mpidl.data.cosmo import write_cosmo
-
         write_cosmo(out, d.num_train, d.num_test, d.side, d.seed)
         return
-    from mpidl.data import write_text_shards
-    from mpidl.data.synthetic import generate_reviews
-
     train_texts, train_labels, test_texts, test_labels = generate_reviews(
         d.num_train, d.num_test, seed=d.seed, label_noise=d.label_noise)
     if stop():  # the shards take longer than the texts: not begun for a preempted job
@@ -142,8 +140,6 @@ def prepare_data(config: Config, comm: Any, log: Any,
             stopped = True
         except Exception as e:  # reported on every rank below
             error = f"{type(e).__name__}: {e}"
-    from mpidl.comm.ledger import patience
-
     with patience("rank 0 generates the corpus"):
         comm.check(error is None, f"could not build the corpus in {target}: {error}")
     if stop is not None and comm.agree(stopped):

@@ -78,3 +78,30 @@ def test_mpidl_eval_builds_its_model_without_the_trainer():
 def test_the_cycle_finder_finds_one():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The trainer's pieces (#24): building, the step, checkpointing, the run directory, file
+# retention and the loop; each one concept, small, its imports at the top.
+TRAINER_PIECES = ("build", "step", "checkpointing", "rundir", "retention", "trainer")
+
+
+def _function_imports(path: pathlib.Path) -> list[int]:
+    """Lines of the imports inside functions of ``path``."""
+    tree = ast.parse(path.read_text())
+    return [n.lineno for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_the_trainers_pieces_import_at_the_top_and_stay_small():
+    for name in TRAINER_PIECES:
+        path = TRAIN / f"{name}.py"
+        assert _function_imports(path) == [], f"{path.name}: imports inside a function"
+        lines = len(path.read_text().splitlines())
+        assert lines <= 400, f"{path.name} has {lines} lines"
+
+
+def test_the_trainers_pieces_do_not_import_the_loop():
+    for name in TRAINER_PIECES:
+        if name != "trainer":
+            assert "mpidl.train.trainer" not in train_imports(TRAIN / f"{name}.py"), name
