@@ -194,7 +194,7 @@ def verdict(rows: list[Prediction], setup_hours: float, queue_hours: float) -> s
 
 
 # Below this step time the prediction leaves out what dominates. Measured here
-# (benchmarks/plan_check.py, README "How good the predictions are"): bow's 1-1.5 ms step
+# (benchmarks/plan_check.py, docs/planning.md "How good the predictions are"): bow's 1-1.5 ms step
 # was predicted 1.2x faster at 2 ranks and ran 0.8-1.0x, from the ranks' skew each step,
 # the sparse embedding gradient's exchange (0.2-0.9 ms measured against 0.03 ms priced)
 # and launch-to-launch speed changes of the machine; the 40-400 ms steps of mlp and the

@@ -55,6 +55,10 @@ from typing import Any, Sequence
 
 import numpy
 
+# mpidl's own modules are imported inside the functions that use them, as in
+# mpidl.train.inference: `mpidl predict --help` and a usage error answer before the data
+# stack (h5py) and the engine load. None of them imports this module: no cycle hides here.
+
 ARRAY_SUFFIXES = (".npz", ".h5", ".hdf5")
 STDIN = "-"
 
