@@ -331,7 +331,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="checkpoint-keep-last-off-by-one",
-        file="mpidl/train/checkpoint.py",
+        file="mpidl/train/retention.py",
         original="listed[: max(0, len(listed) - k)]",
         mutated="listed[: max(0, len(listed) - k + 1)]",
         why="keep_last(k) keeps k - 1 checkpoints",
@@ -339,7 +339,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="checkpoint-set-aside-includes-resumed",
-        file="mpidl/train/checkpoint.py",
+        file="mpidl/train/retention.py",
         original="newer = [path for s, path in _listed(directory) if s > step]",
         mutated="newer = [path for s, path in _listed(directory) if s >= step]",
         why="resuming an older checkpoint moves that checkpoint aside too",
@@ -494,7 +494,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="vocab-cross-entropy-local-max",
-        file="mpidl/parallel/tensor.py",
+        file="mpidl/parallel/vocab.py",
         original="        m = x.max(axis=1)  # (N,)\n        if comm.size > 1:\n"
                  "            comm.allreduce_(m, op=\"max\")\n",
         mutated="        m = x.max(axis=1)  # (N,)\n",
@@ -506,7 +506,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="vocab-cross-entropy-float16-not-widened",
-        file="mpidl/parallel/tensor.py",
+        file="mpidl/parallel/vocab.py",
         original="        if x.dtype.itemsize < 4:\n            x = x.astype(numpy.float32)\n",
         mutated="",
         why="16-bit logits split over the vocabulary reach MPI's max, which refuses float16",

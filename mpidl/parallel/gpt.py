@@ -39,10 +39,10 @@ from mpidl.parallel.grid import ProcessGrid
 from mpidl.parallel.mappings import copy_to_region, gathered_linear
 from mpidl.parallel.sequence import SequenceLayout
 from mpidl.parallel.tensor import (ColumnParallelLinear, Shard, VocabParallelEmbedding,
-                                   check_same_layer, full_state_dict, load_full_state_dict,
-                                   vocab_parallel_cross_entropy, vocab_parallel_hits)
+                                   check_same_layer, full_state_dict, load_full_state_dict)
 from mpidl.parallel.transformer import (ATTENTION, ParallelLayerNorm, ParallelTransformerLayer,
                                         Tokens)
+from mpidl.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_hits
 
 
 class ParallelGPT(Module):

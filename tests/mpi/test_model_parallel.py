@@ -155,7 +155,7 @@ def test_vocab_parallel_cross_entropy_equals_the_full_logits_loss_on_every_rank(
     # 11 classes split over the ranks unevenly (6+5, 4+4+3): each rank's loss and its
     # slice of the gradient are those of softmax_cross_entropy on the full logits.
     from mpidl.autograd import Tensor
-    from mpidl.parallel.tensor import vocab_parallel_cross_entropy
+    from mpidl.parallel.vocab import vocab_parallel_cross_entropy
 
     rng = numpy.random.default_rng(2)
     vocab = 11
@@ -179,7 +179,7 @@ def test_vocab_parallel_cross_entropy_of_float16_logits_works_in_float32(comm):
     # MPI has no float16 max everywhere: 16-bit logits are reduced in float32 and the
     # loss and gradient come back in float16, close to the float32 loss of the same logits.
     from mpidl.autograd import Tensor
-    from mpidl.parallel.tensor import vocab_parallel_cross_entropy
+    from mpidl.parallel.vocab import vocab_parallel_cross_entropy
 
     rng = numpy.random.default_rng(3)
     vocab = 11
@@ -198,7 +198,7 @@ def test_vocab_parallel_cross_entropy_of_float16_logits_works_in_float32(comm):
     assert_allclose_all_ranks(comm, got.data, want.data, dtype="float16", what="loss")
     assert_allclose_all_ranks(comm, mine.grad, full.grad[:, start:start + counts[comm.rank]],
                               dtype="float16", what="gradient")
-    from mpidl.parallel.tensor import vocab_parallel_hits
+    from mpidl.parallel.vocab import vocab_parallel_hits
 
     hits = vocab_parallel_hits(mine, labels, comm, start)
     want_hits = int((logits.argmax(axis=1) == labels).sum())
@@ -206,7 +206,7 @@ def test_vocab_parallel_cross_entropy_of_float16_logits_works_in_float32(comm):
 
 
 def test_vocab_parallel_hits_are_the_full_logits_argmax_hits_ties_included(comm):
-    from mpidl.parallel.tensor import vocab_parallel_hits
+    from mpidl.parallel.vocab import vocab_parallel_hits
 
     rng = numpy.random.default_rng(0)
     vocab, n = 7, 40

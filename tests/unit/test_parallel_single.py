@@ -11,7 +11,8 @@ from mpidl.comm import SingleCommunicator
 from mpidl.models import gpt
 from mpidl.parallel import parallel_gpt
 from mpidl.parallel.grid import ProcessGrid, single_grid
-from mpidl.parallel.tensor import Shard, vocab_parallel_cross_entropy
+from mpidl.parallel.tensor import Shard
+from mpidl.parallel.vocab import vocab_parallel_cross_entropy
 from mpidl.testing import allclose
 from mpidl.testing.counting import CountingCommunicator
 from mpidl.testing.memory import peak_bytes
