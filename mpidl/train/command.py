@@ -52,7 +52,8 @@ def _help(argv: Sequence[str]) -> str:
 def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
     """Load the config on every rank; on any error, rank 0 reports it once. Collective."""
     # lazy: the signal handlers come before heavy imports (see the module's note)
-    from mpidl.train.config import ConfigError, check_model, load_config, split_args
+    from mpidl.train.config import ConfigError, load_config, split_args
+    from mpidl.train.model_keys import check_model
 
     config, error = None, None
     try:

@@ -164,8 +164,8 @@ def load_model(run: TrainedRun, description: Any, xp: Any, doing: str) -> tuple[
         CheckpointError, FileNotFoundError: the checkpoint does not load.
     """
     from mpidl.train.checkpoint import CheckpointError, load_checkpoint
-    from mpidl.train.config import check_model
     from mpidl.train.model import build_model, load_model_state
+    from mpidl.train.model_keys import check_model
 
     check_model(run.config)
     model = build_model(run.config, description).to(xp)

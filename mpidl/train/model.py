@@ -26,7 +26,8 @@ import numpy
 
 from mpidl import models
 from mpidl.data.stats import column_scale
-from mpidl.train.config import Config, ConfigError, check_model, model_parameters
+from mpidl.train.config import Config, ConfigError
+from mpidl.train.model_keys import check_model, model_parameters
 
 if TYPE_CHECKING:
     from mpidl.train.checkpoint import Checkpoint

@@ -12,7 +12,6 @@ from mpidl.train.config import (
     Config,
     ConfigError,
     apply_overrides,
-    check_model_kwargs,
     config_from_dict,
     default_run_dir,
     list_presets,
@@ -21,6 +20,7 @@ from mpidl.train.config import (
     split_args,
     to_toml,
 )
+from mpidl.train.model_keys import check_model, check_model_kwargs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -240,8 +240,6 @@ def test_check_model_kwargs_against_the_constructor():
 def test_the_reference_models_keys_are_checked_through_their_factories(args, message):
     # The factories take **kwargs and hand them to the model class: its constructor
     # decides which keys exist.
-    from mpidl.train.config import check_model
-
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_model(load_config(None, args))
     config = load_config(None, ["--model=transformer", "--model.dropout=0.1",
