@@ -87,17 +87,26 @@ class Unit:
             p.grad_buffer = None
 
 
+def member_ranges(u: Unit) -> list[tuple[int, int, int, int]]:
+    """(member index, first element, start, stop) of each member's part of this rank's
+    block of unit ``u``: the member's first element held, and where its part lies in
+    the block, ``[start, stop)``. Members without elements here are left out, and so is
+    the padding."""
+    out = []
+    lo, hi = u.start, min(u.start + u.block, u.size)
+    for k, (a, b) in enumerate(zip(u.offsets, u.offsets[1:])):
+        x, y = max(lo, a), min(hi, b)
+        if x < y:
+            out.append((k, x - a, x - lo, y - lo))
+    return out
+
+
 def member_slices(u: Unit, block: Any) -> list[tuple[Parameter, int, Any]]:
     """(parameter, first element, values) of each member's part of ``block`` (this
     rank's block of unit ``u``, or an array shaped like it: its gradient, optimizer
     state)."""
-    out = []
-    lo, hi = u.start, min(u.start + u.block, u.size)
-    for p, a, b in zip(u.params, u.offsets, u.offsets[1:]):
-        x, y = max(lo, a), min(hi, b)
-        if x < y:
-            out.append((p, x - a, block[x - u.start:y - u.start]))
-    return out
+    return [(u.params[k], first, block[start:stop])
+            for k, first, start, stop in member_ranges(u)]
 
 
-__all__ = ["Unit", "member_slices"]
+__all__ = ["Unit", "member_ranges", "member_slices"]

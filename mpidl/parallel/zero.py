@@ -51,8 +51,10 @@ from mpidl.autograd import Function, Tensor
 from mpidl.comm.base import Communicator
 from mpidl.nn.module import Module, Parameter
 from mpidl.optim.clip import gradient_norm
+from mpidl.optim.layerwise import TensorNorms
 from mpidl.parallel import agreement
 from mpidl.parallel.buckets import plan_buckets
+from mpidl.parallel.layerwise import unit_tensor_norms
 from mpidl.parallel.transport import choose_transport
 from mpidl.parallel.units import Unit, member_slices
 from mpidl.parallel.wrapper import HeldBytes
@@ -379,6 +381,12 @@ class ShardedDataParallel:
                   for p, _, g in member_slices(u, u.shard.grad)]
         xp = self.units[0].xp if self.units else numpy
         return float(gradient_norm(pieces, shards=self.comm, tensor=tensor, xp=xp))
+
+    def tensor_norms(self, tensor: Communicator | None = None) -> TensorNorms:
+        """Where the model's tensors are among :meth:`parameters` (this rank's shards), for
+        LARS and LAMB: their norms add up over the replicas (and ``tensor`` for
+        tensor-parallel members). Not collective."""
+        return unit_tensor_norms(self.units, self.comm, tensor)
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6,
                         tensor: Communicator | None = None) -> float:
