@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 OPS = ("sum", "max", "min", "prod")
+MAX_TAG = 8192  # point-to-point tags are below it (MPI maps them under its least MPI_TAG_UB)
 
 
 class DistributedError(RuntimeError):
@@ -33,6 +34,13 @@ class DistributedError(RuntimeError):
         self.failed_ranks = list(failed_ranks)
         self.messages = dict(messages or {})
         self.group_size = group_size
+
+
+def check_tag(tag: int) -> int:
+    """Validate a point-to-point tag; returns it (not collective)."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < MAX_TAG:
+        raise ValueError(f"tag={tag!r}: a point-to-point tag is an int in [0, {MAX_TAG})")
+    return tag
 
 
 def check_op(op: str) -> str:
@@ -172,6 +180,55 @@ class Communicator:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+    # -- point to point: not collective, only this rank and its peer -------------------
+    def isend(self, x: Any, dest: int, tag: int = 0) -> "Request":
+        """Start sending ``x`` to rank ``dest``; ``wait()`` returns None once ``x`` may
+        be written again.
+
+        Point-to-point (not collective): ``dest`` must post a receive from this rank
+        with the same ``tag`` (``0 <= tag <`` :data:`MAX_TAG`) into an array of ``x``'s
+        shape and dtype. Messages from one rank to another with the same tag are
+        received in the order they were sent (MPI's non-overtaking rule); different
+        tags do not match each other.
+        """
+        raise NotImplementedError
+
+    def irecv_(self, x: Any, source: int, tag: int = 0) -> "Request":
+        """Start receiving the message of rank ``source`` with ``tag`` into ``x``;
+        ``wait()`` returns ``x``, filled.
+
+        Point-to-point, the other half of :meth:`isend`. ``x`` must have the sender's
+        shape and dtype: a message of another size is a
+        :class:`DistributedError` naming both ranks, and under
+        ``MPIDL_CHECK_COLLECTIVES=1`` so is one of another shape or dtype (with the
+        sender's call site).
+        """
+        raise NotImplementedError
+
+    def send(self, x: Any, dest: int, tag: int = 0) -> None:
+        """Send ``x`` to ``dest`` and return once ``x`` may be written again.
+
+        Point-to-point, as :meth:`isend`. It may wait until ``dest`` receives (MPI's
+        rendezvous protocol for large messages), so two ranks that both send to each
+        other before receiving can deadlock: post :meth:`irecv_` and :meth:`isend`
+        together and wait for both (:mod:`mpidl.parallel.pipeline` does).
+        """
+        self.isend(x, dest, tag).wait()
+
+    def recv_(self, x: Any, source: int, tag: int = 0) -> Any:
+        """Receive the message of ``source`` with ``tag`` into ``x``; returns ``x``.
+
+        Point-to-point, as :meth:`irecv_`.
+        """
+        return self.irecv_(x, source, tag).wait()
+
+    def prepare_device(self) -> None:
+        """Decide now how device arrays reach this group's point-to-point calls.
+
+        Collective. Where the decision needs the group (an MPI probe), point-to-point
+        calls of device arrays refuse to run before it; nothing to do elsewhere.
+        """
 
     def allgather_obj(self, obj: Any) -> list:
         raise NotImplementedError

@@ -34,7 +34,8 @@ collective             Open MPI      other MPI   why
 ``allgatherv``,                                  memory; the probe's sendrecv tested it
 ``alltoall``,
 ``sendrecv``
-``isendrecv``          direct        staged      non-blocking point-to-point: the same
+``isendrecv``,         direct        staged      non-blocking point-to-point: the same
+``isend``, ``irecv_``
                                                  transport in Open MPI; not probed elsewhere
 ``iallgather``         staged        staged      non-blocking: libnbc's schedule copies
                                                  blocks with host memcpy; not probed
@@ -68,6 +69,8 @@ PATHS: dict[str, dict[str, str]] = {
     "alltoall": {OPEN_MPI: DIRECT, OTHER: DIRECT},
     "sendrecv": {OPEN_MPI: DIRECT, OTHER: DIRECT},
     "isendrecv": {OPEN_MPI: DIRECT, OTHER: STAGED},
+    "isend": {OPEN_MPI: DIRECT, OTHER: STAGED},
+    "irecv_": {OPEN_MPI: DIRECT, OTHER: STAGED},
     "iallgather": {OPEN_MPI: STAGED, OTHER: STAGED},
 }
 

@@ -43,17 +43,23 @@ class Entry:
     start: float = 0.0   # time.monotonic() when the rank began to wait, 0 if not yet
     end: float = 0.0     # when the wait ended, 0 while in flight
     patient: str = ""    # why a long wait is expected here ("" = the watchdog's timeout)
+    peer: int | None = None  # point-to-point: the other rank, as a COMM_WORLD rank
 
     def describe(self, now: float | None = None) -> str:
-        """``allreduce_ #12 at trainer.py:310 in _record_train (waiting 4.2 s)``."""
-        text = f"{self.op} #{self.seq} at {self.site}"
+        """``allreduce_ #12 at trainer.py:310 in _record_train (waiting 4.2 s)``; a
+        point-to-point call: ``recv_ p2p #3 from world rank 5 at ...``."""
+        if self.peer is None:
+            text = f"{self.op} #{self.seq} at {self.site}"
+        else:
+            way = "to" if "send" in self.op else "from"
+            text = f"{self.op} p2p #{self.seq} {way} world rank {self.peer} at {self.site}"
         if self.start and not self.end:
             text += f" (waiting {(now or time.monotonic()) - self.start:.1f} s)"
         return text
 
     def as_dict(self) -> dict:
         return {"seq": self.seq, "op": self.op, "site": self.site, "start": self.start,
-                "end": self.end, "patient": self.patient}
+                "end": self.end, "patient": self.patient, "peer": self.peer}
 
 
 def call_site() -> str:
@@ -99,14 +105,25 @@ class Ledger:
         self.key = key
         self.world_ranks = world_ranks
         self.seq = 0
+        self.p2p_seq = 0  # point-to-point calls, numbered apart: ranks make different ones
         self.inflight: Entry | None = None
         self.recent: collections.deque[Entry] = collections.deque(maxlen=RECENT)
         _ledgers.add(self)
 
-    def begin(self, op: str) -> Entry:
-        """Number the next collective, named ``op``, called from the caller's caller."""
+    def begin(self, op: str, peer: int | None = None) -> Entry:
+        """Number the next collective, named ``op``, called from the caller's caller.
+
+        ``peer`` (a world rank) marks a point-to-point call: numbered in its own
+        sequence, since two ranks of a correct program make different ones (a first
+        pipeline stage receives no activations), so the collectives' numbers stay the
+        same on every rank.
+        """
+        patient = getattr(_local, "patience", "")
+        if peer is not None:
+            self.p2p_seq += 1
+            return Entry(self.p2p_seq, op, call_site(), patient=patient, peer=peer)
         self.seq += 1
-        return Entry(self.seq, op, call_site(), patient=getattr(_local, "patience", ""))
+        return Entry(self.seq, op, call_site(), patient=patient)
 
     @contextlib.contextmanager
     def waiting(self, entry: Entry) -> Iterator[Entry]:

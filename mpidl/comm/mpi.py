@@ -26,13 +26,18 @@ from typing import Any, Callable
 
 from mpidl.backend import get_array_module, is_cupy, synchronize
 from mpidl.comm import datatypes
-from mpidl.comm.base import (Communicator, CompletedRequest, DistributedError, Request, check_op,
-                             check_reducible, split_counts)
+from mpidl.comm.base import (MAX_TAG, Communicator, CompletedRequest, DistributedError, Request,
+                             check_op, check_reducible, check_tag, split_counts)
 from mpidl.comm.device import DIRECT
 from mpidl.comm.ledger import Entry, Ledger
 from mpidl.comm.staged import Staged, Stager
 
 MAX_MESSAGE_BYTES = 2**31 - 1
+# MPI tags of point-to-point calls: sendrecv's chunks use 0, 1, ...; a message of tag t
+# goes as _DATA_TAG + t, its check-mode description as _META_TAG + t (all below the
+# standard's least MPI_TAG_UB, 32767).
+_DATA_TAG = MAX_TAG
+_META_TAG = 2 * MAX_TAG
 
 
 def _mpi():
@@ -149,6 +154,78 @@ class MpiRequest(Request):
     def _complete(self) -> None:
         self._done = True
         self._finish()
+
+
+class PointToPointRequest(Request):
+    """Handle of :meth:`MpiCommunicator.isend` or :meth:`MpiCommunicator.irecv_`.
+
+    ``wait()`` marks the wait in the ledger with its peer (what the watchdog reports
+    for a receive whose send never comes), then checks what arrived.
+    """
+
+    def __init__(self, comm: "MpiCommunicator", entry: Entry, requests: list,
+                 finish: Callable[[], None], result: Any, meta: Any = None,
+                 expect: tuple | None = None) -> None:
+        self._comm, self._entry, self._requests = comm, entry, requests
+        self._finish, self._result = finish, result
+        self._meta, self._expect = meta, expect
+        self._done = False
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        MPI = _mpi()
+        if self._meta is not None:
+            arrived, sent = self._meta.test()
+            if not arrived:
+                return False
+            self._meta = None
+            self._compare(sent)
+        statuses = [MPI.Status() for _ in self._requests]
+        if MPI.Request.Testall(self._requests, statuses):
+            self._complete(statuses)
+        return self._done
+
+    def wait(self) -> Any:
+        if self._done:
+            return self._result
+        MPI = _mpi()
+        statuses = [MPI.Status() for _ in self._requests]
+        with self._comm.ledger.waiting(self._entry):
+            if self._meta is not None:
+                sent, self._meta = self._meta.wait(), None
+                self._compare(sent)
+            try:
+                MPI.Request.Waitall(self._requests, statuses)
+            except MPI.Exception as e:  # a longer message than the buffer: truncated
+                raise DistributedError(self._mismatch(f"more than {self._expect[2]} bytes "
+                                                      f"({e.Get_error_string()})"),
+                                       [self._expect[3]]) from None
+        self._complete(statuses)
+        return self._result
+
+    def _complete(self, statuses: list) -> None:
+        if self._expect is not None:
+            got = sum(st.Get_count(_mpi().BYTE) for st in statuses)
+            if got != self._expect[2]:
+                raise DistributedError(self._mismatch(f"{got} bytes"), [self._expect[3]])
+        self._done = True
+        self._finish()
+
+    def _compare(self, sent: tuple) -> None:
+        shape, dtype, site = sent
+        if (shape, dtype) != self._expect[:2]:
+            raise DistributedError(self._mismatch(f"shape {shape}, {dtype} (sent at {site})"),
+                                   [self._expect[3]])
+
+    def _mismatch(self, sent: str) -> str:
+        shape, dtype, nbytes, source = self._expect
+        c = self._comm
+        return (f"point-to-point mismatch on communicator {c.ledger.key!r}: rank {source} "
+                f"(world {c.ledger.world_ranks[source]}) sent {sent}, rank {c.rank} (world "
+                f"{c.ledger.world_ranks[c.rank]}) receives shape {shape}, {dtype} "
+                f"({nbytes} bytes) at {self._entry.site}; a send and its receive must "
+                "agree on shape and dtype (and on tag and order)")
 
 
 class _StartQueue:
@@ -553,6 +630,74 @@ class MpiCommunicator(Communicator):
 
         return out, src.reshape(-1), dst.reshape(-1), done
 
+    # -- point to point ------------------------------------------------------------
+    def isend(self, x: Any, dest: int, tag: int = 0) -> "PointToPointRequest":
+        """Start sending ``x`` to ``dest`` (see :meth:`Communicator.isend`).
+
+        Point-to-point; ``x`` must not be written until ``wait()``. Numbered in the
+        ledger apart from the collectives, with the peer, for the watchdog. Under
+        ``MPIDL_CHECK_COLLECTIVES=1`` a small pickled description (shape, dtype, call
+        site) goes first, for the receiver to compare.
+        """
+        xp = get_array_module(x)
+        x = _same_shape_contiguous(xp, x)
+        self._check_peer(dest, "dest", "isend")
+        entry = self.ledger.begin("isend", peer=self.ledger.world_ranks[dest])
+        tag = check_tag(tag)
+        src, release = self._p2p_device(x, "in", "isend")
+        reqs = []
+        if self.check_collectives:
+            reqs.append(self.mpi_comm.isend((tuple(x.shape), str(x.dtype), entry.site),
+                                            dest=dest, tag=_META_TAG + tag))
+        flat = src.reshape(-1)
+        reqs += [self.mpi_comm.Isend(flat[i:j], dest=dest, tag=_DATA_TAG + tag)
+                 for i, j in self._chunks(flat.size, flat.itemsize)]
+        return PointToPointRequest(self, entry, reqs, release, None)
+
+    def irecv_(self, x: Any, source: int, tag: int = 0) -> "PointToPointRequest":
+        """Start receiving from ``source`` into ``x`` (see :meth:`Communicator.irecv_`).
+
+        Point-to-point; ``x`` is filled at ``wait()``. A message of another byte size
+        is a :class:`DistributedError` naming both ranks (MPI reports a longer one as
+        truncated, and fills a shorter one silently, so the count is compared); under
+        ``MPIDL_CHECK_COLLECTIVES=1`` so is another shape or dtype.
+        """
+        _contiguous(x, "irecv_")
+        self._check_peer(source, "source", "irecv_")
+        entry = self.ledger.begin("irecv_", peer=self.ledger.world_ranks[source])
+        tag = check_tag(tag)
+        dst, finish = self._p2p_device(x, "out", "irecv_")
+        meta = None
+        if self.check_collectives:
+            meta = self.mpi_comm.irecv(source=source, tag=_META_TAG + tag)
+        flat = dst.reshape(-1)
+        reqs = [self.mpi_comm.Irecv(flat[i:j], source=source, tag=_DATA_TAG + tag)
+                for i, j in self._chunks(flat.size, flat.itemsize)]
+        expect = (tuple(x.shape), str(x.dtype), int(flat.nbytes), source)
+        return PointToPointRequest(self, entry, reqs, finish, x, meta, expect)
+
+    def prepare_device(self) -> None:
+        """Decide now how device arrays reach MPI in point-to-point calls. Collective.
+
+        The decision (:mod:`mpidl.comm.device`) probes MPI over the whole group the
+        first time; a point-to-point call, made by two ranks only, cannot, so code that
+        sends device arrays calls this once, on every rank, first.
+        """
+        self.stager.path("isend")
+
+    def _p2p_device(self, x: Any, mode: str, name: str) -> tuple[Any, Callable[[], None]]:
+        if is_cupy(get_array_module(x)) and self.stager.cuda_aware is None:
+            raise RuntimeError(
+                f"{name} of a device array on {self!r} before the communicator decided "
+                "how device arrays reach MPI (a collective probe): call "
+                "comm.prepare_device() on every rank of it first")
+        return self._device(datatypes.bits(x), mode, name)
+
+    def _check_peer(self, peer: int, what: str, name: str) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise ValueError(f"{name}: {what}={peer!r} is not a rank of this size-{self.size} "
+                             "communicator")
+
     def barrier(self) -> None:
         """Wait until every rank has called barrier. Collective."""
         with self.ledger.waiting(self._begin("barrier")):
@@ -618,4 +763,4 @@ def _mismatch(key: str, everyone: list) -> str:
             + "\n".join(lines))
 
 
-__all__ = ["MpiCommunicator", "MpiRequest", "MAX_MESSAGE_BYTES"]
+__all__ = ["MpiCommunicator", "MpiRequest", "PointToPointRequest", "MAX_MESSAGE_BYTES"]

@@ -5,10 +5,12 @@ script runs unchanged as ``python train.py``.
 """
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any
 
-from mpidl.comm.base import Communicator, CompletedRequest, Request, check_op, check_reducible
+from mpidl.comm.base import (Communicator, CompletedRequest, DistributedError, Request, check_op,
+                             check_reducible, check_tag)
 
 
 class SingleCommunicator(Communicator):
@@ -67,6 +69,33 @@ class SingleCommunicator(Communicator):
     def isendrecv(self, x: Any, dest: int, source: int) -> Request:
         """Non-blocking :meth:`sendrecv` with rank 0 itself; complete at once (a copy)."""
         return CompletedRequest(self.sendrecv(x, dest, source))
+
+    def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
+        """Send a copy of ``x`` to rank 0 itself; complete at once (received later by
+        :meth:`irecv_` with the same tag, in order)."""
+        self._check_peer(dest, "dest")
+        self._mail(check_tag(tag)).append(x.copy())
+        return CompletedRequest(None)
+
+    def irecv_(self, x: Any, source: int, tag: int = 0) -> Request:
+        """Receive into ``x`` the oldest message this rank sent itself with ``tag``."""
+        self._check_peer(source, "source")
+        box = self._mail(check_tag(tag))
+        if not box:
+            raise DistributedError(f"irecv_(tag={tag}) on a size-1 communicator with no "
+                                   "message of that tag sent: it would wait for ever", [0])
+        got = box.popleft()
+        if got.shape != x.shape or got.dtype != x.dtype:
+            raise DistributedError(f"point-to-point mismatch: rank 0 sent shape {got.shape}, "
+                                   f"{got.dtype}, rank 0 receives shape {x.shape}, {x.dtype}",
+                                   [0])
+        x[...] = got
+        return CompletedRequest(x)
+
+    def _mail(self, tag: int) -> collections.deque:
+        if "_boxes" not in self.__dict__:
+            self._boxes: dict[int, collections.deque] = {}
+        return self._boxes.setdefault(tag, collections.deque())
 
     def iallgather(self, x: Any) -> Request:
         """Non-blocking :meth:`allgather`; complete at once."""

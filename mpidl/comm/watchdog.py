@@ -189,7 +189,9 @@ class Watchdog:
             if entry is None or not entry.start:
                 continue
             where = f"{entry.describe(now)} on {ledger.key!r}"
-            for r in (r for r in ledger.world_ranks if r in self.exited):
+            # A point-to-point wait needs its peer only; a collective every member.
+            needed = ledger.world_ranks if entry.peer is None else (entry.peer,)
+            for r in (r for r in needed if r in self.exited):
                 if now - max(self.exited[r][0], entry.start) >= min(EXIT_GRACE, self.timeout):
                     return self._trouble(f"rank {r} has exited (status {self.exited[r][1]}) "
                                          f"while rank {self.rank} waits in {where}, which "
@@ -202,7 +204,8 @@ class Watchdog:
     def _trouble(self, reason: str, key: str, entry: Any) -> None:
         """Rank 0 reports; another rank alerts rank 0, and reports itself if rank 0 has
         not ended the job a while later (rank 0 may be the stopped one)."""
-        wait = {"key": key, "seq": entry.seq, "op": entry.op, "site": entry.site}
+        wait = {"key": key, "seq": entry.seq, "op": entry.op, "site": entry.site,
+                "peer": entry.peer}
         now = time.monotonic()
         if self.rank == 0:
             self._report(reason, wait)
@@ -295,7 +298,11 @@ def format_report(reason: str, states: dict[int, dict], size: int,
     ``wait`` (key, seq, op, site) is the collective the reporting rank found stuck.
     """
     lines = [f"mpidl watchdog: {reason}; aborting all {size} ranks (exit status {EXIT_HUNG})."]
-    if wait is not None:
+    if wait is not None and wait.get("peer") is not None:
+        lines.append(f"  {wait['op']} p2p #{wait['seq']} at {wait['site']} on {wait['key']!r} "
+                     f"is point-to-point: it waits for world rank {wait['peer']} only "
+                     "(its line below says where that rank is instead)")
+    elif wait is not None:
         lines += _who_waits_where(states, wait["key"])
     for rank in range(size):
         state = states.get(rank)
@@ -308,7 +315,7 @@ def format_report(reason: str, states: dict[int, dict], size: int,
                  if ledger["inflight"]]
         if waits:
             where = "; ".join(
-                f"in {e['op']} #{e['seq']} at {e['site']} on {key!r} for "
+                f"in {_what(e)} at {e['site']} on {key!r} for "
                 f"{state['now'] - e['start']:.1f} s" for key, e in waits)
         else:
             last = [(ledger["key"], ledger["recent"][-1]) for ledger in state["ledgers"]
@@ -335,7 +342,7 @@ def _who_waits_where(states: dict[int, dict], key: str) -> list[str]:
             if ledger["key"] == key:
                 members.update(ledger["world_ranks"])
                 e = ledger["inflight"]
-                if e:
+                if e and e.get("peer") is None:
                     groups.setdefault((e["seq"], e["op"], e["site"]), []).append(rank)
     if not groups:
         return []
@@ -343,6 +350,13 @@ def _who_waits_where(states: dict[int, dict], key: str) -> list[str]:
     absent = sorted(members - set(ranks))
     return [f"  in {op} #{seq} at {site} on {key!r}: ranks {_ranks(ranks)}; "
             f"never arrived: {_ranks(absent) or 'none'}"]
+
+
+def _what(e: dict) -> str:
+    """``allreduce_ #3``, or ``recv_ p2p #2 from world rank 1``."""
+    if e.get("peer") is None:
+        return f"{e['op']} #{e['seq']}"
+    return f"{e['op']} p2p #{e['seq']} {'to' if 'send' in e['op'] else 'from'} world rank {e['peer']}"
 
 
 def _ranks(ranks: list[int]) -> str:

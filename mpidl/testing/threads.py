@@ -27,7 +27,8 @@ its part at start and completes at ``wait()`` (or a ``test()`` that finds every 
 part), so, as MPI requires, every rank must start its collectives in the same order,
 blocking and non-blocking together; a rank that starts them in another order gets the
 mismatch error. ``isendrecv`` deposits its message in a per-(source, dest) FIFO when it
-starts and receives at ``wait()``: every order MPI's eager sends allow works.
+starts and receives at ``wait()``: every order MPI's eager sends allow works. So do
+``isend`` (deposited at start) and ``irecv_`` (at ``wait()``), per tag.
 
 What it does not model:
 
@@ -150,7 +151,8 @@ class _Group:
         self.world, self.members, self.label = world, members, label
         self.size = len(members)
         self.rounds: dict[int, _Round] = {}
-        self.mail: dict[tuple[int, int, int], Any] = {}  # (source, dest, number) -> array
+        # (source, dest, tag, number) -> (array, sender's call site); tag None: sendrecv
+        self.mail: dict[tuple, Any] = {}
         self.broken = ""  # set by a timeout: later collectives fail at once
 
     def name(self, ranks: Sequence[int]) -> str:
@@ -182,8 +184,8 @@ class ThreadCommunicator(Communicator):
         self.local_rank, self.local_size = same_node.index(rank), len(same_node)
         self.calls: list[Call] = []
         self._rounds = 0  # collectives started here (the group's round numbers)
-        self._sent: dict[int, int] = {}  # dest -> messages sent to it
-        self._received: dict[int, int] = {}  # source -> receives started from it
+        self._sent: dict[tuple, int] = {}  # (dest, tag) -> messages sent to it
+        self._received: dict[tuple, int] = {}  # (source, tag) -> receives started from it
         self._freed = False
 
     def __repr__(self) -> str:
@@ -348,6 +350,20 @@ class ThreadCommunicator(Communicator):
         """
         return self._exchange("isendrecv", x, dest, source)
 
+    def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
+        """Start sending ``x`` to ``dest`` with ``tag``: deposited (a copy) now, as an
+        eager MPI send; ``wait()`` returns None. Point-to-point (see
+        :meth:`~mpidl.comm.base.Communicator.isend`)."""
+        return self._exchange("isend", x, dest, None, base.check_tag(tag))
+
+    def irecv_(self, x: Any, source: int, tag: int = 0) -> Request:
+        """Start receiving ``source``'s message with ``tag`` into ``x``; ``wait()``
+        returns ``x``. Another shape or dtype than the sender's is a DistributedError
+        naming both ranks and both call sites; a sender that never sends is named after
+        ``timeout`` (at once when its function has returned)."""
+        _contiguous(x, "irecv_")
+        return self._exchange("irecv_", None, None, source, base.check_tag(tag), into=x)
+
     # -- groups -----------------------------------------------------------------------
     def split(self, color: int, key: int | None = None) -> "ThreadCommunicator":
         """Ranks passing the same ``color`` form a new communicator.
@@ -393,7 +409,8 @@ class ThreadCommunicator(Communicator):
         call = Call(seq=len(self.calls) + 1, name=name,
                     shape=None if x is None else tuple(x.shape),
                     dtype=None if x is None else str(x.dtype), op=op, root=root,
-                    nbytes=0 if x is None else int(x.nbytes), point_to_point=dest is not None,
+                    nbytes=0 if x is None else int(x.nbytes),
+                    point_to_point=dest is not None or source is not None,
                     dest=dest, source=source, site=_call_site())
         self.calls.append(call)
         return call
@@ -452,19 +469,31 @@ class ThreadCommunicator(Communicator):
                 group_size=g.size)
         return rnd.parts
 
-    def _exchange(self, name: str, x: Any, dest: int, source: int) -> Request:
-        self._check_peer(dest, "dest")
-        self._check_peer(source, "source")
-        call = self._record(name, x, dest=dest, source=source)
+    def _exchange(self, name: str, x: Any, dest: int | None, source: int | None,
+                  tag: int | None = None, into: Any = None) -> Request:
+        """Send ``x`` to ``dest`` (deposited now) and/or receive from ``source`` (at
+        ``wait()``; into ``into`` when given). Messages match per (source, dest,
+        channel) in order: ``tag`` None is sendrecv's channel, a tag its own."""
+        if dest is not None:
+            self._check_peer(dest, "dest")
+        if source is not None:
+            self._check_peer(source, "source")
+        like = x if x is not None else into
+        call = self._record(name, like, dest=dest, source=source)
         g, world = self._group, self._group.world
-        sent, self._sent[dest] = self._sent.get(dest, 0), self._sent.get(dest, 0) + 1
-        number = self._received.get(source, 0)
-        self._received[source] = number + 1
-        box = (source, self.rank, number)
-        with world.cond:
-            self._give_up_if_failed(call)
-            g.mail[(self.rank, dest, sent)] = x.copy()
-            world.cond.notify_all()
+        if dest is not None:
+            sent = self._sent.get((dest, tag), 0)
+            self._sent[(dest, tag)] = sent + 1
+            with world.cond:
+                self._give_up_if_failed(call)
+                g.mail[(self.rank, dest, tag, sent)] = (x.copy(), call.site)
+                world.cond.notify_all()
+        if source is None:
+            return _ThreadRequest(lambda block: None)
+        number = self._received.get((source, tag), 0)
+        self._received[(source, tag)] = number + 1
+        box = (source, self.rank, tag, number)
+        channel = "" if tag is None else f" with tag {tag}"
 
         def complete(block: bool) -> Any:
             with world.cond:
@@ -472,16 +501,19 @@ class ThreadCommunicator(Communicator):
                     if not block:
                         return _PENDING
                     self._wait(lambda: box in g.mail, call, lambda: [source],
-                               f"message #{number + 1} from rank {source} to rank {self.rank}",
-                               collective=False)
-                got = g.mail.pop(box)
-            if got.shape != x.shape or got.dtype != x.dtype:
+                               f"message #{number + 1}{channel} from rank {source} to "
+                               f"rank {self.rank}", collective=False)
+                got, site = g.mail.pop(box)
+            if got.shape != like.shape or got.dtype != like.dtype:
                 raise DistributedError(
                     f"{name} on rank {self.rank}: rank {source} sent shape {got.shape} "
-                    f"{got.dtype}, this rank receives shape {x.shape} {x.dtype} (like its x); "
-                    "point-to-point partners must exchange arrays of one shape and dtype",
-                    [source])
-            return got
+                    f"{got.dtype} (at {site}), this rank receives shape {like.shape} "
+                    f"{like.dtype} (at {call.site}); point-to-point partners must exchange "
+                    "arrays of one shape and dtype", [source])
+            if into is None:
+                return got
+            into[...] = got
+            return into
 
         return _ThreadRequest(complete)
 

@@ -171,3 +171,22 @@ def test_a_bad_timeout_value_is_a_clear_error(tmp_path):
                      env={"MPIDL_TIMEOUT": "soon"})
     assert result.returncode != 0
     assert "MPIDL_TIMEOUT='soon' is not a number of seconds >= 0" in result.stderr
+
+
+RECV_NEVER_SENT = textwrap.dedent("""
+    import numpy
+    from mpidl.comm import world
+
+    comm = world()
+    if comm.rank == 1:
+        comm.recv_(numpy.empty(3), 0, tag=1)   # rank 0 never sends it
+    comm.barrier()
+""")
+
+
+def test_a_receive_whose_send_never_comes_is_ended_by_the_watchdog_naming_the_peer(tmp_path):
+    result = _launch(tmp_path, 2, RECV_NEVER_SENT, env={"MPIDL_TIMEOUT": "3"})
+    assert result.returncode == EXIT_HUNG and result.seconds < 30, result.output
+    assert "rank 1: in irecv_ p2p #1 from world rank 0 at job.py:7" in result.stderr, \
+        result.stderr
+    assert "rank 0: in barrier #1 at job.py:8" in result.stderr, result.stderr
