@@ -23,7 +23,7 @@ from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
 from mpidl.data.splits import check_splits_agree
 from mpidl.data.stats import majority
 from mpidl.parallel import DataParallel, ShardedDataParallel, convert_sync_batchnorm
-from mpidl.train.config import Config
+from mpidl.train.config import Config, ConfigError
 from mpidl.train.evaluation import evaluation_loader
 from mpidl.train.layout import Layout, plan_layout
 from mpidl.train.log import Logger
@@ -119,6 +119,18 @@ def build_optimizer(config: Config, params: list) -> Any:
     return cls(params, lr=lr, weight_decay=config.weight_decay)
 
 
+def check_microbatches(config: Config, data_ranks: int) -> None:
+    """ConfigError unless every data rank's share of a step has a sample per microbatch
+    (the smallest share, ``global_batch // data_ranks``; alike on every rank)."""
+    share = config.global_batch // data_ranks
+    if config.microbatches > share:
+        raise ConfigError(
+            f"--microbatches={config.microbatches} is more than the {share} sample(s) the "
+            f"smallest of {data_ranks} data ranks gets of --global-batch="
+            f"{config.global_batch}: use --microbatches={max(share, 1)} or fewer, or a "
+            f"--global-batch of at least {config.microbatches * data_ranks}")
+
+
 def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = None) -> Run:
     """The parts of a run of ``config`` on ``data_dir`` (with ``train/`` and ``test/``
     splits). Collective over ``comm`` (the dataset's checks, the grid's communicators).
@@ -145,6 +157,7 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     # grid (mpidl.train.layout); an impossible layout is a ConfigError (exit 2).
     length = max(int(train_set.features["x"].shape[-1]) - 1, 1) if config.task == "gpt" else 1
     layout = Layout(plan_layout(config, comm.size, model, length), comm)
+    check_microbatches(config, layout.data.size)
     if layout.grid is not None:
         objective = objective.split_over(layout.grid)
         log.info(f"model layout: {layout.plan.describe()}")
@@ -183,5 +196,5 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
                loss_scale=loss_scale, total_steps=total_steps)
 
 
-__all__ = ["Run", "build_run", "build_optimizer", "check_splits",
+__all__ = ["Run", "build_run", "build_optimizer", "check_microbatches", "check_splits",
            "warn_if_one_class_dominates"]

@@ -119,6 +119,9 @@ class Config:
     #                                          checkpoint; the schedule still spans the whole
     #                                          run and running again resumes (job chaining)
     global_batch: int = 64                   # samples per step over all ranks
+    # One optimizer step over this many microbatches of each rank's share, their
+    # gradients accumulated, reduced over the ranks once (mpidl.train.step.TrainStep)
+    microbatches: int = 1
     lr: float = 1e-3
     base_batch: int = 64                     # the batch that `lr` is meant for
     lr_scaling: str = choices("linear", "sqrt", "none", default="linear")
@@ -194,7 +197,7 @@ class Config:
 def _validate(config: Config) -> None:
     """Range checks that a type cannot express."""
     positive = ["epochs", "global_batch", "base_batch", "keep_checkpoints", "eval_every",
-                "log_every", "nonfinite_steps"]
+                "log_every", "nonfinite_steps", "microbatches"]
     for key in positive:
         if getattr(config, key) < 1:
             raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(config, key)}")
@@ -205,6 +208,10 @@ def _validate(config: Config) -> None:
         if getattr(config, key) is not None and getattr(config, key) < 1:
             raise ConfigError(f"config key {key!r} must be >= 1 or none, "
                               f"got {getattr(config, key)}")
+    if config.microbatches > config.global_batch:
+        raise ConfigError(f"--microbatches={config.microbatches} is more than the "
+                          f"--global-batch={config.global_batch} samples of a step: a "
+                          f"microbatch needs a sample; use at most {config.global_batch}")
     if config.zero not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'zero' must be 0 (data parallelism) or a ZeRO stage 1, 2 "
                           f"or 3, got {config.zero}")

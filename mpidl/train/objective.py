@@ -89,6 +89,12 @@ class Objective:
     # The eval record's keys a run's summary ends with, and how it names them.
     final_scores: tuple[tuple[str, str], ...] = (("test_accuracy", "test accuracy"),)
 
+    def targets(self, x: Any, y: Any) -> int:
+        """The targets this rank's share ``x``, ``y`` counts, without a forward (what
+        :meth:`step` returns as its count): before the first microbatch's backward the
+        step needs the global count. Not collective."""
+        return int(y.size)
+
     def global_count(self, comm: Any, samples: int, local: int) -> int:
         """Targets in the global batch: the sampler's sample count."""
         return samples
@@ -270,6 +276,13 @@ class LanguageModel(Objective):
             real = targets != self.pad_id
         correct = xp.count_nonzero((logits.data.argmax(-1) == targets) & real)
         return loss, int(xp.count_nonzero(real)), correct
+
+    def targets(self, x: Any, y: Any) -> int:
+        """The next-token targets of ``x`` that are not padding."""
+        xp = get_array_module(x)
+        if self.pad_id is None:
+            return int(x[:, 1:].size)
+        return int(xp.count_nonzero(x[:, 1:] != self.pad_id))
 
     def global_count(self, comm: Any, samples: int, local: int) -> int:
         """Real targets over every rank (one 8-byte allreduce)."""

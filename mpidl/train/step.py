@@ -16,14 +16,28 @@ A step whose loss or gradient is not finite on any rank is skipped on every rank
 ranks agree on it, together with the preemption flag, in one small allreduce after
 backward); under the ``stop`` policy ``nonfinite_steps`` of them in a row raise
 :class:`Diverged`, and parameters that are no longer finite raise it at once.
+
+Gradient accumulation (``--microbatches m``): the step cuts this rank's share into
+``m`` microbatches (:func:`~mpidl.comm.split_counts`: uneven when ``m`` does not divide
+it, empty ones allowed, as every rank runs all ``m``, collective forwards included),
+runs forward and backward of each in order, and reduces the gradients over the ranks
+once, in the last backward (the wrapper's ``no_sync`` before it; ZeRO 2-3 hold no full
+gradient and reduce-scatter every microbatch into their shards instead, m times the
+communication). The loss stays a sum divided once by the global batch's count, counted
+before the first forward, so every microbatch's backward is seeded alike and the step
+equals the one-microbatch step up to the order of the float sums; the guard, the loss
+scale, clipping and the optimizer run once per step. Models whose forward depends on
+the batch (batch norm's statistics) see microbatches, not the share, as in PyTorch.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
 import numpy
 
+from mpidl.comm import split_counts
 from mpidl.optim import grads_finite, params_finite, unscale_, warmup_cosine, warmup_linear
 from mpidl.train.build import Run
 from mpidl.train.config import Config
@@ -108,13 +122,9 @@ class TrainStep:
         # warnings on every operation they pass through.
         scale = loss_scale.scale if loss_scale else 1.0
         with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            loss, counted, correct = run.objective.step(run.dp, x, y, run.xp)
-            count = run.objective.global_count(run.comm, n, counted)
-            run.dp.backward(loss, global_count=count, scale=scale)
-        if self.timer is not None:
-            self.timer.add("comm", run.dp.comm_wait_seconds, start=run.dp.comm_wait_start)
+            loss, counted, correct = self._accumulate(x, y, n, scale)
         params = run.dp.parameters()  # the model's, or this rank's shards (ZeRO)
-        loss_finite = bool(run.xp.isfinite(loss.data))
+        loss_finite = bool(run.xp.isfinite(loss))
         finite = loss_finite and bool(grads_finite(params))
         preempted, nonfinite, bad_loss = run.comm.agree_each(
             flag.is_set, not finite, not loss_finite)
@@ -141,7 +151,33 @@ class TrainStep:
         run.optimizer.lr = learning_rate(run.config, step, run.total_steps)
         run.optimizer.step()
         run.optimizer.zero_grad()
-        return StepResult(loss.data, correct, counted, preempted)
+        return StepResult(loss, correct, counted, preempted)
+
+    def _accumulate(self, x: Any, y: Any, n: int, scale: float) -> tuple[Any, int, Any]:
+        """Forward and backward of each microbatch of this rank's share, the gradients
+        reduced over the ranks in the last backward. Collective. Returns this rank's loss
+        sum (an xp scalar), its counted targets and its correct count."""
+        run = self.run
+        m = run.config.microbatches
+        # The global count first: every microbatch's backward is seeded 1/count, so the
+        # loss is divided once, by the whole batch's count (Megatron divides by m).
+        count = run.objective.global_count(run.comm, n, run.objective.targets(x, y))
+        loss_sum: Any = 0
+        counted, correct, start = 0, 0, 0
+        for i, rows in enumerate(split_counts(len(x), m)):
+            last = i == m - 1
+            part = slice(start, start + rows)
+            start += rows
+            with contextlib.nullcontext() if last else run.dp.no_sync():
+                loss, c, k = run.objective.step(run.dp, x[part],
+                                                None if y is None else y[part], run.xp)
+                run.dp.backward(loss, global_count=count, scale=scale)
+            if self.timer is not None:
+                self.timer.add("comm", run.dp.comm_wait_seconds, start=run.dp.comm_wait_start)
+            loss_sum = loss.data if i == 0 else loss_sum + loss.data
+            counted += c
+            correct = correct + k
+        return loss_sum, counted, correct
 
     def _nonfinite_step(self, finite_here: bool, step: int) -> None:
         """Handle a step skipped for a non-finite loss or gradient. Collective.
