@@ -42,6 +42,7 @@ OPTIM = "tests/unit/test_optim.py::"
 ZERO_CONTRACTS = "tests/mpi/test_zero_contracts.py::"
 ZC = "test_zero_contracts::"
 SHARDED_UNIT = "tests/unit/test_sharded_checkpoint.py::"
+DEVICE_CKPT = "tests/unit/test_checkpoint_device.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -681,6 +682,28 @@ MUTATIONS: list[Mutation] = [
             "piece whose last element is the first one this rank needs",
         # The reshards' ZeRO blocks never start on a piece's last element: none caught it.
         tests=(SHARDED_UNIT + "test_a_record_of_any_runs_loads_exactly_those_elements",),
+    ),
+    # -- checkpoints of device arrays (#24): the host copy before a part is written, the
+    #    device of state made on a load; caught with the fake-CuPy kit on thread ranks --
+    Mutation(
+        name="sharded-part-implicit-host-copy",
+        file="mpidl/train/sharded.py",
+        original="data = numpy.ascontiguousarray(as_numpy(values)).reshape(-1)",
+        mutated="data = numpy.ascontiguousarray(values).reshape(-1)",
+        why="a part is written from numpy.asarray of the rank's arrays: CuPy refuses the "
+            "implicit copy, so no GPU run can checkpoint",
+        tests=(DEVICE_CKPT + "test_a_grid_with_zero_on_the_device_saves_and_resumes_as_"
+                             "the_host_run",),
+    ),
+    Mutation(
+        name="holdings-optimizer-state-made-on-host",
+        file="mpidl/parallel/holdings.py",
+        original="            xp = get_array_module(optimizer.params[i].data)\n",
+        mutated="            xp = numpy\n",
+        why="a load makes the optimizer state it lacks on the host: a GPU run resumes "
+            "with host moments beside device parameters",
+        tests=(DEVICE_CKPT + "test_a_grid_with_zero_on_the_device_saves_and_resumes_as_"
+                             "the_host_run",),
     ),
     # -- pipeline parallelism (mpidl/parallel/pipeline.py): add its mutations here as it
     #    lands.

@@ -119,8 +119,19 @@ class FakeDeviceArray:
     def __len__(self) -> int:
         return len(self._a)
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> numpy.ndarray:
+        # As CuPy: a device array never turns into a host one unasked (numpy.asarray,
+        # pickling into a host buffer...): the host/device mix-ups a GPU run would hit.
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
+                        "`.get()` to construct a NumPy array explicitly.")
+
     def __repr__(self) -> str:
         return f"FakeDeviceArray({self._a!r})"
+
+    def __reduce__(self) -> tuple:
+        # Pickled (allgather_obj) and unpickled as a device array, as CuPy's are: on the
+        # fake that is active where it is unpickled.
+        return _unpickle, (self._a,)
 
     # -- views and copies -----------------------------------------------------------------
     def _wrap(self, a: Any) -> Any:
@@ -159,12 +170,29 @@ class FakeDeviceArray:
         self._a[...] = arr
 
 
+def _unpickle(a: numpy.ndarray) -> FakeDeviceArray:
+    from mpidl import backend
+
+    fake = backend.cupy_module()
+    if not isinstance(fake, FakeCupy):
+        raise TypeError("a FakeDeviceArray unpickled outside fake_cupy()")
+    return fake._wrap(a)
+
+
 def _host(value: Any) -> Any:
     if isinstance(value, FakeDeviceArray):
         return value._a
     if isinstance(value, tuple):
         return tuple(_host(v) for v in value)
     return value
+
+
+def _device(value: Any) -> numpy.ndarray:
+    """The memory of a device array; a host array here is a mix-up (CuPy raises too)."""
+    if not isinstance(value, FakeDeviceArray):
+        raise TypeError(f"Unsupported type {type(value)}: a host array where CuPy takes "
+                        "device arrays only")
+    return value._a
 
 
 class FakeCupy(types.ModuleType):
@@ -229,6 +257,12 @@ class FakeCupy(types.ModuleType):
 
     def arange(self, *args: Any, **kwargs: Any) -> FakeDeviceArray:
         return self._wrap(numpy.arange(*args, **kwargs))
+
+    def stack(self, arrays: Any, axis: int = 0) -> FakeDeviceArray:
+        return self._wrap(numpy.stack([_device(a) for a in arrays], axis=axis))
+
+    def concatenate(self, arrays: Any, axis: int = 0) -> FakeDeviceArray:
+        return self._wrap(numpy.concatenate([_device(a) for a in arrays], axis=axis))
 
     def empty_like(self, a: Any) -> FakeDeviceArray:
         return self._wrap(numpy.empty_like(_host(a)))
