@@ -33,6 +33,18 @@ def is_grad_enabled() -> bool:
 
 
 @contextlib.contextmanager
+def enable_grad() -> Iterator[None]:
+    """Context manager: operations inside record a graph, even within :func:`no_grad`
+    (activation recomputation rebuilds a block's graph during backward)."""
+    previous = is_grad_enabled()
+    _state.grad_enabled = True
+    try:
+        yield
+    finally:
+        _state.grad_enabled = previous
+
+
+@contextlib.contextmanager
 def no_grad() -> Iterator[None]:
     """Context manager: operations inside record no graph (evaluation, optimizer steps)."""
     previous = is_grad_enabled()
@@ -395,7 +407,21 @@ def backward(root: Tensor, grad: Any, retain_graph: bool = False) -> None:
     (in place when ``.grad`` already exists, so it may be a view into a bucket; written
     into ``grad_buffer`` when there is one and ``.grad`` is None).
     """
+    if getattr(_state, "in_backward", False):
+        # A backward inside a backward (activation recomputation, mpidl.nn.recompute)
+        # belongs to the outer pass: a new number would tell the embedding functions
+        # that the outer pass's dense gradient of a tied table came from another pass.
+        _backward(root, grad, retain_graph)
+        return
     _state.backward_pass = next(_backward_passes)
+    _state.in_backward = True
+    try:
+        _backward(root, grad, retain_graph)
+    finally:
+        _state.in_backward = False
+
+
+def _backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
     if root.creator is None:
         if root.requires_grad:
             root.dense_grad_pass = _state.backward_pass
@@ -503,6 +529,26 @@ def _accumulate_leaf(x: Tensor, g: Any, owned: bool = False) -> None:
         x.grad = get_array_module(x.data).array(g, dtype=x.data.dtype, copy=True)
     else:
         x.grad += g
+
+
+@contextlib.contextmanager
+def fresh_grads(leaves: Sequence[Tensor]) -> Iterator[Callable[[], list]]:
+    """Inside, ``leaves`` start a gradient of their own: no ``.grad``, no grad buffer, no
+    hooks; the yielded function returns the gradients gathered so far (None where
+    none came). On leaving, each leaf has its own ``.grad``, buffer and hooks back.
+
+    Activation recomputation backpropagates through a rebuilt block inside the outer
+    backward: the block's parameter gradients go back to the outer pass as the
+    gradients of one Function, so they are accumulated, and their hooks fire, once.
+    """
+    saved = [(x.grad, x.grad_buffer, x._post_accumulate_hooks) for x in leaves]
+    for x in leaves:
+        x.grad, x.grad_buffer, x._post_accumulate_hooks = None, None, []
+    try:
+        yield lambda: [x.grad for x in leaves]
+    finally:
+        for x, (grad, buffer, hooks) in zip(leaves, saved):
+            x.grad, x.grad_buffer, x._post_accumulate_hooks = grad, buffer, hooks
 
 
 def _fire(x: Tensor) -> None:

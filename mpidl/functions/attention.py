@@ -2,7 +2,8 @@
 
 Shapes: ``q`` is ``(B, H, Tq, D)``, ``k`` is ``(B, H, Tk, D)``, ``v`` is
 ``(B, H, Tk, Dv)``; the output is ``(B, H, Tq, Dv)``. Forward keeps the attention
-probabilities ``P`` (``(B, H, Tq, Tk)``) and the output; backward is
+probabilities ``P`` (``(B, H, Tq, Tk)``) and the output (with ``keep_probs=False`` it
+drops ``P`` and backward recomputes it: selective activation recomputation); backward is
 
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dO * O)),
     dQ = dS K / sqrt(D),   dK = dS^T Q / sqrt(D)
@@ -32,17 +33,28 @@ def causal_mask(xp: Any, tq: int, tk: int) -> Any:
 
 
 class ScaledDotProductAttention(Function):
+    keep_probs = True
+
     def forward(self, q, k, v, mask):
         xp = get_array_module(q)
-        t = q.dtype.type
-        scale = t(1.0 / math.sqrt(q.shape[-1]))
-        self.scale = scale
-        keep = mask
+        self.scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+        self.q, self.k, self.v, self.mask = q, k, v, mask
+        p = self._probs(xp)
+        o = xp.matmul(p, v)  # (B, H, Tq, Dv)
+        # Selective recomputation (Korthikanti et al. 2022) drops P, the one (Tq, Tk)
+        # array of the layer: backward recomputes it from q and k with the very same
+        # operations, so it is the same P bit for bit (no dropout on P: no randomness).
+        self.p = p if self.keep_probs else None
+        self.o = o
+        return o
+
+    def _probs(self, xp):
+        """The attention probabilities ``P`` ``(B, H, Tq, Tk)`` of the saved q, k, mask."""
+        q, k, keep = self.q, self.k, self.mask
         if self.causal:
             c = causal_mask(xp, q.shape[-2], k.shape[-2])
             keep = c if keep is None else xp.logical_and(keep, c)
-        self.q, self.k, self.v = q, k, v
-        qs = q * scale
+        qs = q * self.scale
         s = xp.matmul(qs, xp.swapaxes(k, -1, -2))  # (B, H, Tq, Tk)
         if keep is not None:
             # Masked scores get the lowest finite value (not -inf, which turns a row with
@@ -58,14 +70,13 @@ class ScaledDotProductAttention(Function):
         if keep is not None:
             inv *= keep.any(axis=-1, keepdims=True)  # (.., Tq, 1): small
         p *= inv
-        self.p = p
-        self.o = xp.matmul(p, v)  # (B, H, Tq, Dv)
-        return self.o
+        return p
 
     def backward(self, go):
         xp = get_array_module(go)
         nq, nk, nv, _ = self.needs_input_grad
-        p, q, k, v, o = self.p, self.q, self.k, self.v, self.o
+        q, k, v, o = self.q, self.k, self.v, self.o
+        p = self.p if self.p is not None else self._probs(xp)
         gq = gk = gv = None
         if nv:
             gv = xp.matmul(xp.swapaxes(p, -1, -2), go)  # (B, H, Tk, Dv)
@@ -93,7 +104,8 @@ def _unbroadcast(g: Any, shape: tuple[int, ...]) -> Any:
 
 
 def scaled_dot_product_attention(
-    q: Any, k: Any, v: Any, causal: bool = False, mask: Any = None
+    q: Any, k: Any, v: Any, causal: bool = False, mask: Any = None,
+    keep_probs: bool = True,
 ) -> Tensor:
     """``softmax(q k^T / sqrt(D) + masking) v`` over ``(B, H, T, D)`` tensors.
 
@@ -105,6 +117,10 @@ def scaled_dot_product_attention(
         mask: boolean array broadcastable to ``(B, H, Tq, Tk)``, True where a key may be
             attended (for example ``(B, 1, 1, Tk)`` for padding). Combined with
             ``causal`` by logical and. A query with no key kept gets output 0.
+        keep_probs: keep ``P`` ``(B, H, Tq, Tk)`` for backward (the default); False
+            recomputes it in backward from q and k (selective recomputation: the
+            ``Tq x Tk`` bytes go, one more ``q k^T`` and softmax is the price; the
+            gradients are the same bit for bit).
 
     Returns:
         ``(B, H, Tq, Dv)``.
@@ -130,4 +146,5 @@ def scaled_dot_product_attention(
         # A host mask (a loader's padding mask) moves with q/k/v, as ids and labels do:
         # CuPy's logical_and/logical_not take no NumPy arrays.
         mask = to_device(mask, get_array_module(q))
-    return ScaledDotProductAttention.apply(q, k, v, mask, causal=causal)
+    return ScaledDotProductAttention.apply(q, k, v, mask, causal=causal,
+                                           keep_probs=keep_probs)

@@ -13,6 +13,7 @@ from mpidl.nn.embedding import Embedding
 from mpidl.nn.linear import Linear, linear
 from mpidl.nn.module import Module, Parameter, as_input, default_dtype
 from mpidl.nn.norm import LayerNorm
+from mpidl.nn.recompute import set_recompute
 from mpidl.nn.transformer import TransformerEncoderLayer
 
 
@@ -39,12 +40,16 @@ class GPT(Module):
         pad_id: the padding token id: :meth:`loss` gives padded targets no loss (and no
             gradient), so padding is never something to predict. None: every target
             counts.
+        recompute: ``"none"``, ``"selective"`` or ``"full"``: what the blocks recompute
+            in backward instead of keeping (:mod:`mpidl.nn.recompute`; the gradients
+            are the same); :meth:`set_recompute` changes it on a built model.
         seed, rng, dtype: see :mod:`mpidl.nn.init`; float32 by default.
     """
 
     def __init__(self, vocab: int = 8000, seq_len: int = 128, dim: int = 128, layers: int = 2,
                  heads: int = 4, ffn: int | None = None, dropout: float = 0.0,
-                 tie_weights: bool = True, pad_id: int | None = None, *,
+                 tie_weights: bool = True, pad_id: int | None = None,
+                 recompute: str = "none", *,
                  seed: int | None = None, rng: numpy.random.Generator | None = None,
                  dtype: Any = None) -> None:
         super().__init__()
@@ -56,12 +61,18 @@ class GPT(Module):
         self.pos = Parameter(init.normal((seq_len, dim), 0.02, rng, dtype))
         self.blocks = ModuleList(
             TransformerEncoderLayer(dim, heads, ffn or 4 * dim, dropout, causal=True,
-                                    approximate="tanh", rng=rng, dtype=dtype)
+                                    approximate="tanh", recompute=recompute, rng=rng,
+                                    dtype=dtype)
             for _ in range(layers)
         )
         self.norm = LayerNorm(dim, dtype=dtype)
         if not tie_weights:
             self.head = Linear(dim, vocab, bias=False, rng=rng, dtype=dtype)
+
+    def set_recompute(self, mode: str) -> "GPT":
+        """Recompute ``"none"``, ``"selective"`` or ``"full"`` from the next forward on."""
+        set_recompute(self, mode)
+        return self
 
     def forward(self, ids: Any) -> Tensor:
         ids = as_input(ids)

@@ -103,11 +103,12 @@ class MultiHeadAttention(Module):
         self.out_proj = Linear(dim, dim, rng=rng, dtype=dtype)
         self.out_proj.bias = Parameter(init.zeros((dim,), dtype))
 
-    def forward(self, x: Any, mask: Any = None) -> Tensor:
-        """Attend over ``x`` ``(B, T, D)``; ``mask`` is passed to
-        :func:`mpidl.functions.scaled_dot_product_attention` (e.g. to hide padding)."""
+    def forward(self, x: Any, mask: Any = None, keep_probs: bool = True) -> Tensor:
+        """Attend over ``x`` ``(B, T, D)``; ``mask`` and ``keep_probs`` (False: selective
+        recomputation) go to :func:`mpidl.functions.scaled_dot_product_attention`."""
         q, k, v = split_heads(self.in_proj(x), self.heads)  # 3 x (B, H, T, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, causal=self.causal, mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, causal=self.causal, mask=mask,
+                                           keep_probs=keep_probs)
         return self.out_proj(merge_heads(y))  # (B, T, D)
 
     def extra_repr(self) -> str:

@@ -13,6 +13,7 @@ from mpidl.nn.dropout import Dropout
 from mpidl.nn.linear import Linear
 from mpidl.nn.module import Module, default_dtype
 from mpidl.nn.norm import LayerNorm
+from mpidl.nn.recompute import check_recompute, checkpoint
 
 
 class TransformerEncoderLayer(Module):
@@ -32,18 +33,23 @@ class TransformerEncoderLayer(Module):
         causal: causal self-attention (for language models).
         approximate: GELU form, ``"none"`` (erf, PyTorch's) or ``"tanh"`` (GPT-2's).
         eps: LayerNorm epsilon.
+        recompute: what backward recomputes instead of keeping (:mod:`mpidl.nn.recompute`):
+            ``"none"``, ``"selective"`` (the attention probabilities) or ``"full"``
+            (everything but the input). The ``recompute`` attribute may be changed
+            later; the gradients are the same in every mode.
         seed, rng: where the initial values (and dropout masks) come from.
         dtype: parameter dtype (float32 by default).
     """
 
     def __init__(self, dim: int, heads: int, ffn: int, dropout: float = 0.0,
-                 causal: bool = False, approximate: str = "none", eps: float = 1e-5, *,
-                 seed: int | None = None, rng: numpy.random.Generator | None = None,
-                 dtype: Any = None) -> None:
+                 causal: bool = False, approximate: str = "none", eps: float = 1e-5,
+                 recompute: str = "none", *, seed: int | None = None,
+                 rng: numpy.random.Generator | None = None, dtype: Any = None) -> None:
         super().__init__()
         rng = init.make_rng(seed, rng)
         dtype = default_dtype(dtype)
         self.approximate = approximate
+        self.recompute = check_recompute(recompute)
         self.norm1 = LayerNorm(dim, eps, dtype=dtype)
         self.self_attn = MultiHeadAttention(dim, heads, causal, rng=rng, dtype=dtype)
         self.norm2 = LayerNorm(dim, eps, dtype=dtype)
@@ -58,7 +64,13 @@ class TransformerEncoderLayer(Module):
 
     def forward(self, x: Any, mask: Any = None) -> Tensor:
         """``x`` ``(B, T, D)`` -> ``(B, T, D)``; ``mask`` goes to the attention."""
-        a = self.self_attn(self.norm1(x), mask=mask)
+        if check_recompute(self.recompute) == "full":
+            return checkpoint(lambda t: self._forward(t, mask), x, self)
+        return self._forward(x, mask)
+
+    def _forward(self, x: Any, mask: Any) -> Tensor:
+        a = self.self_attn(self.norm1(x), mask=mask,
+                           keep_probs=self.recompute != "selective")
         if self.dropout1 is not None:
             a = self.dropout1(a)
         h = F.add(x, a)
@@ -66,3 +78,6 @@ class TransformerEncoderLayer(Module):
         if self.dropout2 is not None:
             f = self.dropout2(f)
         return F.add(h, f)
+
+    def extra_repr(self) -> str:
+        return "" if self.recompute == "none" else f"recompute={self.recompute!r}"

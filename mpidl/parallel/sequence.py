@@ -185,7 +185,7 @@ def ulysses_heads_fit(heads: int, tensor: int = 1, sequence: int = 1) -> bool:
 
 
 def ulysses_attention(qkv: Any, comm: Communicator, heads: int, causal: bool,
-                      layout: SequenceLayout) -> Tensor:
+                      layout: SequenceLayout, keep_probs: bool = True) -> Tensor:
     """Self-attention of a sequence split over ``comm``, by two all-to-alls (Ulysses).
 
     Args:
@@ -196,6 +196,8 @@ def ulysses_attention(qkv: Any, comm: Communicator, heads: int, causal: bool,
         causal: causal attention over the positions of the whole sequence.
         layout: a contiguous :class:`SequenceLayout` of the sequence over ``comm``;
             padded positions are masked out as keys.
+        keep_probs: False recomputes the attention probabilities in backward
+            (selective recomputation, :mod:`mpidl.nn.recompute`).
 
     Returns:
         ``(B, T_r, H dh)``, this rank's tokens, heads merged (ready for ``out_proj``).
@@ -217,9 +219,11 @@ def ulysses_attention(qkv: Any, comm: Communicator, heads: int, causal: bool,
         mask = to_device(numpy.arange(layout.padded) < layout.length, xp)[None, None, None]
     if comm.size == 1:
         q, k, v = split_heads(qkv, heads)
-        return merge_heads(F.scaled_dot_product_attention(q, k, v, causal=causal, mask=mask))
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, causal=causal, mask=mask,
+                                                          keep_probs=keep_probs))
     q, k, v = SequenceToHeads.apply(qkv, comm=comm, heads=heads)
-    y = F.scaled_dot_product_attention(q, k, v, causal=causal, mask=mask)  # (B, H/s, T, dh)
+    y = F.scaled_dot_product_attention(q, k, v, causal=causal, mask=mask,
+                                       keep_probs=keep_probs)  # (B, H/s, T, dh)
     return HeadsToSequence.apply(y, comm=comm, heads=heads)
 
 

@@ -27,6 +27,7 @@ from mpidl.nn.attention import MultiHeadAttention, merge_heads, split_heads
 from mpidl.nn.dropout import Dropout
 from mpidl.nn.module import Module
 from mpidl.nn.norm import LayerNorm
+from mpidl.nn.recompute import check_recompute, checkpoint
 from mpidl.nn.transformer import TransformerEncoderLayer
 from mpidl.parallel.grid import ProcessGrid
 from mpidl.parallel.mappings import copy_to_region
@@ -145,11 +146,14 @@ class ParallelSelfAttention(Module):
         self.out_proj = RowParallelLinear(attn.out_proj, tensor, partition=width,
                                           sequence_parallel=sequence_parallel)
 
-    def forward(self, x: Any, tokens: Tokens) -> Tensor:
+    def forward(self, x: Any, tokens: Tokens, keep_probs: bool = True) -> Tensor:
+        """``keep_probs=False``: selective recomputation of the attention probabilities
+        (ring attention keeps none in any case: it recomputes them block by block)."""
         layout = tokens.layout
         qkv = self.in_proj(x, length=layout.shard_length)  # (B, T_r, 3 H_t dh)
         if self.attention == "ulysses" or self.sequence.size == 1:
-            y = ulysses_attention(qkv, self.sequence, self.heads, self.causal, layout)
+            y = ulysses_attention(qkv, self.sequence, self.heads, self.causal, layout,
+                                  keep_probs=keep_probs)
         else:
             q, k, v = split_heads(qkv, self.heads)
             y = merge_heads(ring_attention(q, k, v, self.sequence, layout, self.causal))
@@ -170,13 +174,18 @@ class ParallelTransformerLayer(Module):
             compared, then this rank keeps its shards and the replicated parameters
             themselves).
         grid, sequence_parallel, attention: as :class:`ParallelSelfAttention`.
+        recompute: ``"none"``, ``"selective"`` or ``"full"`` (:mod:`mpidl.nn.recompute`);
+            None: the single-rank layer's. With ``"full"`` the forward collectives run
+            again in backward, in the same order on every rank.
     """
 
     def __init__(self, layer: TransformerEncoderLayer, grid: ProcessGrid,
-                 sequence_parallel: bool = False, attention: str = "ring") -> None:
+                 sequence_parallel: bool = False, attention: str = "ring",
+                 recompute: str | None = None) -> None:
         super().__init__()
         tensor = grid.tensor
         self.approximate = layer.approximate
+        self.recompute = check_recompute(layer.recompute if recompute is None else recompute)
         self.norm1 = ParallelLayerNorm(layer.norm1, tensor, sequence_parallel)
         self.self_attn = ParallelSelfAttention(layer.self_attn, grid, sequence_parallel,
                                                attention)
@@ -191,7 +200,12 @@ class ParallelTransformerLayer(Module):
 
     def forward(self, x: Any, tokens: Tokens) -> Tensor:
         """``x`` ``(B, T_here, D)``, this rank's tokens (``tokens.positions``) -> the same."""
-        a = self.self_attn(self.norm1(x), tokens)
+        if check_recompute(self.recompute) == "full":
+            return checkpoint(lambda t: self._forward(t, tokens), x, self)
+        return self._forward(x, tokens)
+
+    def _forward(self, x: Any, tokens: Tokens) -> Tensor:
+        a = self.self_attn(self.norm1(x), tokens, keep_probs=self.recompute != "selective")
         if self.dropout1 is not None:
             a = self.dropout1(a, tokens)
         h = F.add(x, a)

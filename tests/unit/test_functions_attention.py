@@ -114,7 +114,7 @@ def test_a_host_mask_is_moved_to_the_device_of_q_k_v(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(attention.ScaledDotProductAttention, "apply",
-                        classmethod(lambda cls, q, k, v, mask, causal: seen.update(mask=mask)))
+                        classmethod(lambda cls, q, k, v, mask, **params: seen.update(mask=mask)))
     with fake_cupy() as cp:
         q, k, v = (cp.asarray(a) for a in _qkv(numpy))
         keep = numpy.ones((2, 1, 1, 4), dtype=bool)
@@ -129,3 +129,23 @@ def test_a_host_mask_gives_the_same_attention_on_every_backend(xp):
     y = F.scaled_dot_product_attention(Tensor(q), Tensor(k), Tensor(v), mask=keep)
     ref = _reference(*(as_numpy(a) for a in (q, k, v)), keep=keep)
     assert allclose(y.data, ref)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_recomputing_the_probabilities_gives_the_kept_ones_gradients_bit_for_bit(xp, causal):
+    # Selective recomputation (keep_probs=False): no (Tq, Tk) array is kept, and the one
+    # backward rebuilds is the forward's, so q, k and v get the same gradients exactly;
+    # the mask hides every key of one row (output and gradient 0 there).
+    q, k, v = _qkv(xp, tq=3, tk=5, seed=3)
+    keep = numpy.ones((2, 1, 3, 5), dtype=bool)
+    keep[1, 0, 2] = False
+    grads, outputs = {}, {}
+    for keep_probs in (True, False):
+        ts = [Tensor(a, requires_grad=True) for a in (q, k, v)]
+        y = F.scaled_dot_product_attention(*ts, causal=causal, mask=keep,
+                                           keep_probs=keep_probs)
+        assert (y.creator.p is None) is (not keep_probs)
+        F.sum(y * y).backward()
+        outputs[keep_probs], grads[keep_probs] = y.data, [t.grad for t in ts]
+    assert (outputs[True] == outputs[False]).all()
+    assert all((a == b).all() for a, b in zip(grads[True], grads[False]))
