@@ -34,6 +34,11 @@ The model (strong scaling: the config's global batch, split over the ranks):
   rank, the largest model whose state fits a rank's memory (``--memory-gb``, the
   device profile's, or this machine's memory over ``--ranks-per-node``), and the
   communication per step, from the formulas of each mode.
+- **Layouts** (``mpidl plan gpt --layouts``, :mod:`mpidl.plan_layouts` over the formulas
+  of :mod:`mpidl.layouts`): tensor x pipeline x data layouts of the gpt model priced from
+  its shape on ``--device`` (bubble per schedule, point-to-point bytes, memory per rank
+  with activations under ``--recompute`` and ``--precision``), no model built, with a
+  proposal per rank count: the fastest layout that fits.
 - **Break-even**: a training saves ``T(1) - T(R) - queue`` hours at R ranks; setting
   up costs ``--setup-hours`` once, so it pays after ``setup / saving`` trainings.
 

@@ -16,7 +16,7 @@ import sys
 from typing import Any, Sequence
 
 from hpc.argtypes import nonnegative_float, output_file, positive_float, positive_int
-from mpidl import plan
+from mpidl import plan, plan_layouts
 from mpidl.plan import Prediction, Workload
 
 
@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="one-off hours to set the distributed runs up")
     p.add_argument("--queue-hours", type=nonnegative_float, default=0.0,
                    help="hours each distributed run waits in the queue")
+    plan_layouts.add_arguments(p)
     p.add_argument("--json", metavar="FILE", type=output_file, help="write the table as JSON")
     p.add_argument("--plot", metavar="FILE", type=output_file,
                    help="draw speedup and time to train (PNG)")
@@ -109,7 +110,8 @@ def check_layout(config: Any) -> None:
              f" (they split only the gpt model; this config's model is {config.model.name!r})")
     raise ValueError(f"{' '.join(given)}: mpidl plan times one rank's data-parallel step and "
                      "prices tensor, Ulysses and ring splits of the gpt model itself, in its "
-                     f"modes table at every rank count{which}; leave out {given[0]}")
+                     f"modes table at every rank count{which}; leave out {given[0]}, or "
+                     "price tensor x pipeline x data layouts with --layouts")
 
 
 def _priced_ops(config: Any) -> tuple[str, ...]:
@@ -143,6 +145,11 @@ def _plan(argv: Sequence[str]) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: install the [plot] extra "
                      "(pip install 'mpidl[plot]')")
+    problem = plan_layouts.flags_problem(args)
+    if problem:
+        parser.error(problem)
+    if args.layouts:
+        return plan_layouts.plan_layouts(args, rest)
     try:
         preset, overrides = split_args(rest)
         input_s, run = 0.0, None
@@ -286,3 +293,4 @@ def _slurm_time(hours: float) -> str:
     """A generous time limit for a predicted run: 1.5x, at least 10 minutes."""
     minutes = max(10, math.ceil(hours * 60 * 1.5))
     return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
+

@@ -1,0 +1,193 @@
+"""``mpidl plan gpt --layouts``: tensor x pipeline x data layouts, priced and proposed.
+
+The command half of :mod:`mpidl.layouts` (the formulas): it reads the gpt model's shape
+from the configuration (no model is built, nothing is measured, so a 175-billion-
+parameter model plans in a second), prices every layout of each ``--ranks`` count on
+``--device`` over ``--node-network`` and ``--network``, prints the best and proposes
+the fastest that fits a rank's memory::
+
+    mpidl plan gpt --layouts --model.layers=96 --model.dim=12288 --model.heads=96 \\
+        --data.seq-len=2048 --data.vocab-size=51200 --global-batch=1536 --zero=1 \\
+        --precision bf16 --recompute selective --device h100 --ranks 1024 \\
+        --ranks-per-node 8 --node-network nvlink --network ib-ndr
+
+Bad flags exit 2 with one message (docs/exit-status.md), as the rest of ``mpidl plan``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from hpc.argtypes import positive_int
+from mpidl import layouts, plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The layout flags of ``mpidl plan``."""
+    lay = parser.add_argument_group(
+        "layouts", "tensor x pipeline x data layouts of the gpt model, priced from its "
+        "shape on --device (mpidl.layouts); no model is built and nothing is measured")
+    lay.add_argument("--layouts", action="store_true", help="price every layout of each rank "
+                     "count (tensor within a node) and propose the fastest that fits")
+    lay.add_argument("--pipeline-parallel", type=positive_int, metavar="P",
+                     help="only layouts of P stages (default: every P)")
+    lay.add_argument("--microbatch-size", type=positive_int, default=1, metavar="B",
+                     help="sequences per microbatch (1)")
+    lay.add_argument("--pipeline-schedule", choices=layouts.SCHEDULES, default="1f1b")
+    lay.add_argument("--virtual-stages", type=positive_int, metavar="V",
+                     help="model chunks per rank, interleaved only (default 2)")
+    lay.add_argument("--recompute", choices=layouts.RECOMPUTE, default="none",
+                     help="activation recomputation (none)")
+    lay.add_argument("--precision", choices=layouts.PRECISIONS, default="fp32",
+                     help="fp32, or half precision with fp32 master weights (fp32)")
+
+
+LAYOUT_FLAGS = (("pipeline_parallel", None), ("microbatch_size", 1),
+                ("pipeline_schedule", "1f1b"), ("virtual_stages", None),
+                ("recompute", "none"), ("precision", "fp32"))
+
+
+def flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the layout flags together (None: nothing)."""
+    given = [f"--{k.replace('_', '-')}" for k, plain in LAYOUT_FLAGS
+             if getattr(args, k) != plain]
+    if given and not args.layouts:
+        return f"{given[0]} prices tensor x pipeline x data layouts: add --layouts"
+    if not args.layouts:
+        return None
+    if args.device is None:
+        return ("--layouts prices the gpt model's layouts from FLOPs: name the device with "
+                "--device (e.g. --device h100)")
+    if args.virtual_stages is not None and args.pipeline_schedule != "interleaved":
+        return (f"--virtual-stages={args.virtual_stages}: model chunks per rank are the "
+                "interleaved schedule's; add --pipeline-schedule interleaved")
+    if args.pipeline_schedule == "interleaved" and args.virtual_stages == 1:
+        return ("--virtual-stages=1 is plain 1F1B: interleaving needs 2 or more chunks per "
+                "rank (or --pipeline-schedule 1f1b)")
+    return None
+
+
+def gpt_shape(config: Any) -> layouts.GPTShape:
+    """The gpt model's sizes from ``config`` (its [model] keys over the model's defaults;
+    the sequence and vocabulary from --data's manifest, else the generated corpus's)."""
+    import inspect
+
+    from mpidl.models.gpt import GPT
+
+    if config.model.name != "gpt":
+        raise ValueError(f"--layouts prices the gpt model's layouts; this config's model is "
+                         f"{config.model.name!r}: use `mpidl plan gpt --layouts ...`")
+    defaults = {k: v.default for k, v in inspect.signature(GPT).parameters.items()}
+    kw = {**defaults, **config.model.kwargs}
+    seq, vocab = config.data.seq_len, config.data.vocab_size
+    if config.data.path:
+        from mpidl.data import ShardedDataset
+
+        train = ShardedDataset(os.path.join(config.data.path, "train"))
+        seq = max(int(train.features["x"].shape[-1]) - 1, 1)
+        vocab = len(train.vocab) if train.vocab else vocab
+    return layouts.GPTShape(layers=int(kw["layers"]), hidden=int(kw["dim"]),
+                            heads=int(kw["heads"]), seq=int(seq), vocab=int(vocab),
+                            global_batch=config.global_batch, ffn=int(kw["ffn"] or 0),
+                            tied=bool(kw["tie_weights"]))
+
+
+def _rates(device: Any, precision: str) -> tuple[float, float | None]:
+    """Sustained and peak FLOP/s of ``device`` in ``precision`` (fp32: its TF32 rates)."""
+    if precision == "fp32":
+        peak = device.extra.get("tf32_peak_tflops")
+        return device.flops, peak * 1e12 if peak else None
+    rate, peak = device.extra.get("bf16_tflops"), device.extra.get("bf16_peak_tflops")
+    if not rate:
+        raise ValueError(f"device profile {device.name!r} ({device.path}) has no bf16_tflops "
+                         f"(sustained half-precision TFLOP/s): add it with its source, or "
+                         f"plan --precision fp32")
+    return rate * 1e12, peak * 1e12 if peak else None
+
+
+def plan_layouts(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    """``mpidl plan gpt --layouts``: the layouts table and a proposal per rank count."""
+    from hpc import costmodel
+
+    from mpidl.train.config import ConfigError, load_config, split_args
+
+    try:
+        preset, overrides = split_args(list(rest))
+        config = load_config(preset, overrides)
+        shape = gpt_shape(config)
+        if config.zero not in (0, 1):
+            raise ValueError(f"--zero={config.zero}: layouts with a pipeline price ZeRO 1 "
+                             "(the distributed optimizer) at most, as Megatron and DeepSpeed "
+                             "run them; use --zero=1 or --zero=0")
+        device = costmodel.load_device(args.device)
+        rate, peak = _rates(device, args.precision)
+        network = costmodel.load_network(args.network)
+        node_link = (plan.shared_memory_link() if args.node_network == "shm"
+                     else costmodel.load_network(args.node_network))
+    except (ConfigError, costmodel.ProfileError, ValueError, OSError) as e:
+        print(f"mpidl plan: error: {e}", file=sys.stderr)
+        return 2
+    interleaved = args.pipeline_schedule == "interleaved"
+    opts = layouts.Options(precision=args.precision, recompute=args.recompute,
+                           schedule=args.pipeline_schedule,
+                           virtual=(args.virtual_stages or 2) if interleaved else 1,
+                           microbatch=args.microbatch_size, zero=config.zero)
+    memory = args.memory_gb * 1e9 if args.memory_gb is not None else device.memory_bytes
+    tensors = [config.tensor_parallel] if config.tensor_parallel > 1 else None
+    pipelines = [args.pipeline_parallel] if args.pipeline_parallel else None
+    print(f"mpidl plan: gpt, {shape.params():,} parameters ({shape.layers} layers, width "
+          f"{shape.hidden}, {shape.heads} heads, sequence {shape.seq}, vocabulary "
+          f"{shape.vocab}), global batch {shape.global_batch}, {args.precision}, recompute "
+          f"{args.recompute}, {args.pipeline_schedule}"
+          + (f" x {opts.virtual} chunks" if interleaved else "")
+          + f", ZeRO {config.zero}\ndevice: {device.name} ({rate / 1e12:g} TFLOP/s sustained"
+          + (f" of {peak / 1e12:g} peak" if peak else "") + f", {memory / 1e9:g} GB); "
+          f"network: {network.name} between nodes, {node_link.name} within "
+          f"({args.ranks_per_node} rank(s) per node)\n")
+    found, proposals = {}, {}
+    for r in sorted(set(args.ranks)):
+        rows = layouts.search(shape, opts, r, args.ranks_per_node, tensors, pipelines,
+                              rate=rate, peak=peak, memory=memory, node_time=node_link.time,
+                              network_time=network.time)
+        found[r] = rows
+        if rows:
+            print(layouts.format_layouts(rows, limit=8) + "\n")
+        if rows and rows[0].fits:
+            proposals[r] = rows[0]
+    lines = [_proposal_line(r, found[r], proposals.get(r), memory) for r in sorted(found)]
+    for line in lines:
+        print(f"proposal: {line}")
+    if args.json:
+        doc = {"model": "gpt", "shape": dataclasses.asdict(shape), "params": shape.params(),
+               "model_flops": shape.model_flops(),
+               "hardware_flops": shape.hardware_flops(args.recompute),
+               "options": dataclasses.asdict(opts), "device": device.name,
+               "network": network.name, "node_network": node_link.name,
+               "memory_per_rank": memory,
+               "layouts": [row.as_dict() for r in sorted(found) for row in found[r]],
+               "proposals": {str(r): c.as_dict() for r, c in proposals.items()},
+               "verdict": lines}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, allow_nan=False)
+    return 0
+
+
+def _proposal_line(ranks: int, rows: list, best: Any, memory: float) -> str:
+    if not rows:
+        return (f"{ranks} ranks: no layout divides them for this shape and batch (tensor "
+                "within a node dividing the heads, stages no more than the layers, a whole "
+                "number of microbatches per data rank)")
+    if best is None:
+        least = min(rows, key=lambda c: c.memory_bytes)
+        return (f"{ranks} ranks: no layout fits {memory / 1e9:g} GB per rank; the smallest, "
+                f"{least.layout}, needs {least.memory_bytes / 1e9:.1f} GB: recompute "
+                "(--recompute selective or full), --zero=1, or more ranks")
+    mfu = f", MFU {best.mfu:.1%}" if best.mfu is not None else ""
+    return (f"{ranks} ranks: {best.layout} ({best.microbatches} microbatches, bubble "
+            f"{best.bubble:.1%}), {best.memory_bytes / 1e9:.1f} GB per rank of "
+            f"{memory / 1e9:g}, step {best.step_s:.2f} s, {best.tflops_per_rank:.0f} "
+            f"TFLOP/s per rank{mfu}")
