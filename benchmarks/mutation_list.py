@@ -43,6 +43,7 @@ ZERO_CONTRACTS = "tests/mpi/test_zero_contracts.py::"
 ZC = "test_zero_contracts::"
 SHARDED_UNIT = "tests/unit/test_sharded_checkpoint.py::"
 DEVICE_CKPT = "tests/unit/test_checkpoint_device.py::"
+RECOMPUTE = "tests/unit/test_recompute.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -704,6 +705,86 @@ MUTATIONS: list[Mutation] = [
             "with host moments beside device parameters",
         tests=(DEVICE_CKPT + "test_a_grid_with_zero_on_the_device_saves_and_resumes_as_"
                              "the_host_run",),
+    ),
+    # -- activation recomputation (#26, mpidl/nn/recompute.py): the recomputed forward's
+    #    dropout masks, the generators' states, what each mode keeps; tests/unit, seconds --
+    Mutation(
+        name="recompute-finds-no-generators",
+        file="mpidl/nn/recompute.py",
+        original="        if rng is None or any(rng is g for g in found):",
+        mutated="        if True:",
+        why="the block's dropout generators go unnoticed (an attribute renamed): the "
+            "recomputed forward redraws every mask, the classic silent bug",
+        tests=(RECOMPUTE + "test_gpt_with_recomputation_has_the_gradients_masks_and_"
+                           "generator_states_of_none[full-float32]",),
+    ),
+    Mutation(
+        name="recompute-skips-setting-generators-back",
+        file="mpidl/nn/recompute.py",
+        original="            for g, state in zip(self.generators, self.before):\n"
+                 "                _set_state(g, state)\n",
+        mutated="",
+        why="backward recomputes from the generators as they are now, not as the first "
+            "forward found them",
+        tests=(RECOMPUTE + "test_gpt_with_recomputation_has_the_gradients_masks_and_"
+                           "generator_states_of_none[full-float64]",),
+    ),
+    Mutation(
+        name="recompute-leaves-generators-at-first-forward-end",
+        file="mpidl/nn/recompute.py",
+        original="            for g, state in zip(self.generators, now):",
+        mutated="            for g, state in zip(self.generators, self.after):",
+        why="after recomputing, the generators go back to where the block's own forward "
+            "left them, losing the draws of forwards run since (a pipeline's)",
+        tests=(RECOMPUTE + "test_gpt_with_recomputation_has_the_gradients_masks_and_"
+                           "generator_states_of_none[full-float64]",),
+    ),
+    Mutation(
+        name="recompute-drops-parameter-gradients",
+        file="mpidl/nn/recompute.py",
+        original="    return Recompute.apply(x, *block.parameters(), fn=fn,",
+        mutated="    return Recompute.apply(x, fn=fn,",
+        why="the recomputed block's parameters are not inputs of its Function: only the "
+            "input's gradient flows back",
+        tests=(RECOMPUTE + "test_a_block_fed_data_that_needs_no_gradient_still_gives_its_"
+                           "parameters_theirs",),
+    ),
+    Mutation(
+        name="recompute-hooks-fire-in-the-inner-pass",
+        file="mpidl/autograd.py",
+        original="        x.grad, x.grad_buffer, x._post_accumulate_hooks = None, None, []",
+        mutated="        x.grad, x.grad_buffer = None, None",
+        why="the recomputing backward keeps the parameters' hooks: data parallelism "
+            "reduces a bucket before the gradient it holds is final",
+        tests=(RECOMPUTE + "test_data_parallel_and_zero_3_reduce_the_recomputed_gradients_"
+                           "as_the_kept_ones[0]",),
+    ),
+    Mutation(
+        name="recompute-inner-backward-is-a-new-pass",
+        file="mpidl/autograd.py",
+        original='    if getattr(_state, "in_backward", False):',
+        mutated="    if False:",
+        why="the recomputing backward counts as a pass of its own: the tied token table's "
+            "dense gradient looks row-sparse to the sparse exchange",
+        tests=(RECOMPUTE + "test_the_recomputing_backward_is_one_pass_so_the_tied_table_"
+                           "stays_dense",),
+    ),
+    Mutation(
+        name="selective-keeps-the-probabilities",
+        file="mpidl/functions/attention.py",
+        original="        self.p = p if self.keep_probs else None",
+        mutated="        self.p = p",
+        why="selective recomputation keeps P anyway: no memory saved",
+        tests=(RECOMPUTE + "test_the_bytes_kept_per_block_are_the_documented_formula_in_each_"
+                           "mode[0.1]",),
+    ),
+    Mutation(
+        name="set-recompute-forgets-a-block",
+        file="mpidl/nn/recompute.py",
+        original="    for block in blocks:\n        block.recompute = mode",
+        mutated="    for block in blocks[1:]:\n        block.recompute = mode",
+        why="switching a built model misses its first block, which keeps everything",
+        tests=(RECOMPUTE + "test_set_recompute_switches_a_built_model_and_the_gradients_stay",),
     ),
     # -- pipeline parallelism (mpidl/parallel/pipeline.py): add its mutations here as it
     #    lands.

@@ -232,6 +232,20 @@ def test_the_parallel_layer_recomputes_to_the_same_gradients_on_every_rank(layou
     run_ranks(size, body, timeout=60)
 
 
+def test_a_block_fed_data_that_needs_no_gradient_still_gives_its_parameters_theirs():
+    # The first block of a stack may take raw features: its Function must still be
+    # recorded (for the parameters), and return no gradient for the input.
+    x = numpy.random.default_rng(6).standard_normal((2, 5, 12))
+    grads = {}
+    for mode in ("none", "full"):
+        layer = TransformerEncoderLayer(12, 3, 20, dropout=0.2, recompute=mode, seed=4,
+                                        dtype=numpy.float64)
+        F.sum(layer(x)).backward()
+        grads[mode] = [p.grad for p in layer.parameters()]
+    assert all(g is not None for g in grads["full"])
+    assert all(numpy.array_equal(a, b) for a, b in zip(grads["none"], grads["full"]))
+
+
 def test_the_reviews_transformer_switched_to_full_recomputation_trains_the_same():
     from mpidl.models import transformer
 
@@ -245,3 +259,33 @@ def test_the_reviews_transformer_switched_to_full_recomputation_trains_the_same(
         F.sum(model(ids)).backward()
         grads[mode] = [p.grad for p in model.parameters()]
     assert all(numpy.array_equal(a, b) for a, b in zip(grads["none"], grads["full"]))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_data_parallel_and_zero_3_reduce_the_recomputed_gradients_as_the_kept_ones(stage):
+    # The recomputed block's parameter gradients reach the outer backward as one
+    # Function's: data parallelism's bucket hooks fire once per parameter (overlap on:
+    # a bucket's allreduce starts from them), and ZeRO-3
+    # gathers the block's parameters again for the recomputation. 2 thread ranks, each
+    # with its own dropout masks.
+    from mpidl.parallel.data import DataParallel
+    from mpidl.parallel.zero import ShardedDataParallel
+
+    def grads(comm, mode):
+        model = GPT(**SHAPE, dtype=numpy.float64, recompute=mode)
+        for i, m in enumerate(m for _, m in model.named_modules() if hasattr(m, "rng")):
+            m.rng = numpy.random.default_rng([comm.rank, i])
+        wrapper = (DataParallel(model, comm, overlap=True) if stage == 0
+                   else ShardedDataParallel(model, comm, stage=stage))
+        ids = numpy.random.default_rng(comm.rank).integers(0, 37, (2, 17))
+        wrapper.backward(model.loss(ids), global_count=2 * comm.size)
+        params = model.parameters() if stage == 0 else wrapper.parameters()
+        return [p.grad for p in params]
+
+    def body(comm):
+        reference = grads(comm, "none")
+        assert all(g is not None for g in reference)
+        for mode in ("selective", "full"):
+            assert all(numpy.array_equal(a, b) for a, b in zip(reference, grads(comm, mode)))
+
+    run_ranks(2, body, timeout=60)
