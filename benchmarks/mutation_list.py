@@ -44,6 +44,8 @@ ZC = "test_zero_contracts::"
 SHARDED_UNIT = "tests/unit/test_sharded_checkpoint.py::"
 DEVICE_CKPT = "tests/unit/test_checkpoint_device.py::"
 RECOMPUTE = "tests/unit/test_recompute.py::"
+MICRO = "tests/unit/test_microbatches.py::"
+LAYOUTS = "tests/unit/test_layouts.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -788,4 +790,75 @@ MUTATIONS: list[Mutation] = [
     ),
     # -- pipeline parallelism (mpidl/parallel/pipeline.py): add its mutations here as it
     #    lands.
+    # -- gradient accumulation (mpidl/train/step.py, --microbatches) ---------------------
+    Mutation(
+        name="accumulate-reduces-every-microbatch",
+        file="mpidl/train/step.py",
+        original="with contextlib.nullcontext() if last else run.dp.no_sync():",
+        mutated="with contextlib.nullcontext():",
+        why="every microbatch's backward reduces the gradients accumulated so far: earlier "
+            "microbatches are summed over the ranks again and again",
+        tests=(MICRO + "test_microbatches_equal_one_batch_on_data_parallel_and_zero",),
+    ),
+    Mutation(
+        name="accumulate-divides-by-m-twice",
+        file="mpidl/train/step.py",
+        original="run.dp.backward(loss, global_count=count, scale=scale)",
+        mutated="run.dp.backward(loss, global_count=count * m, scale=scale)",
+        why="the loss, already divided by the whole batch's count, is divided by m again",
+        tests=(MICRO + "test_microbatches_equal_one_batch_on_data_parallel_and_zero",),
+    ),
+    Mutation(
+        name="microbatch-check-takes-the-largest-share",
+        file="mpidl/train/build.py",
+        original="    share = config.global_batch // data_ranks\n",
+        mutated="    share = -(-config.global_batch // data_ranks)\n",
+        why="the check lets through more microbatches than the smallest share has samples",
+        tests=(MICRO + "test_more_microbatches_than_samples_is_a_config_error_naming_the_"
+                       "values",),
+    ),
+    # -- the layouts planner (mpidl/layouts.py) --------------------------------------------
+    Mutation(
+        name="layouts-bubble-forgets-interleaving",
+        file="mpidl/layouts.py",
+        original='return (p - 1) / ((v if schedule == "interleaved" else 1) * m)',
+        mutated="return (p - 1) / m",
+        why="the interleaved schedule's bubble is priced as 1F1B's",
+        tests=(LAYOUTS + "test_the_bubble_is_p_minus_1_over_m_and_interleaving_divides_it_by_v",),
+    ),
+    Mutation(
+        name="layouts-selective-keeps-the-scores",
+        file="mpidl/layouts.py",
+        original='        if recompute == "none":\n',
+        mutated='        if recompute != "full":\n',
+        why="selective recomputation still counts the 5as^2b attention scores",
+        tests=(LAYOUTS + "test_activation_bytes_per_layer_are_korthikantis",),
+    ),
+    Mutation(
+        name="layouts-first-stage-holds-one-microbatch",
+        file="mpidl/layouts.py",
+        original="    held = float(min(p, m))\n",
+        mutated="    held = 1.0\n",
+        why="1F1B's first stage is priced with one microbatch in flight, not p",
+        tests=(LAYOUTS + "test_the_first_stage_holds_p_microbatches_and_interleaving_a_"
+                         "fraction_more",
+               LAYOUTS + "test_memory_per_rank_is_the_heaviest_stage_with_its_microbatches_"
+                         "in_flight"),
+    ),
+    Mutation(
+        name="layouts-p2p-message-not-split-by-t",
+        file="mpidl/layouts.py",
+        original="    message = act_bytes / (t if opts.sequence_parallel and t > 1 else 1)\n",
+        mutated="    message = act_bytes\n",
+        why="the sequence-split activation is sent whole between stages",
+        tests=(LAYOUTS + "test_point_to_point_bytes_are_2vm_messages_of_bsh_over_t",),
+    ),
+    Mutation(
+        name="layouts-bf16-gradients-in-bf16",
+        file="mpidl/layouts.py",
+        original='"bf16": (6, 4 + 4 * copies)',
+        mutated='"bf16": (4, 4 + 4 * copies)',
+        why="bf16 training is priced with bf16 gradients, not Megatron's fp32 ones",
+        tests=(LAYOUTS + "test_model_state_bytes_per_parameter_follow_megatrons_table",),
+    ),
 ]
