@@ -118,3 +118,10 @@ def test_microbatches_equal_one_batch_on_tensor_and_sequence_grids(grid):
     one = run_ranks(4, _train, "dp", 1, "gpt", 7, **grid)
     three = run_ranks(4, _train, "dp", 3, "gpt", 7, **grid)
     _same(one, three)
+
+
+@pytest.mark.parametrize("kind", ["zero1", "zero3"])
+def test_microbatches_equal_one_batch_on_a_tensor_grid_under_zero(kind):
+    one = run_ranks(4, _train, kind, 1, "gpt", 7, tensor_parallel=2)
+    three = run_ranks(4, _train, kind, 3, "gpt", 7, tensor_parallel=2)
+    _same(one, three)
