@@ -103,8 +103,8 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
         w.Barrier()
         t2 = time.perf_counter()
         if variant in ("dataparallel", "allreduce"):
-            dp._next_launch = 0
-            dp._sync_dense()
+            dp.launcher.next = 0
+            dp.launcher.finish()
         for k, b in enumerate(dp.buckets):
             if w.size == 1 or variant in ("dataparallel", "allreduce"):
                 break
@@ -119,7 +119,8 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
                     params[k][s:e] += scratch[:e - s]
                 ring_allgather(w, params[k], own)
         t3 = time.perf_counter()
-        dp._sync_sparse()  # embedding rows (none in the mlp), as DataParallel.backward
+        # embedding rows (none in the mlp), as DataParallel.backward
+        dp.sparse_tables.sync(dp.comm, dp._piece_bytes)
         t3s = time.perf_counter()
         if variant != "zero1" or w.size == 1:
             opt.step()

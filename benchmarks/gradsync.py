@@ -119,15 +119,15 @@ def cases(model_name: str, bucket_mbs: list[float], comm: Any,
 
         def bucketed(dp: Any) -> None:
             # DataParallel.backward's sync when no bucket was started during backward.
-            dp._next_launch = 0
-            dp._sync_dense()
+            dp.launcher.next = 0
+            dp.launcher.finish()
 
         def nonblocking(dp: Any = dp) -> None:
             # Every bucket started as during backward (overlap), then waited for.
             for b in dp.buckets:
-                dp._start(b)
+                dp.launcher.start(b)
             for b in dp.buckets:
-                dp._finish(b)
+                dp.launcher.wait(b)
         for name, each in dps.items():
             out[f"{name} {mb:g}"] = ([b.flat for b in each.buckets],
                                      lambda each=each: bucketed(each))

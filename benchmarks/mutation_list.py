@@ -69,6 +69,24 @@ MUTATIONS: list[Mutation] = [
         tests=(DP + "test_uneven_and_empty_rank_batches_give_the_global_gradient",),
     ),
     Mutation(
+        name="overlap-bucket-started-before-full",
+        file="mpidl/parallel/overlap.py",
+        original="            if b.pending > 0:\n                return\n",
+        mutated="            if b.pending > 1:\n                return\n",
+        why="with overlap a bucket's allreduce starts while one of its gradients is still "
+            "being accumulated: that gradient's last part is never summed",
+        tests=(DP + "test_n_ranks_match_one_rank_with_the_global_batch",),
+    ),
+    Mutation(
+        name="overlap-unstarted-bucket-skipped",
+        file="mpidl/parallel/overlap.py",
+        original="for b in self.buckets[self.next:]:",
+        mutated="for b in self.buckets[self.next + 1:]:",
+        why="after backward the first bucket no hook started is never allreduced",
+        # The window transport sums all buckets at once: only MPI's allreduce loops.
+        tests=(DP + "test_backward_without_global_count_averages_the_ranks_mean_losses",),
+    ),
+    Mutation(
         name="sparse-own-rows-not-cleared",
         file="mpidl/parallel/sparse.py",
         original="    grad[rows] = 0\n",

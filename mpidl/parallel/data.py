@@ -18,14 +18,9 @@ What happens inside:
   :mod:`mpidl.parallel.buckets`), so there are no packing copies. After backward each
   bucket's allreduce is issued in a fixed order, so every rank issues the same
   collectives in the same order.
-- Overlap: a parameter's post-accumulate hook counts down its bucket during backward;
-  a bucket whose gradients are all final starts its non-blocking allreduce at once (a
-  ready bucket waits for the ones before it), and later hooks call ``test()`` on the
-  requests in flight: Open MPI progresses a non-blocking collective only inside MPI
-  calls. This is the default when the ranks span several nodes, where a network moves
-  the data while the cores compute. When every rank shares one node the "network" is
-  the same cores copying memory, nothing is left to overlap with, and one blocking
-  allreduce per bucket after backward measured faster (benchmarks/README.md), so that
+- Overlap: buckets start their non-blocking allreduces during backward as they fill
+  (:mod:`mpidl.parallel.overlap`), the default when the ranks span several nodes; on
+  one node, one blocking allreduce per bucket after backward measured faster, so that
   is the default there.
 - On one node (the common case for CPU training) the buckets live in an MPI-3
   shared-memory window: each rank sums its share of them out of the other ranks' copies
@@ -54,6 +49,7 @@ from mpidl.parallel import agreement
 from mpidl.parallel.buckets import Bucket, build_buckets
 from mpidl.parallel.sparse import SparseTables
 from mpidl.parallel import compression as wire
+from mpidl.parallel.overlap import BucketLauncher
 from mpidl.parallel.transport import WindowTransport, choose_transport
 from mpidl.parallel.wrapper import HeldBytes
 
@@ -175,8 +171,8 @@ class DataParallel:
         for b, flat in zip(self.buckets, self.transport.bind(flats)):
             if flat is not b.flat:
                 b.rebind(flat)
+        self.launcher = BucketLauncher(self.buckets, self.transport, self.overlap)
         self._syncing = True
-        self._next_launch = 0
         self._in_backward = False
         self.comm_wait_seconds = 0.0  # time the last backward blocked on communication
         self.comm_wait_start = 0.0  # its time.perf_counter() start (for timelines)
@@ -273,10 +269,7 @@ class DataParallel:
                                "wrapper no longer owns the gradients; wrap the model again")
         xp = loss.xp
         seed = (scale / global_count) if global_count else scale
-        for b in self.buckets:
-            b.attach()
-            b.pending = len(b.params)
-        self._next_launch = 0
+        self.launcher.begin()
         self._in_backward = True
         try:
             loss.backward(xp.full(loss.shape, seed, dtype=loss.dtype))
@@ -288,8 +281,8 @@ class DataParallel:
         if not self._syncing:
             return
         t0 = time.perf_counter()
-        self._sync_dense()
-        self._sync_sparse()
+        self.launcher.finish()
+        self.sparse_used = self.sparse_tables.sync(self.comm, self._piece_bytes)
         if not global_count and self.comm.size > 1:
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -297,63 +290,9 @@ class DataParallel:
         self.comm_wait_start = t0
         self.comm_wait_seconds = time.perf_counter() - t0
 
-    # -- hooks and launching ---------------------------------------------------------------
     def _on_grad_final(self, p: Tensor) -> None:
-        if not (self._in_backward and self._syncing and self.overlap):
-            return
-        bucket = self._bucket_of.get(id(p))
-        if bucket is not None:
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._launch_ready()
-        for b in self.buckets[:self._next_launch]:
-            if b.request is not None:
-                b.request.test()  # drive MPI progress while backward computes
-
-    def _sync_dense(self) -> None:
-        """Start the buckets backward did not start, in order; then finish them all.
-
-        Without overlap every bucket runs one blocking allreduce here: it beats a
-        non-blocking one plus wait on one node (Open MPI's libnbc schedule copies through
-        temporary buffers; see benchmarks/README.md). With overlap the rest start
-        non-blocking too, because another rank may have started the same bucket during
-        its backward, and a non-blocking collective only matches a non-blocking one: a
-        rank whose batch never reached some parameter (an unused branch) never fires its
-        hook, and starts that bucket only here.
-        """
-        if self.transport.sums_all_at_once:
-            self.transport.allreduce_all_()
-            return
-        for b in self.buckets[self._next_launch:]:
-            self._start(b, blocking=not self.overlap)
-        self._next_launch = len(self.buckets)
-        for b in self.buckets:
-            self._finish(b)
-
-    def _launch_ready(self) -> None:
-        """Start buckets in order: each one once it (and every earlier one) is ready."""
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if b.pending > 0:
-                return
-            self._start(b)
-            self._next_launch += 1
-
-    def _start(self, b: Bucket, blocking: bool = False) -> None:
-        """Allreduce bucket ``b``: start it (``b.request``), or run it to the end."""
-        if blocking:
-            self.transport.allreduce_(b.flat)
-        else:
-            b.request = self.transport.iallreduce_(b.flat)
-
-    def _finish(self, b: Bucket) -> None:
-        if b.request is not None:
-            b.request.wait()
-            b.request = None
-
-    # -- sparse embedding rows --------------------------------------------------------------
-    def _sync_sparse(self) -> None:
-        self.sparse_used = self.sparse_tables.sync(self.comm, self._piece_bytes)
+        if self._in_backward and self._syncing and self.overlap:
+            self.launcher.ready(self._bucket_of.get(id(p)))
 
     def state_bytes(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds now: full parameters, the gradient buckets (and any
