@@ -103,29 +103,45 @@ class ParallelGPT(Module):
         logits ``(B, T_r, V_r)``: its tokens (:meth:`layout`), its vocabulary rows
         (``tok.vocab_start`` on). Collective over the tensor and sequence groups."""
         ids = as_input(ids)
+        tokens = self.tokens(ids.shape[1])
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, tokens)
+        return self.logits(x, ids.shape[1])
+
+    def embed(self, ids: Any) -> Tensor:
+        """Full ids ``(B, T)`` -> this rank's residual stream ``(B, T_here, D)`` (token
+        and position embeddings of :meth:`tokens`). Collective over the tensor group."""
+        ids = as_input(ids)
         length = ids.shape[1]
         if length > self.seq_len:
             raise ValueError(f"sequence length {length} exceeds the model's "
                              f"seq_len={self.seq_len}")
-        tensor = self.grid.tensor
         tokens = self.tokens(length)
-        layout = tokens.layout
-        x = self.tok(layout.split(ids, axis=1, fill=0))  # (B, T_here, D)
-        pos = copy_to_region(tensor, self.pos) if self.sequence_parallel else self.pos
+        x = self.tok(tokens.layout.split(ids, axis=1, fill=0))  # (B, T_here, D)
+        pos = copy_to_region(self.grid.tensor, self.pos) if self.sequence_parallel \
+            else self.pos
         rows = numpy.minimum(tokens.positions, length - 1)  # padding: any row
         if numpy.array_equal(rows, numpy.arange(length)):
             pos = pos if length == self.seq_len else F.getitem(pos, slice(0, length))
         else:
             pos = F.getitem(pos, to_device(rows, get_array_module(self.pos.data)))
-        x = F.add(x, pos)
-        for block in self.blocks:
-            x = block(x, tokens)
+        return F.add(x, pos)
+
+    def logits(self, x: Any, length: int, weight: Any = None) -> Tensor:
+        """The residual stream after the last block -> this rank's logits ``(B, T_r,
+        V_r)`` of a ``length``-token input; ``weight``: the tied output weight to use
+        in place of ``tok.weight`` (a pipeline's last stage receives it). Collective
+        over the tensor group."""
+        tensor = self.grid.tensor
+        layout = self.layout(length)
         x = self.norm(x)
         if not self.tie_weights:
             return self.head(x, length=layout.shard_length)
+        weight = self.tok.weight if weight is None else weight
         if self.sequence_parallel:
-            return gathered_linear(tensor, x, self.tok.weight, None, layout.shard_length)
-        return linear(copy_to_region(tensor, x), self.tok.weight)  # (B, T_r, V_r)
+            return gathered_linear(tensor, x, weight, None, layout.shard_length)
+        return linear(copy_to_region(tensor, x), weight)  # (B, T_r, V_r)
 
     def loss(self, ids: Any, reduction: str = "sum", hits: bool = False) -> Any:
         """This rank's share of the next-token cross-entropy of full ids ``(B, T + 1)``.
@@ -141,19 +157,29 @@ class ParallelGPT(Module):
         Collective over the tensor and sequence groups.
         """
         ids = as_input(ids)
-        logits = self(ids[:, :-1])
+        return self.loss_of_logits(self(ids[:, :-1]), ids, reduction, hits)
+
+    def loss_of_logits(self, logits: Any, ids: Any, reduction: str = "sum",
+                       hits: bool = False) -> Any:
+        """:meth:`loss` of the logits :meth:`forward` gave for ``ids[:, :-1]``."""
+        ids = as_input(ids)
         layout = self.layout(ids.shape[1] - 1)
         ignore = self.pad_id if self.pad_id is not None else (-1 if layout.has_padding else None)
         targets = layout.split(ids[:, 1:], axis=1, fill=0 if ignore is None else ignore)
         loss = vocab_parallel_cross_entropy(
-            logits, targets, self.grid.tensor, self.tok.vocab_start, self.vocab,
+            logits, targets, self.grid.tensor, self.vocab_start, self.vocab,
             ignore_index=ignore, reduction="sum" if reduction == "mean" else reduction)
         if reduction == "mean":
             loss = F.mul(loss, 1.0 / max(self.count_targets(ids), 1))
         if not hits:
             return loss
         return loss, vocab_parallel_hits(logits, targets, self.grid.tensor,
-                                         self.tok.vocab_start, ignore)
+                                         self.vocab_start, ignore)
+
+    @property
+    def vocab_start(self) -> int:
+        """The first vocabulary row of this tensor rank's logits."""
+        return self.tok.vocab_start
 
     def count_targets(self, ids: Any) -> int:
         """How many next-token targets of the full ``ids`` count (not collective)."""

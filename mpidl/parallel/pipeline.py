@@ -1,0 +1,312 @@
+"""Pipeline parallelism: a model's parts on the stages of a grid's pipeline axis.
+
+    grid = ProcessGrid(world, pipeline=4, tensor=2)           # data = world.size // 8
+    model = pipeline_gpt(grid, microbatches=8, schedule="1f1b", **gpt_kwargs)
+    opt = AdamW(model.parameters(), lr=1e-3)
+    for ids in batches:                                       # this data rank's (B, T + 1)
+        loss_sum, count = model.step(ids)                     # forward + backward, all of it
+        opt.step(); opt.zero_grad()                           # loss: loss_sum / count
+
+:class:`PipelineModel` runs one step's schedule (:mod:`mpidl.parallel.pipeline_schedule`:
+gpipe, 1f1b, interleaved) on this rank's parts. The batch is cut into ``m`` microbatches
+by :func:`~mpidl.comm.split_counts` (uneven splits allowed: every stage knows every
+microbatch's shape, so no shape is ever exchanged). A forward of part ``k`` receives the
+activation ``(b_i, T_here, D)`` from part ``k - 1`` and sends its output to part ``k + 1``;
+a backward receives the output gradient and sends the input gradient.
+
+The loss is a sum (mpidl's convention): the last part's backward is seeded with
+``scale / global_count``, as :meth:`DataParallel.backward` seeds any loss, so the loss
+is divided once, by the global number of targets, not per microbatch; every part runs
+its forwards and its backwards in microbatch order 0..m-1, so each gradient accumulates
+in the order single-rank gradient accumulation over the same split does (float64:
+equal bit for bit on a GPT, tests/unit/test_pipeline.py). The parts of a stage are one
+module, wrapped for data parallelism over :attr:`ProcessGrid.replicas` (DataParallel, or
+any :class:`~mpidl.parallel.wrapper.Wrapper`, ZeRO-1 included); every backward but the
+stage's last runs under ``no_sync``, so the reduction happens once per step and, for
+every stage but the first, while the stages before it drain (the cool-down).
+
+Message order, and why it cannot deadlock: every send is posted (``isend``) and never
+waited for until the end of the step, and a receive waits only for the one message its
+action needs, posted (``irecv_``) just before. No rank ever blocks in a send, so two
+neighbours cannot block on each other (the classic deadlock: both blocking-send first,
+1F1B's steady state; the simulator shows it, :func:`~mpidl.parallel.pipeline_schedule.
+simulate` with ``blocking_sends=True``); a receive waits for a send its peer makes after
+only actions that the schedule validator and simulator have run to the end. Messages
+carry tags: activation into part k ``2k``, gradient into part k ``2k + 1``, tied weight
+``2P``, its gradient ``2P + 1``, so no two kinds can match each other. Every message is
+checked for size (and under ``MPIDL_CHECK_COLLECTIVES=1`` shape and dtype) on receipt,
+and the watchdog names the peer of a receive that waits too long.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy
+
+from mpidl import functions as F
+from mpidl.autograd import Tensor
+from mpidl.backend import get_array_module
+from mpidl.comm.base import Communicator, split_counts
+from mpidl.nn.container import ModuleList
+from mpidl.nn.module import Module, Parameter
+from mpidl.parallel.grid import ProcessGrid
+from mpidl.parallel.pipeline_schedule import Action, messages, schedule as make_schedule
+
+
+class Part(Protocol):
+    """What the engine asks of one model part (a :class:`~mpidl.nn.Module`).
+
+    Attributes:
+        index: the part's number ``k`` (it runs on stage ``k % p``).
+        first, last: it takes the ids (no activation) / it returns the summed loss.
+        dtype: the dtype of the activations it receives.
+        tied_out: on part 0, a Parameter the last part (on another stage) also uses, or None.
+        tied_in: on the last part, ``(shape, dtype)`` of that weight, or None; the
+            engine sets ``tied_weight`` (a Tensor) before the step's forwards.
+    """
+
+    index: int
+    first: bool
+    last: bool
+    dtype: Any
+    tied_out: Parameter | None
+    tied_in: tuple | None
+
+    def __call__(self, x: Tensor | None, ids: Any) -> Tensor:
+        """Forward: the previous part's output (None for part 0) and the microbatch's
+        ids -> this part's output, or (last part) this rank's summed loss."""
+
+    def input_shape(self, ids: Any) -> tuple[int, ...]:
+        """The shape of the activation this part receives for microbatch ``ids``."""
+
+    def count_targets(self, ids: Any) -> int:
+        """How many targets of ``ids`` count in the loss."""
+
+
+class Stage(Module):
+    """This rank's parts as one module (what the data-parallel wrapper wraps)."""
+
+    def __init__(self, parts: Sequence[Module]) -> None:
+        super().__init__()
+        self.parts = ModuleList(parts)
+
+
+class PipelineModel:
+    """This rank's parts of a pipelined model, and the step that runs the schedule.
+
+    Construction is collective over the world: the parts are wrapped for data
+    parallelism over ``grid.replicas`` (collective there), and the layout is agreed.
+
+    Args:
+        grid: the process grid; its pipeline axis holds the stages.
+        parts: the parts of stage ``grid.pipeline_rank``, in order (``v`` of them:
+            parts ``r, r + p, ...``).
+        schedule: "gpipe", "1f1b" or "interleaved" (needs ``v > 1`` to interleave).
+        microbatches: ``m``, at least the number of stages.
+        wrapper: ``wrapper(module, comm) -> Wrapper`` for data parallelism over
+            ``grid.replicas`` (default :class:`~mpidl.parallel.DataParallel`; ZeRO-1:
+            ``lambda m, c: ShardedDataParallel(m, c, stage=1)``).
+        names: the single-rank model's parameter names in order (the order of
+            :meth:`full_state_dict`); None: the parts' order.
+
+    Attributes:
+        module: the :class:`Stage` of this rank's parts; ``wrapped``: its wrapper.
+        actions: this rank's schedule (:class:`~mpidl.parallel.pipeline_schedule.Action`).
+        peak_activation_bytes: after :meth:`step`, the most bytes of part outputs
+            (the activations sent to the next part, one per microbatch in flight) this
+            rank held at once.
+    """
+
+    def __init__(self, grid: ProcessGrid, parts: Sequence[Any], *, schedule: str = "1f1b",
+                 microbatches: int, wrapper: Callable[[Module, Communicator], Any] | None = None,
+                 names: Sequence[str] | None = None) -> None:
+        p, v = grid.pipeline_size, len(parts)
+        everyone = grid.world.allgather_obj((schedule, microbatches, v))
+        grid.world.check(all(e == everyone[0] for e in everyone),
+                         "PipelineModel: schedule, microbatches and parts per stage differ "
+                         "between ranks: " + ", ".join(
+                             f"rank {r} {e}" for r, e in enumerate(everyone))
+                         + "; pass the same on every rank")
+        self.grid, self.p, self.v, self.m = grid, p, v, microbatches
+        self.schedule = schedule
+        self.parts_total = p * v
+        self.actions = make_schedule(schedule, p, microbatches, v)[grid.pipeline_rank]
+        self.parts = {part.index: part for part in parts}
+        if sorted(self.parts) != list(range(grid.pipeline_rank, p * v, p)):
+            raise ValueError(f"PipelineModel: stage {grid.pipeline_rank} of {p} holds parts "
+                             f"{sorted(self.parts)}; with {v} per stage it must hold "
+                             f"{list(range(grid.pipeline_rank, p * v, p))}")
+        self.module = Stage(parts)
+        if wrapper is None:
+            from mpidl.parallel.data import DataParallel
+
+            def wrapper(module: Module, comm: Communicator) -> Any:
+                return DataParallel(module, comm)
+        self.wrapped = wrapper(self.module, grid.replicas)
+        self.names = list(names) if names is not None else None
+        self.peak_activation_bytes = 0
+        self._last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+
+    # -- the step --------------------------------------------------------------------------
+    def parameters(self) -> list:
+        """What the optimizer updates: the wrapper's parameters (this stage's)."""
+        return self.wrapped.parameters()
+
+    def train(self, mode: bool = True) -> "PipelineModel":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "PipelineModel":
+        return self.train(False)
+
+    def step(self, ids: Any, global_count: int | None = None,
+             scale: float = 1.0) -> tuple[float, int]:
+        """Forward and backward of the whole schedule on this data rank's batch ``ids``.
+
+        Collective over the world (every rank of a data replica passes the same ``ids``;
+        each data rank its own). Leaves each stage's gradients, reduced over
+        ``grid.replicas``, on :meth:`parameters`: the gradient of the summed loss times
+        ``scale / global_count``. ``global_count``: the targets of the global batch
+        (default: counted here, one allreduce over the data axis).
+
+        Returns:
+            ``(loss_sum, global_count)``: this rank's share of the summed loss of its
+            batch (as ParallelGPT.loss shares it over tensor and sequence ranks; the
+            same on every stage), and the global count it was divided by.
+        """
+        grid, wrapped = self.grid, self.wrapped
+        ids = numpy.asarray(ids) if get_array_module(ids) is numpy else ids
+        rows = split_counts(int(ids.shape[0]), self.m)
+        starts = [sum(rows[:i]) for i in range(self.m + 1)]
+        micro = [ids[starts[i]:starts[i + 1]] for i in range(self.m)]
+        if global_count is None:
+            any_part = next(iter(self.parts.values()))
+            mine = numpy.array([sum(any_part.count_targets(mb) for mb in micro)],
+                               dtype=numpy.int64)
+            global_count = int(grid.data.allreduce_(mine)[0])
+        wrapped.before_forward()
+        pipe, sends = grid.pipeline, []
+        tied = self._send_tied(sends)
+        held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        loss_sum, live, peak = 0.0, 0, 0
+        for index, action in enumerate(self.actions):
+            part = self.parts[action.part]
+            mb = micro[action.microbatch]
+            got, sent = messages(action, self.parts_total)
+            if action.kind == "F":
+                x = None
+                if got is not None:
+                    x = Tensor(self._receive(part.input_shape(mb), part.dtype, got),
+                               requires_grad=True)
+                out = part(x, mb)
+                if sent is not None:
+                    sends.append(self._send(out.data, sent))
+                    live += out.data.nbytes
+                    peak = max(peak, live)
+                else:
+                    loss_sum += float(out.data)
+                held[(action.part, action.microbatch)] = (x, out)
+                continue
+            x, out = held.pop((action.part, action.microbatch))
+            sync = contextlib.nullcontext() if index == self._last_backward else wrapped.no_sync()
+            with sync:
+                if got is None:  # the last part: the loss, divided once
+                    wrapped.backward(out, global_count=global_count, scale=scale)
+                else:
+                    grad = self._receive(out.data.shape, out.data.dtype, got)
+                    # sum(out * grad) has gradient grad * 1.0 = grad exactly: the
+                    # wrapper's declared backward(loss) takes it like any loss.
+                    surrogate = F.sum(F.mul(out, Tensor(grad)))
+                    if action.part == 0 and tied is not None and index == self._last_backward:
+                        surrogate = F.add(surrogate, self._tied_gradient_term())
+                    wrapped.backward(surrogate, global_count=1, scale=1.0)
+            if got is not None:
+                live -= out.data.nbytes
+            if sent is not None:
+                sends.append(self._send(x.grad, sent))
+            if action.part == self.parts_total - 1 and tied is not None \
+                    and action.microbatch == self.m - 1:
+                sends.append(pipe.isend(tied.grad, 0, tag=2 * self.parts_total + 1))
+        for request in sends:
+            request.wait()
+        self.peak_activation_bytes = peak
+        total = numpy.array([loss_sum], dtype=numpy.float64)
+        pipe.bcast_(total, root=(self.parts_total - 1) % self.p)
+        return float(total[0]), global_count
+
+    # -- messages ----------------------------------------------------------------------------
+    def _tag(self, message: Any) -> int:
+        return 2 * message.part + (message.kind == "gradient")
+
+    def _send(self, array: Any, message: Any) -> Any:
+        xp = get_array_module(array)
+        return self.grid.pipeline.isend(xp.ascontiguousarray(array), message.part % self.p,
+                                        tag=self._tag(message))
+
+    def _receive(self, shape: tuple, dtype: Any, message: Any) -> Any:
+        xp = get_array_module(next(iter(self.module.parameters())).data)
+        buf = xp.empty(shape, dtype=dtype)
+        # The source is the part on the other side of the message: k - 1 for an
+        # activation into part k, k + 1 for a gradient into it.
+        source = message.part - 1 if message.kind == "activation" else message.part + 1
+        return self.grid.pipeline.irecv_(buf, source % self.p, tag=self._tag(message)).wait()
+
+    def _send_tied(self, sends: list) -> Tensor | None:
+        """Part 0 sends the tied weight to the last part's stage; that part receives it
+        as a leaf whose gradient accumulates over the step's microbatches."""
+        first, last = self.parts.get(0), self.parts.get(self.parts_total - 1)
+        tag = 2 * self.parts_total
+        if first is not None and first.tied_out is not None:
+            sends.append(self.grid.pipeline.isend(first.tied_out.data,
+                                                  (self.parts_total - 1) % self.p, tag=tag))
+            self._tied_source = first.tied_out
+        if last is not None and last.tied_in is not None:
+            shape, dtype = last.tied_in
+            xp = get_array_module(next(iter(self.module.parameters())).data)
+            w = self.grid.pipeline.irecv_(xp.empty(shape, dtype=dtype), 0, tag=tag).wait()
+            last.tied_weight = Tensor(w, requires_grad=True)
+            return last.tied_weight
+        if first is not None and first.tied_out is not None:
+            return first.tied_out
+        return None
+
+    def _tied_gradient_term(self) -> Tensor:
+        """``sum(tok.weight * g)``, g the last part's gradient of the tied weight: its
+        backward adds g to ``tok.weight``'s gradient in part 0's last backward."""
+        w = self._tied_source
+        xp = get_array_module(w.data)
+        g = self.grid.pipeline.irecv_(xp.empty_like(w.data), (self.parts_total - 1) % self.p,
+                                      tag=2 * self.parts_total + 1).wait()
+        return F.sum(F.mul(w, Tensor(g)))
+
+    # -- state -------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Any]:
+        """The single-rank model's state dict, on every rank. Collective over the world.
+
+        Each stage gathers its parts' full arrays (over the tensor group), then the
+        stages exchange them (pickled: a checkpoint-time operation, not a step's).
+        """
+        from mpidl.parallel.pipeline_gpt import part_full_state
+
+        self.wrapped.before_forward()  # ZeRO: the optimizer's updates are in the shards
+        mine: dict[str, Any] = {}
+        for part in self.module.parts:
+            mine.update({n: numpy.asarray(a) if get_array_module(a) is numpy else a
+                         for n, a in part_full_state(part).items()})
+        merged: dict[str, Any] = {}
+        for state in self.grid.pipeline.allgather_obj(mine):
+            for name, array in state.items():
+                merged.setdefault(name, array)
+        order = self.names if self.names is not None else list(merged)
+        return {n: merged[n] for n in order}
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a single-rank state dict into this rank's parts (not collective)."""
+        from mpidl.parallel.pipeline_gpt import load_part_state
+
+        for part in self.module.parts:
+            load_part_state(part, state)
+
+
+__all__ = ["Part", "PipelineModel", "Stage"]

@@ -1,0 +1,227 @@
+"""The GPT cut into pipeline parts: embedding first, blocks in between, head and loss last.
+
+    grid = ProcessGrid(world, pipeline=4)                    # and tensor=, sequence=
+    model = pipeline_gpt(grid, microbatches=8, schedule="1f1b", vocab=31, dim=16,
+                         layers=8, seed=0)                    # a PipelineModel
+    loss_sum, count = model.step(ids)                         # ids: this data rank's batch
+
+Every rank builds the full :class:`~mpidl.models.GPT` from the seed (as
+:func:`~mpidl.parallel.parallel_gpt` does), splits it over the tensor and sequence axes
+when the grid has them (:class:`~mpidl.parallel.ParallelGPT`), and keeps the parts the
+pipeline gives it (part ``k`` on stage ``k % p``); the rest is dropped. Part 0 holds the
+token and position embeddings, the last part the final LayerNorm, the output projection
+and the loss, and part ``k`` the blocks ``[sum(part_layers[:k]), sum(part_layers[:k+1]))``:
+``part_layers`` is an explicit list, or :func:`split_layers`'s as-even-as-possible split.
+
+Tied embeddings (``tie_weights=True``) stay one parameter, ``tok.weight`` of part 0.
+When the last part sits on another stage, it receives that weight from stage 0 at the
+start of every step (one message of ``V x D / t`` elements, the volume Megatron-LM's
+tied-gradient allreduce moves) and sends its accumulated gradient back before part 0's
+last backward, which adds it to ``tok.weight``'s own gradient inside that backward: so
+the data-parallel wrapper, plain or ZeRO, reduces one gradient for one parameter, and
+the checkpoint saves it once.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy
+
+from mpidl import functions as F
+from mpidl.autograd import Tensor
+from mpidl.comm.base import split_counts
+from mpidl.models.gpt import GPT
+from mpidl.nn.container import ModuleList
+from mpidl.nn.linear import linear
+from mpidl.nn.module import Module, as_input
+from mpidl.parallel.gpt import ParallelGPT
+from mpidl.parallel.grid import ProcessGrid
+from mpidl.parallel.pipeline import PipelineModel
+from mpidl.parallel import tensor as tensor_state
+
+
+def split_layers(layers: int, parts: int, counts: Sequence[int] | None = None) -> list[int]:
+    """Blocks per part: ``counts`` checked, or ``layers`` split as evenly as possible
+    (:func:`~mpidl.comm.split_counts`: the first parts take one more).
+
+    Raises:
+        ValueError: ``counts`` has not ``parts`` entries, a negative one, or does not
+            sum to ``layers`` (the message names the list and the fix).
+    """
+    if counts is None:
+        return split_counts(layers, parts)
+    counts = [int(c) for c in counts]
+    if len(counts) != parts or any(c < 0 for c in counts) or sum(counts) != layers:
+        raise ValueError(f"pipeline layers {counts} (sum {sum(counts)}, {len(counts)} parts) "
+                         f"do not split {layers} blocks into {parts} parts (pipeline x "
+                         f"virtual stages); give {parts} counts >= 0 that sum to {layers}, "
+                         f"e.g. {split_counts(layers, parts)}")
+    return counts
+
+
+class GPTPart(Module):
+    """Part ``index`` of ``parts`` of a GPT or a ParallelGPT: what one pipeline chunk runs.
+
+    It takes over the model's modules it needs (the model itself is not kept), under the
+    model's own attribute names, so its ParallelGPT pieces run ParallelGPT's own
+    methods (:meth:`ParallelGPT.embed`, ``logits``, ``loss_of_logits``) on it.
+
+    Attributes:
+        first, last: whether it holds the embeddings / the head and the loss.
+        start: the model's index of its first block.
+        tied_out: part 0 with ``receives_tied`` on another stage: the Parameter to send.
+        tied_in: ``(shape, dtype)`` of the tied weight it receives (last part on another
+            stage than part 0), else None; :attr:`tied_weight` is set by the engine.
+    """
+
+    def __init__(self, model: GPT | ParallelGPT, index: int, parts: int, start: int,
+                 stop: int, stages: int) -> None:
+        super().__init__()
+        self.index, self.first, self.last = index, index == 0, index == parts - 1
+        self.parallel = isinstance(model, ParallelGPT)
+        self.start = start
+        self.vocab, self.seq_len, self.tie_weights = model.vocab, model.seq_len, model.tie_weights
+        self.pad_id = model.pad_id
+        self.dim, self.dtype = model.pos.data.shape[1], model.pos.data.dtype
+        if self.parallel:
+            self.grid, self.attention = model.grid, model.attention
+            self.sequence_parallel = model.sequence_parallel
+            self.vocab_start = model.tok.vocab_start
+        # The tied weight crosses stages when part 0 and the last part do (p > 1).
+        across = model.tie_weights and stages > 1 and parts > 1
+        self.tied_out = None
+        self.tied_in = None
+        self.tied_weight: Tensor | None = None
+        if self.first or (self.last and model.tie_weights and not across):
+            self.tok = model.tok  # the same object when both parts are on this rank
+        if self.first:
+            self.pos = model.pos
+            if across:
+                self.tied_out = model.tok.weight
+        self.blocks = ModuleList(model.blocks[i] for i in range(start, stop))
+        if self.last:
+            self.norm = model.norm
+            if not model.tie_weights:
+                self.head = model.head
+            elif across:
+                w = model.tok.weight
+                self.tied_in = (tuple(w.data.shape), w.data.dtype)
+
+    # -- the pipeline part's contract (mpidl.parallel.pipeline.Part) ----------------------
+    def forward(self, x: Any, ids: Any) -> Tensor:
+        """``x`` (the previous part's output; None for part 0) and the microbatch's ids
+        ``(b, T + 1)`` -> this part's output ``(b, T_here, D)``, or for the last part
+        this rank's share of the summed loss."""
+        ids = as_input(ids)
+        length = ids.shape[1] - 1
+        tokens = self.tokens(length) if self.parallel else None
+        if self.first:
+            x = self.embed(ids[:, :-1])
+        for block in self.blocks:
+            x = block(x, tokens) if self.parallel else block(x)
+        if not self.last:
+            return x
+        weight = self.tied_weight if self.tied_in is not None else None
+        if self.parallel:
+            return self.loss_of_logits(self.logits(x, length, weight), ids)
+        if weight is None:
+            weight = self.tok.weight if self.tie_weights else self.head.weight
+        logits = linear(self.norm(x), weight)  # (b, T, vocab), as GPT.forward
+        return F.softmax_cross_entropy(logits, ids[:, 1:], ignore_index=self.pad_id,
+                                       reduction="sum")
+
+    def input_shape(self, ids: Any) -> tuple[int, ...]:
+        """The shape of the activation this part receives for microbatch ``ids``."""
+        b, length = ids.shape[0], ids.shape[1] - 1
+        if self.parallel:
+            return (b, len(self.tokens(length).positions), self.dim)
+        return (b, length, self.dim)
+
+    def count_targets(self, ids: Any) -> int:
+        """How many next-token targets of ``ids`` count (not collective)."""
+        return GPT.count_targets(self, ids)
+
+    # -- the model's pieces ----------------------------------------------------------------
+    def embed(self, ids: Any) -> Tensor:
+        if self.parallel:
+            return ParallelGPT.embed(self, ids)
+        t = ids.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.seq_len}")
+        pos = self.pos if t == self.seq_len else F.getitem(self.pos, slice(0, t))
+        return F.add(self.tok(ids), pos)  # (B, T, D), as GPT.forward
+
+    # ParallelGPT's methods read these attributes only; the part has them.
+    layout = ParallelGPT.layout
+    tokens = ParallelGPT.tokens
+    logits = ParallelGPT.logits
+    loss_of_logits = ParallelGPT.loss_of_logits
+
+    def full_names(self) -> dict[str, str]:
+        """This part's parameter names -> the single-rank model's names."""
+        out = {}
+        for name, _ in self.named_parameters():
+            head, _, rest = name.partition(".")
+            if head == "blocks":
+                j, _, tail = rest.partition(".")
+                name_full = f"blocks.{self.start + int(j)}.{tail}"
+            else:
+                name_full = name
+            out[name] = name_full
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"part={self.index}, blocks={self.start}..{self.start + len(self.blocks) - 1}"
+                f"{', embedding' if self.first else ''}{', head+loss' if self.last else ''}")
+
+
+def gpt_parts(model: GPT | ParallelGPT, stages: int, virtual: int = 1, stage: int = 0,
+              layers: Sequence[int] | None = None) -> list[GPTPart]:
+    """The parts stage ``stage`` of ``stages`` holds, ``virtual`` per stage (part ``k``
+    on stage ``k % stages``), cut from ``model`` (not collective)."""
+    parts = stages * virtual
+    counts = split_layers(len(model.blocks), parts, layers)
+    starts = [sum(counts[:k]) for k in range(parts + 1)]
+    return [GPTPart(model, k, parts, starts[k], starts[k + 1], stages)
+            for k in range(stage, parts, stages)]
+
+
+def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b",
+                 virtual_stages: int = 1, part_layers: Sequence[int] | None = None,
+                 sequence_parallel: bool = False, attention: str = "ring",
+                 wrapper: Any = None, **gpt_kwargs: Any) -> PipelineModel:
+    """:func:`mpidl.models.gpt` (same arguments, same seed, same parameters) in pipeline
+    stages over ``grid``, each stage split over the grid's tensor and sequence axes.
+
+    Collective over the world (the grid's groups compare and wrap the parts).
+    ``part_layers``: blocks per part (``pipeline * virtual_stages`` counts; default as
+    even as possible; ``layers`` is the GPT's own argument, the total). ``wrapper``: as :class:`~mpidl.parallel.pipeline.PipelineModel`.
+    """
+    from mpidl.models import gpt
+
+    model = gpt(**gpt_kwargs)
+    names = [n for n, _ in model.named_parameters()]
+    if grid.tensor_size > 1 or grid.sequence_size > 1:
+        model = ParallelGPT(model, grid, sequence_parallel=sequence_parallel,
+                            attention=attention)
+    parts = gpt_parts(model, grid.pipeline_size, virtual_stages, grid.pipeline_rank,
+                      part_layers)
+    return PipelineModel(grid, parts, schedule=schedule, microbatches=microbatches,
+                         wrapper=wrapper, names=names)
+
+
+def part_full_state(part: GPTPart) -> dict[str, Any]:
+    """The single-rank names and full arrays of ``part``'s parameters (collective over
+    the tensor group when the part is tensor-parallel)."""
+    arrays = tensor_state.full_state_dict(part)
+    return {part.full_names()[n]: a for n, a in arrays.items()}
+
+
+def load_part_state(part: GPTPart, state: dict[str, Any]) -> None:
+    """Load ``part``'s parameters from a single-rank state dict (not collective)."""
+    local = {n: state[full] for n, full in part.full_names().items()}
+    tensor_state.load_full_state_dict(part, local)
+
+
+__all__ = ["GPTPart", "gpt_parts", "load_part_state", "part_full_state", "pipeline_gpt",
+           "split_layers"]

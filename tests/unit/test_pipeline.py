@@ -1,0 +1,145 @@
+"""Pipeline parallelism against single-rank gradient accumulation, on thread ranks.
+
+float64, a tiny GPT, three AdamW steps; the reference runs the same microbatch split of
+the same batches on one rank. Without tied weights or a data axis the pipeline adds the
+same numbers in the same order: equal bit for bit. Otherwise to rounding (the tied
+weight's two gradients, and the replicas' sums, are added in another order).
+"""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from mpidl.comm import split_counts
+from mpidl.models import gpt
+from mpidl.optim import AdamW
+from mpidl.parallel import ProcessGrid, ShardedDataParallel
+from mpidl.parallel.pipeline_gpt import pipeline_gpt, split_layers
+from mpidl.testing import allclose, run_ranks
+
+BASE = dict(vocab=31, seq_len=8, dim=16, layers=4, heads=2, seed=3, dtype="float64")
+STEPS = 3
+
+
+def _batches(rows, data=1, seed=0):
+    rng = numpy.random.default_rng(seed)
+    return [[rng.integers(0, 31, size=(rows, 9)) for _ in range(data)] for _ in range(STEPS)]
+
+
+def reference(kw, batches, m):
+    """One rank: every data rank's microbatches in turn, the summed loss seeded 1/N."""
+    model = gpt(**kw)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in batches:
+        n = sum(model.count_targets(ids) for ids in step)
+        total = []
+        for ids in step:
+            rows = split_counts(len(ids), m)
+            starts = numpy.cumsum([0] + rows)
+            part = 0.0
+            for i in range(m):
+                loss = model.loss(ids[starts[i]:starts[i + 1]], reduction="sum")
+                part += float(loss.data)
+                loss.backward(numpy.full((), 1.0 / n))
+            total.append(part)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.copy() for k, v in model.state_dict().items()}
+
+
+def pipelined(comm, kw, batches, m, grid_sizes, **options):
+    grid = ProcessGrid(comm, **grid_sizes)
+    model = pipeline_gpt(grid, microbatches=m, **options, **kw)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in batches:
+        loss, _ = model.step(step[grid.data_rank])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+    return (grid.pipeline_rank, *grid.coordinates), losses, model.full_state_dict(), \
+        model.peak_activation_bytes
+
+
+def run(size, grid_sizes, m=4, rows=7, data=1, exact=True, options=None, **kw):
+    kw = {**BASE, **kw}
+    batches = _batches(rows, data)
+    ref_losses, ref_state = reference(kw, batches, m)
+    results = run_ranks(size, pipelined, kw, batches, m, grid_sizes, **(options or {}))
+    summed = {}  # data rank -> its losses, the sequence ranks' shares added up
+    for (stage, d, s, t), losses, state, _ in results:
+        assert list(state) == list(ref_state)
+        for name, value in ref_state.items():
+            if exact:
+                numpy.testing.assert_array_equal(state[name], value, err_msg=name)
+            else:
+                assert allclose(state[name], value, scale=10), name
+        if t == 0 and stage == 0:  # every stage returns the same loss
+            summed[d] = summed.get(d, 0) + numpy.array(losses)
+    for d, losses in summed.items():
+        shares = numpy.array([ref[d] for ref in ref_losses])
+        if exact:
+            numpy.testing.assert_array_equal(losses, shares)
+        else:
+            assert allclose(losses, shares), (losses, shares)
+    return results
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_gpipe_and_1f1b_equal_single_rank_accumulation_bit_for_bit(schedule, p):
+    run(p, dict(pipeline=p), tie_weights=False, options=dict(schedule=schedule))
+
+
+def test_interleaved_with_two_chunks_per_stage_equals_single_rank_bit_for_bit():
+    run(2, dict(pipeline=2), m=4, layers=8, tie_weights=False,
+        options=dict(schedule="interleaved", virtual_stages=2))
+
+
+def test_microbatches_that_do_not_divide_the_batch_and_dropout_match_too():
+    # 7 rows in 4 microbatches (2, 2, 2, 1); every block's Dropout draws its masks in
+    # microbatch order on its stage, as on one rank.
+    run(4, dict(pipeline=4), m=4, rows=7, dropout=0.3, tie_weights=False)
+
+
+def test_stages_of_unequal_layer_counts_match():
+    run(2, dict(pipeline=2), layers=5, tie_weights=False, options=dict(part_layers=[1, 4]))
+
+
+def test_tied_embeddings_stay_one_parameter_across_the_first_and_last_stage():
+    # The pipeline adds the embedding's and the head's gradients per step, one rank
+    # per microbatch: the same sum in another order.
+    results = run(4, dict(pipeline=4), tie_weights=True, exact=False)
+    assert "head.weight" not in results[0][2] and "tok.weight" in results[0][2]
+
+
+def test_a_data_axis_reduces_each_stage_over_its_replicas():
+    run(4, dict(pipeline=2), data=2, exact=False, tie_weights=True)
+
+
+def test_zero_1_wraps_each_stage_as_data_parallelism_would():
+    run(4, dict(pipeline=2), data=2, exact=False, tie_weights=False,
+        options=dict(wrapper=lambda module, comm: ShardedDataParallel(module, comm, stage=1)))
+
+
+@pytest.mark.parametrize("grid", [dict(pipeline=2, tensor=2), dict(pipeline=2, sequence=2)])
+def test_pipeline_by_tensor_and_by_sequence_grids_match_to_rounding(grid):
+    run(4, grid, exact=False, tie_weights=True)
+
+
+def test_a_layer_list_that_does_not_sum_to_the_layers_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"pipeline layers \[1, 2\] \(sum 3, 2 parts\) do not "
+                       r"split 4 blocks into 2 parts.*e\.g\. \[2, 2\]"):
+        split_layers(4, 2, [1, 2])
+
+
+def test_1f1b_holds_p_microbatches_on_the_first_stage_and_gpipe_m():
+    m, rows, p = 8, 8, 4
+    one = [r[3] for r in run(p, dict(pipeline=p), m=m, rows=rows, tie_weights=False)]
+    all_ = [r[3] for r in run(p, dict(pipeline=p), m=m, rows=rows, tie_weights=False,
+                              options=dict(schedule="gpipe"))]
+    per_microbatch = (rows // m) * 8 * BASE["dim"] * 8  # (b, T, D) float64
+    assert one[:p - 1] == [(p - r) * per_microbatch for r in range(p - 1)]
+    assert all_[:p - 1] == [m * per_microbatch] * (p - 1)
