@@ -18,7 +18,9 @@ from mpidl.train.build import Run, check_microbatches
 from mpidl.train.config import Config, ConfigError, load_config
 from mpidl.train.layout import Layout, plan_layout
 from mpidl.train.objective import Classification, LanguageModel
+from mpidl.train.metrics import StepTimer
 from mpidl.train.step import TrainStep
+from mpidl.train.timeline import Timeline
 
 STEPS = 3
 
@@ -29,7 +31,7 @@ def _wrap(model, comm, kind):
     return ShardedDataParallel(model, comm, stage=int(kind[-1]))
 
 
-def _train(comm, kind, microbatches, task, global_batch, **grid):
+def _train(comm, kind, microbatches, task, global_batch, timer=None, **grid):
     """STEPS AdamW steps of TrainStep; this rank's parameters (or shards), its losses."""
     config = Config(task="gpt" if task == "gpt" else "reviews", global_batch=global_batch,
                     microbatches=microbatches, lr=1e-2, schedule="constant", warmup_steps=0,
@@ -48,7 +50,7 @@ def _train(comm, kind, microbatches, task, global_batch, **grid):
               test_set=None, objective=objective, layout=layout, model=model,
               dp=wrapper, optimizer=AdamW(wrapper.parameters(), lr=1e-2), loader=None,
               eval_loader=None, loss_scale=None, total_steps=STEPS)
-    step = TrainStep(run)
+    step = TrainStep(run, timer=timer)
     start = [p.data.copy() for p in wrapper.parameters()]
     losses = []
     for i in range(STEPS):
@@ -125,3 +127,15 @@ def test_microbatches_equal_one_batch_on_a_tensor_grid_under_zero(kind):
     one = run_ranks(4, _train, kind, 1, "gpt", 7, tensor_parallel=2)
     three = run_ranks(4, _train, kind, 3, "gpt", 7, tensor_parallel=2)
     _same(one, three)
+
+
+def test_a_backward_that_did_not_communicate_adds_no_wait_to_the_timeline():
+    # Data parallelism reduces once per step: one "comm" event a step, not m (no_sync's
+    # backwards leave the previous wait in place, which was counted again).
+    def body(comm, kind):
+        timeline = Timeline(comm.rank)
+        _train(comm, kind, 3, "mlp", 11, timer=StepTimer(timeline))
+        return sum(1 for e in timeline.events if e[0] == "comm")
+
+    assert run_ranks(2, body, "dp") == [STEPS, STEPS]
+    assert run_ranks(2, body, "zero2") == [3 * STEPS, 3 * STEPS]  # a reduce-scatter each
