@@ -259,7 +259,9 @@ def workload(config: Any, model: Any, samples: int, epochs: float) -> Workload:
     params = model.parameters()
     count = sum(int(p.data.size) for p in params)
     bucket_mb = config.bucket_mb if config.bucket_mb is not None else 4.0
-    copies = {"adamw": 2, "adam": 2, "sgd": 1 if config.momentum else 0}[config.optimizer]
+    momentum = 1 if config.momentum else 0
+    copies = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": momentum,
+              "lars": 1}[config.optimizer]  # state arrays per parameter
     return Workload(samples=samples, epochs=epochs, global_batch=config.global_batch,
                     params=count, grad_bytes=4 * count, bucket_bytes=int(bucket_mb * 2**20),
                     overlap=config.overlap, state_copies=copies)
