@@ -235,6 +235,41 @@ class PipelineModel:
         pipe.bcast_(total, root=(self.parts_total - 1) % self.p)
         return float(total[0]), global_count
 
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
+        """Scale every stage's gradients so the whole model's 2-norm is at most
+        ``max_norm``; returns the norm before. Collective over the world.
+
+        Each stage's norm is its wrapper's (ZeRO: over the shards) or its parameters'
+        (tensor-parallel shards adding up over the tensor group, replicated parameters
+        once); the stages' squares add up over the pipeline axis. The tied weight is
+        one parameter, of part 0, so it counts once.
+        """
+        from mpidl.parallel.tensor import grad_norm
+        from mpidl.parallel.zero import ShardedDataParallel
+
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        if isinstance(self.wrapped, ShardedDataParallel):
+            stage = self.wrapped.grad_norm(self.grid.tensor)
+        else:
+            stage = grad_norm(self.wrapped.parameters(), self.grid.tensor)
+        squares = numpy.array([0.0 if stage is None else float(stage) ** 2])
+        norm = float(numpy.sqrt(self.grid.pipeline.allreduce_(squares)[0]))
+        coef = min(max_norm / (norm + eps), 1.0)
+        if coef < 1.0:
+            for param in self.wrapped.parameters():
+                if param.grad is not None:
+                    param.grad *= coef
+        return norm
+
+    def state_bytes(self, optimizer: Any = None) -> dict[str, int]:
+        """Bytes this rank holds now (its stage's; see the wrapper's ``state_bytes``)."""
+        return self.wrapped.state_bytes(optimizer)
+
+    def close(self) -> None:
+        """Release the wrapper's resources. Collective over the replicas."""
+        self.wrapped.close()
+
     # -- messages ----------------------------------------------------------------------------
     def _tag(self, message: Any) -> int:
         return 2 * message.part + (message.kind == "gradient")

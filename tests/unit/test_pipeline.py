@@ -143,3 +143,30 @@ def test_1f1b_holds_p_microbatches_on_the_first_stage_and_gpipe_m():
     per_microbatch = (rows // m) * 8 * BASE["dim"] * 8  # (b, T, D) float64
     assert one[:p - 1] == [(p - r) * per_microbatch for r in range(p - 1)]
     assert all_[:p - 1] == [m * per_microbatch] * (p - 1)
+
+
+def _clipped(comm, kw, ids, m, grid_sizes):
+    from mpidl.optim import SGD
+
+    grid = ProcessGrid(comm, **grid_sizes)
+    model = pipeline_gpt(grid, microbatches=m, **kw)
+    model.step(ids)
+    norm = model.clip_grad_norm_(1e-3)
+    SGD(model.parameters(), lr=1.0).step()
+    return norm, model.full_state_dict()
+
+
+def test_clipping_takes_the_norm_of_the_whole_model_over_the_stages():
+    from mpidl.optim import SGD, clip_grad_norm_
+
+    kw = {**BASE, "tie_weights": True}
+    ids = _batches(6)[0][0]
+    model = gpt(**kw)
+    n = model.count_targets(ids)
+    for mb in numpy.split(ids, 3):
+        model.loss(mb, reduction="sum").backward(numpy.full((), 1.0 / n))
+    want = float(clip_grad_norm_(model.parameters(), 1e-3))
+    SGD(model.parameters(), lr=1.0).step()
+    for norm, state in run_ranks(4, _clipped, kw, ids, 3, dict(pipeline=2, tensor=2)):
+        assert allclose(numpy.array(norm), numpy.array(want)), (norm, want)
+        assert all(allclose(state[k], v) for k, v in model.state_dict().items())
