@@ -7,23 +7,24 @@ import pytest
 from mpidl.comm import SingleCommunicator
 from mpidl.data import DataError
 from mpidl.train import predict as P
+from mpidl.train import predict_inputs as reading
 
 
 def test_an_empty_file_is_refused_as_no_input(tmp_path):
     (tmp_path / "in.txt").write_text("")
     with pytest.raises(DataError, match="in.txt is empty: no input to classify"):
-        P._read_lines(str(tmp_path / "in.txt"))
+        reading._read_lines(str(tmp_path / "in.txt"))
 
 
 def test_a_blank_line_is_refused_naming_the_first_and_the_count(tmp_path):
     (tmp_path / "in.txt").write_text("good\n \nbad\n\n")
     with pytest.raises(DataError, match=r"line 2 is blank \(2 blank line\(s\) of 4\)"):
-        P._read_lines(str(tmp_path / "in.txt"))
+        reading._read_lines(str(tmp_path / "in.txt"))
 
 
 def test_lines_without_blanks_are_read_without_their_line_ends(tmp_path):
     (tmp_path / "in.txt").write_bytes(b"good\r\nbad\n")
-    assert P._read_lines(str(tmp_path / "in.txt")) == ["good", "bad"]
+    assert reading._read_lines(str(tmp_path / "in.txt")) == ["good", "bad"]
 
 
 @pytest.mark.parametrize("value, words", [
@@ -37,7 +38,7 @@ def test_a_row_that_is_not_finite_as_the_model_reads_it_is_named(value, words):
     with numpy.errstate(over="ignore"):
         cast = rows.astype(numpy.float32)
     with pytest.raises(DataError, match="replace them") as info:
-        P._check_finite("rows.npz", "x", rows, cast, numpy.dtype(numpy.float32))
+        reading._check_finite("rows.npz", "x", rows, cast, numpy.dtype(numpy.float32))
     assert words in str(info.value)
 
 
@@ -56,7 +57,7 @@ class _Scores:
 def test_scores_that_are_not_finite_stop_predict_before_their_round_is_written():
     table = numpy.array([[0.0, 1.0], [numpy.inf, 0.0], [1.0, 0.0]], numpy.float32)
     written = []
-    inputs = P.ArrayInputs(numpy.full((3, 4), 3e38, numpy.float32))
+    inputs = reading.ArrayInputs(numpy.full((3, 4), 3e38, numpy.float32))
     with pytest.raises(DataError, match=r"input 1, row 1 \(largest \|value\| 3e\+38\): the "
                                         "model's scores for it are not finite"):
         P.predict(_Scores(table), inputs, SingleCommunicator(), numpy, 2,
