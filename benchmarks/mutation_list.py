@@ -46,6 +46,8 @@ DEVICE_CKPT = "tests/unit/test_checkpoint_device.py::"
 RECOMPUTE = "tests/unit/test_recompute.py::"
 MICRO = "tests/unit/test_microbatches.py::"
 LAYOUTS = "tests/unit/test_layouts.py::"
+PIPE = "tests/unit/test_pipeline.py::"
+SCHED = "tests/unit/test_pipeline_schedule.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -806,8 +808,110 @@ MUTATIONS: list[Mutation] = [
         why="switching a built model misses its first block, which keeps everything",
         tests=(RECOMPUTE + "test_set_recompute_switches_a_built_model_and_the_gradients_stay",),
     ),
-    # -- pipeline parallelism (mpidl/parallel/pipeline.py): add its mutations here as it
-    #    lands.
+    # -- pipeline parallelism (mpidl/parallel/pipeline*.py, grid.py, point-to-point) -------
+    Mutation(
+        name="pipeline-loss-divided-per-microbatch",
+        file="mpidl/parallel/pipeline.py",
+        original="wrapped.backward(out, global_count=global_count, scale=scale)",
+        mutated="wrapped.backward(out, global_count=global_count, scale=scale / self.m)",
+        why="the loss is divided by the microbatches on top of the global count",
+        tests=(PIPE + "test_gpipe_and_1f1b_equal_single_rank_accumulation_bit_for_bit",),
+    ),
+    Mutation(
+        name="pipeline-reduces-every-microbatch",
+        file="mpidl/parallel/pipeline.py",
+        original="sync = contextlib.nullcontext() if index == self._last_backward else "
+                 "wrapped.no_sync()",
+        mutated="sync = contextlib.nullcontext()",
+        why="data-parallel gradients are reduced after every microbatch, not once per step",
+        tests=(PIPE + "test_a_data_axis_reduces_each_stage_over_its_replicas",),
+    ),
+    Mutation(
+        name="pipeline-tied-gradient-dropped",
+        file="mpidl/parallel/pipeline.py",
+        original="                        surrogate = F.add(surrogate, "
+                 "self._tied_gradient_term())\n",
+        mutated="                        pass\n",
+        why="the last stage's gradient of the tied embedding never reaches part 0",
+        tests=(PIPE + "test_tied_embeddings_stay_one_parameter_across_the_first_and_last_stage",),
+    ),
+    Mutation(
+        name="pipeline-tied-gradient-sent-early",
+        file="mpidl/parallel/pipeline.py",
+        original="                    and action.microbatch == self.m - 1:",
+        mutated="                    and action.microbatch == 0:",
+        why="the tied weight's gradient goes back after the first microbatch, not the last",
+        tests=(PIPE + "test_tied_embeddings_stay_one_parameter_across_the_first_and_last_stage",),
+    ),
+    Mutation(
+        name="pipeline-loss-keeps-last-microbatch",
+        file="mpidl/parallel/pipeline.py",
+        original="                    loss_sum += float(out.data)",
+        mutated="                    loss_sum = float(out.data)",
+        why="the step reports the last microbatch's loss, not the batch's sum",
+        tests=(PIPE + "test_gpipe_and_1f1b_equal_single_rank_accumulation_bit_for_bit",),
+    ),
+    Mutation(
+        name="pipeline-clip-norm-of-one-stage",
+        file="mpidl/parallel/pipeline.py",
+        original="        norm = float(numpy.sqrt(self.grid.pipeline.allreduce_(squares)[0]))",
+        mutated="        norm = float(numpy.sqrt(squares[0]))",
+        why="each stage clips by its own norm, not the whole model's",
+        tests=(PIPE + "test_clipping_takes_the_norm_of_the_whole_model_over_the_stages",),
+    ),
+    Mutation(
+        name="schedule-1f1b-one-more-warmup",
+        file="mpidl/parallel/pipeline_schedule.py",
+        original="        warmup = min(p - r - 1, m)\n",
+        mutated="        warmup = min(p - r, m)\n",
+        why="1F1B warms up p - r forwards, holding one microbatch more on every stage",
+        tests=(SCHED + "test_1f1b_warms_up_p_minus_rank_minus_1_forwards_and_holds_p_minus_rank",),
+    ),
+    Mutation(
+        name="schedule-interleaved-backward-chunks-not-reversed",
+        file="mpidl/parallel/pipeline_schedule.py",
+        original="return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p",
+        mutated="return chunk, (k // (p * v)) * p + k % p",
+        why="interleaved backwards walk the chunks forwards: a backward before its forward",
+        tests=(SCHED + "test_interleaved_idles_p_minus_1_over_v_m",),
+    ),
+    Mutation(
+        name="simulator-sends-never-block",
+        file="mpidl/parallel/pipeline_schedule.py",
+        original='                elif what == "send" and not blocking_sends:',
+        mutated='                elif what == "send":',
+        why="the simulator posts blocking sends too, so it cannot show the naive deadlock",
+        tests=(SCHED + "test_blocking_sends_deadlock_1f1b_and_the_engines_posted_sends_do_not",),
+    ),
+    Mutation(
+        name="grid-pipeline-inside-data",
+        file="mpidl/parallel/grid.py",
+        original="        self.data_rank = (w // (tensor * sequence)) % self.data_size\n"
+                 "        self.pipeline_rank = w // (tensor * sequence * self.data_size)\n",
+        mutated="        self.pipeline_rank = (w // (tensor * sequence)) % pipeline\n"
+                "        self.data_rank = w // (tensor * sequence * pipeline)\n",
+        why="the pipeline axis is placed inside the data axis: neighbouring stages share a node",
+        tests=("tests/unit/test_pipeline_grid.py",),
+    ),
+    Mutation(
+        name="p2p-byte-count-unchecked",
+        file="mpidl/comm/mpi.py",
+        original="            if got != self._expect[2]:",
+        mutated="            if False:",
+        why="a shorter message than the receive buffer passes silently (MPI allows it)",
+        tests=("tests/mpi/test_point_to_point.py::"
+               "test_a_message_of_another_size_is_an_error_naming_both_ranks",),
+        sizes=(2,),
+    ),
+    Mutation(
+        name="p2p-numbered-with-collectives",
+        file="mpidl/comm/ledger.py",
+        original="        if peer is not None:\n            self.p2p_seq += 1",
+        mutated="        if False:\n            self.p2p_seq += 1",
+        why="point-to-point calls advance the collective numbers, which then differ by rank",
+        tests=("tests/unit/test_point_to_point.py::"
+               "test_point_to_point_calls_are_numbered_apart_from_the_collectives",),
+    ),
     # -- gradient accumulation (mpidl/train/step.py, --microbatches) ---------------------
     Mutation(
         name="accumulate-reduces-every-microbatch",

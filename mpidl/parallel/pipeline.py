@@ -32,8 +32,9 @@ neighbours cannot block on each other (the classic deadlock: both blocking-send 
 1F1B's steady state; the simulator shows it, :func:`~mpidl.parallel.pipeline_schedule.
 simulate` with ``blocking_sends=True``); a receive waits for a send its peer makes after
 only actions that the schedule validator and simulator have run to the end. Messages
-carry tags: activation into part k ``2k``, gradient into part k ``2k + 1``, tied weight
-``2P``, its gradient ``2P + 1``, so no two kinds can match each other. Every message is
+carry tags (activation into part k ``2k``, gradient into part k ``2k + 1``, tied weight
+``2P``, its gradient ``2P + 1``), a second guard: every schedule's ranks receive from a
+peer in the order it sends (tests/unit/test_pipeline_schedule.py), so one tag would do. Every message is
 checked for size (and under ``MPIDL_CHECK_COLLECTIVES=1`` shape and dtype) on receipt,
 and the watchdog names the peer of a receive that waits too long.
 """

@@ -87,3 +87,20 @@ def test_a_schedule_out_of_order_or_with_an_action_missing_is_refused():
 def test_an_impossible_layout_says_what_works(args, match):
     with pytest.raises(ValueError, match=match):
         check_layout(*args)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1),
+                                        ("interleaved", 2, 6, 3), ("interleaved", 4, 8, 2)])
+def test_each_rank_receives_from_a_peer_in_the_order_the_peer_sends(name, p, m, v):
+    # So even one tag for every message would match: the engine's tags (by part and
+    # direction) are a second guard, not what keeps messages apart.
+    sent, received = {}, {}
+    for r, acts in enumerate(schedule(name, p, m, v)):
+        for a in acts:
+            got, out = messages(a, p * v)
+            if out is not None:
+                sent.setdefault((r, out.part % p), []).append(out)
+            if got is not None:
+                peer = (got.part - 1 if got.kind == "activation" else got.part + 1) % p
+                received.setdefault((peer, r), []).append(got)
+    assert sent == received
