@@ -139,6 +139,8 @@ class PipelineModel:
                              f"{sorted(self.parts)}; with {v} per stage it must hold "
                              f"{list(range(grid.pipeline_rank, p * v, p))}")
         self.module = Stage(parts)
+        if get_array_module(next(iter(self.module.parameters())).data) is not numpy:
+            grid.pipeline.prepare_device()  # collective: device messages need the path
         if wrapper is None:
             from mpidl.parallel.data import DataParallel
 
