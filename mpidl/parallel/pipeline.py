@@ -179,10 +179,7 @@ class PipelineModel:
             same on every stage), and the global count it was divided by.
         """
         grid, wrapped = self.grid, self.wrapped
-        ids = numpy.asarray(ids) if get_array_module(ids) is numpy else ids
-        rows = split_counts(int(ids.shape[0]), self.m)
-        starts = [sum(rows[:i]) for i in range(self.m + 1)]
-        micro = [ids[starts[i]:starts[i + 1]] for i in range(self.m)]
+        micro = self._microbatches(ids)
         if global_count is None:
             any_part = next(iter(self.parts.values()))
             mine = numpy.array([sum(any_part.count_targets(mb) for mb in micro)],
@@ -194,17 +191,11 @@ class PipelineModel:
         held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         loss_sum, live, peak = 0.0, 0, 0
         for index, action in enumerate(self.actions):
-            part = self.parts[action.part]
             mb = micro[action.microbatch]
             got, sent = messages(action, self.parts_total)
             if action.kind == "F":
-                x = None
-                if got is not None:
-                    x = Tensor(self._receive(part.input_shape(mb), part.dtype, got),
-                               requires_grad=True)
-                out = part(x, mb)
+                x, out = self._forward(action, mb, sends)
                 if sent is not None:
-                    sends.append(self._send(out.data, sent))
                     live += out.data.nbytes
                     peak = max(peak, live)
                 else:
@@ -237,6 +228,34 @@ class PipelineModel:
         total = numpy.array([loss_sum], dtype=numpy.float64)
         pipe.bcast_(total, root=(self.parts_total - 1) % self.p)
         return float(total[0]), global_count
+
+    def evaluate(self, ids: Any) -> tuple[float, int]:
+        """This rank's share of the summed loss of ``ids`` and its count of targets,
+        forward only, keeping no graph. Collective over the world as :meth:`step`; the
+        loss is the same on every stage.
+
+        Every rank runs its parts' forwards microbatch by microbatch, parts in order:
+        each forward's input comes from a forward earlier in that (microbatch, part)
+        order, so no rank waits on one that waits on it.
+        """
+        from mpidl.autograd import no_grad
+
+        self.wrapped.before_forward()
+        micro = self._microbatches(ids)
+        loss_sum, sends = 0.0, []
+        self._send_tied(sends)
+        with no_grad():
+            for i, mb in enumerate(micro):
+                for k in sorted(self.parts):
+                    _, out = self._forward(Action("F", k, i), mb, sends)
+                    if k == self.parts_total - 1:
+                        loss_sum += float(out.data)
+        for request in sends:
+            request.wait()
+        total = numpy.array([loss_sum], dtype=numpy.float64)
+        self.grid.pipeline.bcast_(total, root=(self.parts_total - 1) % self.p)
+        count = sum(next(iter(self.parts.values())).count_targets(mb) for mb in micro)
+        return float(total[0]), count
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
         """Scale every stage's gradients so the whole model's 2-norm is at most
@@ -272,6 +291,25 @@ class PipelineModel:
     def close(self) -> None:
         """Release the wrapper's resources. Collective over the replicas."""
         self.wrapped.close()
+
+    def _microbatches(self, ids: Any) -> list:
+        """``ids`` cut into ``m`` microbatches along axis 0 (:func:`split_counts`)."""
+        ids = numpy.asarray(ids) if get_array_module(ids) is numpy else ids
+        rows = split_counts(int(ids.shape[0]), self.m)
+        starts = [sum(rows[:i]) for i in range(self.m + 1)]
+        return [ids[starts[i]:starts[i + 1]] for i in range(self.m)]
+
+    def _forward(self, action: Action, mb: Any, sends: list) -> tuple[Tensor | None, Tensor]:
+        """Receive the input of forward ``action``, run it, post its output's send."""
+        part = self.parts[action.part]
+        got, sent = messages(action, self.parts_total)
+        x = None
+        if got is not None:
+            x = Tensor(self._receive(part.input_shape(mb), part.dtype, got), requires_grad=True)
+        out = part(x, mb)
+        if sent is not None:
+            sends.append(self._send(out.data, sent))
+        return x, out
 
     # -- messages ----------------------------------------------------------------------------
     def _tag(self, message: Any) -> int:

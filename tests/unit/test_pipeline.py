@@ -170,3 +170,24 @@ def test_clipping_takes_the_norm_of_the_whole_model_over_the_stages():
     for norm, state in run_ranks(4, _clipped, kw, ids, 3, dict(pipeline=2, tensor=2)):
         assert allclose(numpy.array(norm), numpy.array(want)), (norm, want)
         assert all(allclose(state[k], v) for k, v in model.state_dict().items())
+
+
+def _moved(comm, state, ids, grid_sizes, options):
+    grid = ProcessGrid(comm, **grid_sizes)
+    model = pipeline_gpt(grid, microbatches=4, **options, **BASE)
+    model.load_full_state_dict(state)
+    loss, count = model.evaluate(ids)
+    return loss, count, model.full_state_dict()
+
+
+@pytest.mark.parametrize("grid_sizes,options", [
+    (dict(pipeline=4), {}), (dict(pipeline=2), dict(schedule="interleaved", virtual_stages=2)),
+    (dict(pipeline=2, tensor=2), dict(part_layers=[3, 1]))])
+def test_a_state_dict_loads_into_any_layout_and_evaluates_as_one_rank(grid_sizes, options):
+    source = gpt(**{**BASE, "seed": 11})  # other parameters than the layouts' own seed
+    state = source.state_dict()
+    ids = _batches(5)[0][0]
+    want = float(source.loss(ids, reduction="sum").data)
+    for loss, count, back in run_ranks(4, _moved, state, ids, grid_sizes, options):
+        assert allclose(numpy.array(loss), numpy.array(want)) and count == 5 * 8
+        assert all(numpy.array_equal(back[k], v) for k, v in state.items())
