@@ -191,3 +191,16 @@ def test_a_state_dict_loads_into_any_layout_and_evaluates_as_one_rank(grid_sizes
     for loss, count, back in run_ranks(4, _moved, state, ids, grid_sizes, options):
         assert allclose(numpy.array(loss), numpy.array(want)) and count == 5 * 8
         assert all(numpy.array_equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_with_dropout_in_stages_redraws_no_mask(recompute):
+    # The reference keeps everything; the stages recompute, each block's Dropout must
+    # reuse the forward's seed (a redrawn mask is the classic recomputation bug).
+    kw = {**BASE, "dropout": 0.3, "tie_weights": False}
+    batches = _batches(6)
+    _, want = reference(kw, batches, 3)
+    got = run_ranks(2, pipelined, {**kw, "recompute": recompute}, batches, 3, dict(pipeline=2))
+    for _, _, state, _ in got:
+        for name, value in want.items():
+            numpy.testing.assert_array_equal(state[name], value, err_msg=name)
