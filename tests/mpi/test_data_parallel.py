@@ -20,6 +20,7 @@ from mpidl.optim import SGD, AdamW
 from mpidl.parallel import DataParallel
 from mpidl.parallel.transport import WindowTransport
 from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks, raises_all_ranks
+from mpidl.testing.models import TwoHeads
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -155,16 +156,6 @@ def test_data_parallel_sums_gradients_sent_in_several_messages(comm):
     assert_same_parameters(comm, model, ref, scale=100)
 
 
-class _TwoHeads(Module):
-    def __init__(self):
-        super().__init__()
-        self.a = Linear(4, 3, seed=1, dtype="float64")
-        self.b = Linear(4, 3, seed=2, dtype="float64")
-
-    def forward(self, x, use_b):
-        return self.a(x) + self.b(x) if use_b else self.a(x)
-
-
 @pytest.mark.parametrize("options", [
     {"overlap": False}, {"overlap": True}, {"overlap": True, "compression": "bfloat16"},
     {"overlap": True, "hierarchical": 1}, {"overlap": False, "hierarchical": 2},
@@ -174,7 +165,7 @@ def test_a_parameter_only_rank_0_reaches_gets_its_gradient_on_every_rank(comm, o
     # (so its hook never fires), its bucket slice must sum zeros (not the previous step's
     # values, as zero_grad drops .grad), and every rank must still issue the same
     # collectives and receive rank 0's contribution.
-    dp = DataParallel(_TwoHeads(), comm, **options)
+    dp = DataParallel(TwoHeads(), comm, **options)
     x = numpy.full((2, 4), comm.rank + 1.0)
     n = 2 * comm.size
     wire = options.get("compression")  # the tolerance of the dtype gradients travel in

@@ -16,6 +16,7 @@ from mpidl.models import mlp
 from mpidl.optim import AdamW
 from mpidl.parallel import DataParallel, ShardedDataParallel
 from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
+from mpidl.testing.models import full_parameters
 from mpidl.testing.memory import peak_bytes
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.checkpointer import choose_checkpointer
@@ -62,23 +63,6 @@ def reference(comm, steps):
     return model, opt
 
 
-def full_parameters(model, wrapper):
-    """Every parameter whole, by name (ZeRO: gathered; collective)."""
-    if not isinstance(wrapper, ShardedDataParallel):
-        return {n: p.data.copy() for n, p in model.named_parameters()}
-    wrapper.gather_parameters()
-    names = {id(p): n for n, p in wrapper.named}
-    out = {}
-    for u in wrapper.units:
-        if u.flat is None:
-            wrapper._gather(u)
-            out.update({names[id(p)]: p.data.copy() for p in u.params})
-            u.release_params()
-        else:
-            out.update({names[id(p)]: p.data.copy() for p in u.params})
-    return out
-
-
 def save_at(comm, directory, layout, steps=2):
     model, wrapper, opt = build(comm, layout)
     train(comm, wrapper, opt, batches(steps, PER_RANK * comm.size))
@@ -102,13 +86,13 @@ def test_a_checkpoint_saved_in_one_layout_resumes_in_another_as_one_rank_would(
     assert_all_ranks(comm, read == sum(h.count for h in held),
                      f"read {read} elements; this rank holds {sum(h.count for h in held)}")
     expected, expected_opt = reference(comm, 2)
-    got = full_parameters(model, wrapper)
+    got = full_parameters(wrapper)
     for name, q in expected.named_parameters():
         assert_allclose_all_ranks(comm, got[name], q.data, scale=10.0, what=f"loaded {name}")
     # One more step at the new layout: the optimizer state came back too.
     train(comm, wrapper, opt, batches(3, PER_RANK * comm.size)[2:])
     expected, _ = reference(comm, 3)
-    got = full_parameters(model, wrapper)
+    got = full_parameters(wrapper)
     for name, q in expected.named_parameters():
         assert_allclose_all_ranks(comm, got[name], q.data, scale=10.0, what=f"stepped {name}")
     if hasattr(wrapper, "close"):

@@ -15,6 +15,7 @@ from mpidl.models import gpt, mlp
 from mpidl.optim import SGD, AdamW, clip_grad_norm_
 from mpidl.parallel import DataParallel, ShardedDataParallel
 from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
+from mpidl.testing.models import full_parameters
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -80,22 +81,6 @@ def sharded(comm, kind, stage, make_opt, clip=None, **options):
     return model, full
 
 
-def full_parameters(sdp):
-    """The model's full parameters after the last step (gathered, for comparison)."""
-    sdp.gather_parameters()
-    out = []
-    for u in sdp.units:
-        if u.flat is None:
-            sdp._gather(u)
-        out += [p.data.copy() for p in u.params]
-        if sdp.stage == 3:
-            u.release_params()
-    names = {id(p): n for n, p in sdp.named}
-    order = [names[id(p)] for u in sdp.units for p in u.params]
-    by_name = dict(zip(order, out))
-    return [by_name[n] for n, _ in sdp.named]
-
-
 def adamw(params):
     return AdamW(params, lr=1e-2, weight_decay=0.1)
 
@@ -109,8 +94,9 @@ def sgd(params):
 def test_each_stage_equals_the_single_rank_model(comm, stage, kind):
     ref = reference(kind, adamw)
     _, params = sharded(comm, kind, stage, adamw, bucket_mb=0.0005)
-    for (name, q), p in zip(ref.named_parameters(), params):
-        assert_allclose_all_ranks(comm, p, q.data, scale=10.0, what=f"stage {stage} {name}")
+    for name, q in ref.named_parameters():
+        assert_allclose_all_ranks(comm, params[name], q.data, scale=10.0,
+                                  what=f"stage {stage} {name}")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -130,8 +116,9 @@ def test_each_stage_equals_data_parallel_with_sgd_momentum_and_clipping(comm, st
     dp.close()
     assert_all_ranks(comm, min(norms) > 2 * max_norm, f"norms {norms}: no clipping to test")
     _, params = sharded(comm, "gpt", stage, sgd, clip=max_norm)
-    for (name, q), p in zip(model.named_parameters(), params):
-        assert_allclose_all_ranks(comm, p, q.data, scale=10.0, what=f"stage {stage} {name}")
+    for name, q in model.named_parameters():
+        assert_allclose_all_ranks(comm, params[name], q.data, scale=10.0,
+                                  what=f"stage {stage} {name}")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -152,15 +139,16 @@ def test_accumulating_over_micro_batches_equals_one_big_batch(comm, stage):
         opt.zero_grad()
     params = full_parameters(sdp)
     sdp.close()
-    for (name, q), p in zip(ref.named_parameters(), params):
-        assert_allclose_all_ranks(comm, p, q.data, scale=10.0, what=f"stage {stage} {name}")
+    for name, q in ref.named_parameters():
+        assert_allclose_all_ranks(comm, params[name], q.data, scale=10.0,
+                                  what=f"stage {stage} {name}")
 
 
 def test_compressed_reduce_scatter_stays_close_to_the_exact_one(comm):
     ref = reference("mlp", sgd)
     _, params = sharded(comm, "mlp", 2, sgd, compression="bfloat16")
-    for (name, q), p in zip(ref.named_parameters(), params):
-        assert_allclose_all_ranks(comm, p, q.data, dtype="bfloat16", what=name)
+    for name, q in ref.named_parameters():
+        assert_allclose_all_ranks(comm, params[name], q.data, dtype="bfloat16", what=name)
 
 
 def test_stage_3_holds_a_1_over_n_share_of_the_model_state(comm):

@@ -19,6 +19,7 @@ from mpidl.optim import SGD, AdamW, clip_grad_norm_
 from mpidl.parallel import ShardedDataParallel
 from mpidl.parallel.zero_state import load_full_state, pieces_to_full, state_pieces
 from mpidl.testing import allclose, assert_all_ranks, assert_allclose_all_ranks
+from mpidl.testing.models import TwoHeads, full_parameters
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -40,20 +41,6 @@ def global_batches(comm, steps, seed=1):
 
 def mine(comm, a):
     return a[PER_RANK * comm.rank:PER_RANK * (comm.rank + 1)]
-
-
-def full_parameters(sdp):
-    """Every parameter of the model, whole, by name (gathered; collective)."""
-    sdp.gather_parameters()
-    names = {id(p): n for n, p in sdp.named}
-    out = {}
-    for u in sdp.units:
-        if u.flat is None:
-            sdp._gather(u)
-        out.update({names[id(p)]: p.data.copy() for p in u.params})
-        if sdp.stage == 3:
-            u.release_params()
-    return out
 
 
 def reference_step(opt, loss):
@@ -109,16 +96,6 @@ def test_accumulating_without_global_count_equals_one_big_batch(comm, stage):
 
 
 # -- a parameter this rank's batch did not reach ------------------------------------------
-
-class TwoHeads(Module):
-    def __init__(self):
-        super().__init__()
-        self.a = Linear(4, 3, seed=1, dtype="float64")
-        self.b = Linear(4, 3, seed=2, dtype="float64")
-
-    def forward(self, x, use_b):
-        return self.a(x) + self.b(x) if use_b else self.a(x)
-
 
 def every_ranks_loss(ref, size, use_b):
     """The single-rank reference's loss over every rank's batch (rank r's: 2 rows of

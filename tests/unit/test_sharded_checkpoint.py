@@ -17,6 +17,7 @@ from mpidl.parallel import ShardedDataParallel, parallel_gpt
 from mpidl.parallel.holdings import Held, Key, clip, merge, overlap, runs_array
 from mpidl.parallel.tensor import Shard, shard_runs
 from mpidl.testing import run_ranks
+from mpidl.testing.models import full_parameters
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.checkpoint import CheckpointError
 from mpidl.train.checkpointer import LoadError, choose_checkpointer
@@ -93,7 +94,7 @@ def save_then_load(tmp_path, saved, loaded):
         checkpointer = choose_checkpointer(comm, None, wrapper, model, opt)
         read = checkpointer.load(ckpt.load_checkpoint(path, "none"))
         held = checkpointer.holdings()[0]
-        got = M.full_parameters(model, wrapper)
+        got = full_parameters(wrapper)
         return read, sum(h.count for h in held), got, model, wrapper, opt
     return run_ranks(loaded[0], load, timeout=60)
 
@@ -297,7 +298,7 @@ def test_a_format_2_file_loads_into_any_layout(tmp_path, layout):
         fresh, wrapper, fresh_opt = M.build(comm, layout, seed=9)
         choose_checkpointer(comm, None, wrapper, fresh, fresh_opt).load(
             ckpt.load_checkpoint(path, "none"))
-        return M.full_parameters(fresh, wrapper)
+        return full_parameters(wrapper)
     for got in run_ranks(3, body):
         for name, q in model.named_parameters():
             numpy.testing.assert_array_equal(got[name], q.data)
@@ -326,7 +327,7 @@ def test_a_format_2_checkpoint_with_zero_companions_still_loads(tmp_path):
         fresh, wrapper, opt = M.build(comm, 3, seed=9)
         choose_checkpointer(comm, None, wrapper, fresh, opt).load(
             ckpt.load_checkpoint(path, "none"))
-        return M.full_parameters(fresh, wrapper)
+        return full_parameters(wrapper)
     for got in run_ranks(3, body):
         for name, q in expected.named_parameters():
             numpy.testing.assert_allclose(got[name], q.data, rtol=1e-12, atol=1e-12)
