@@ -41,6 +41,7 @@ and the watchdog names the peer of a receive that waits too long.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy
@@ -117,6 +118,12 @@ class PipelineModel:
         peak_activation_bytes: after :meth:`step`, the most bytes of part outputs
             (the activations sent to the next part, one per microbatch in flight) this
             rank held at once.
+        measure_graphs: set True to count, during :meth:`step`, the bytes every
+            part-microbatch's graph holds until its backward (a walk of each graph:
+            for tests and benchmarks); ``peak_graph_bytes``: their most at once.
+        step_seconds, wait_seconds: after :meth:`step`, its wall time (without the
+            final loss broadcast) and the part of it this rank waited for messages:
+            ``wait / (step - wait)`` is its measured bubble.
     """
 
     def __init__(self, grid: ProcessGrid, parts: Sequence[Any], *, schedule: str = "1f1b",
@@ -148,7 +155,9 @@ class PipelineModel:
                 return DataParallel(module, comm)
         self.wrapped = wrapper(self.module, grid.replicas)
         self.names = list(names) if names is not None else None
-        self.peak_activation_bytes = 0
+        self.peak_activation_bytes = self.peak_graph_bytes = 0
+        self.measure_graphs = False
+        self.wait_seconds = self.step_seconds = 0.0
         self._last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
 
     # -- the step --------------------------------------------------------------------------
@@ -179,6 +188,7 @@ class PipelineModel:
             same on every stage), and the global count it was divided by.
         """
         grid, wrapped = self.grid, self.wrapped
+        started, self.wait_seconds = time.perf_counter(), 0.0
         micro = self._microbatches(ids)
         if global_count is None:
             any_part = next(iter(self.parts.values()))
@@ -190,6 +200,8 @@ class PipelineModel:
         tied = self._send_tied(sends)
         held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         loss_sum, live, peak = 0.0, 0, 0
+        graph: dict[tuple[int, int], int] = {}
+        graphs, self.peak_graph_bytes = 0, 0
         for index, action in enumerate(self.actions):
             mb = micro[action.microbatch]
             got, sent = messages(action, self.parts_total)
@@ -201,8 +213,13 @@ class PipelineModel:
                 else:
                     loss_sum += float(out.data)
                 held[(action.part, action.microbatch)] = (x, out)
+                if self.measure_graphs:
+                    graph[(action.part, action.microbatch)] = size = self._graph_bytes(x, out)
+                    graphs += size
+                    self.peak_graph_bytes = max(self.peak_graph_bytes, graphs)
                 continue
             x, out = held.pop((action.part, action.microbatch))
+            graphs -= graph.pop((action.part, action.microbatch), 0)
             sync = contextlib.nullcontext() if index == self._last_backward else wrapped.no_sync()
             with sync:
                 if got is None:  # the last part: the loss, divided once
@@ -223,8 +240,9 @@ class PipelineModel:
                     and action.microbatch == self.m - 1:
                 sends.append(pipe.isend(tied.grad, 0, tag=2 * self.parts_total + 1))
         for request in sends:
-            request.wait()
+            self._waited(request)
         self.peak_activation_bytes = peak
+        self.step_seconds = time.perf_counter() - started
         total = numpy.array([loss_sum], dtype=numpy.float64)
         pipe.bcast_(total, root=(self.parts_total - 1) % self.p)
         return float(total[0]), global_count
@@ -326,7 +344,24 @@ class PipelineModel:
         # The source is the part on the other side of the message: k - 1 for an
         # activation into part k, k + 1 for a gradient into it.
         source = message.part - 1 if message.kind == "activation" else message.part + 1
-        return self.grid.pipeline.irecv_(buf, source % self.p, tag=self._tag(message)).wait()
+        request = self.grid.pipeline.irecv_(buf, source % self.p, tag=self._tag(message))
+        return self._waited(request)
+
+    @staticmethod
+    def _graph_bytes(x: Tensor | None, out: Tensor) -> int:
+        """What one part-microbatch holds until its backward: the arrays its graph saved
+        (:func:`mpidl.nn.recompute.saved_bytes`) and its received input."""
+        from mpidl.nn.recompute import saved_bytes
+
+        return saved_bytes(out) + (0 if x is None else int(x.data.nbytes))
+
+    def _waited(self, request: Any) -> Any:
+        """``request.wait()``, its time added to :attr:`wait_seconds` (the bubble)."""
+        start = time.perf_counter()
+        try:
+            return request.wait()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
 
     def _send_tied(self, sends: list) -> Tensor | None:
         """Part 0 sends the tied weight to the last part's stage; that part receives it
@@ -340,7 +375,7 @@ class PipelineModel:
         if last is not None and last.tied_in is not None:
             shape, dtype = last.tied_in
             xp = get_array_module(next(iter(self.module.parameters())).data)
-            w = self.grid.pipeline.irecv_(xp.empty(shape, dtype=dtype), 0, tag=tag).wait()
+            w = self._waited(self.grid.pipeline.irecv_(xp.empty(shape, dtype=dtype), 0, tag=tag))
             last.tied_weight = Tensor(w, requires_grad=True)
             return last.tied_weight
         if first is not None and first.tied_out is not None:
@@ -352,8 +387,9 @@ class PipelineModel:
         backward adds g to ``tok.weight``'s gradient in part 0's last backward."""
         w = self._tied_source
         xp = get_array_module(w.data)
-        g = self.grid.pipeline.irecv_(xp.empty_like(w.data), (self.parts_total - 1) % self.p,
-                                      tag=2 * self.parts_total + 1).wait()
+        g = self._waited(self.grid.pipeline.irecv_(xp.empty_like(w.data),
+                                                   (self.parts_total - 1) % self.p,
+                                                   tag=2 * self.parts_total + 1))
         return F.sum(F.mul(w, Tensor(g)))
 
     # -- state -------------------------------------------------------------------------------

@@ -135,14 +135,29 @@ def test_a_layer_list_that_does_not_sum_to_the_layers_is_refused_naming_it():
         split_layers(4, 2, [1, 2])
 
 
-def test_1f1b_holds_p_microbatches_on_the_first_stage_and_gpipe_m():
-    m, rows, p = 8, 8, 4
-    one = [r[3] for r in run(p, dict(pipeline=p), m=m, rows=rows, tie_weights=False)]
-    all_ = [r[3] for r in run(p, dict(pipeline=p), m=m, rows=rows, tie_weights=False,
-                              options=dict(schedule="gpipe"))]
-    per_microbatch = (rows // m) * 8 * BASE["dim"] * 8  # (b, T, D) float64
-    assert one[:p - 1] == [(p - r) * per_microbatch for r in range(p - 1)]
-    assert all_[:p - 1] == [m * per_microbatch] * (p - 1)
+def _peaks(comm, schedule, m, rows, recompute):
+    grid = ProcessGrid(comm, pipeline=4)
+    model = pipeline_gpt(grid, microbatches=m, schedule=schedule, **{
+        **BASE, "layers": 8, "tie_weights": False, "recompute": recompute})
+    model.measure_graphs = True
+    model.step(_batches(rows)[0][0])
+    return model.peak_activation_bytes, model.peak_graph_bytes
+
+
+def test_1f1b_holds_p_minus_r_microbatches_on_stage_r_and_gpipe_m():
+    p, m, rows = 4, 8, 16
+    one = run_ranks(p, _peaks, "1f1b", m, rows, "none")
+    all_ = run_ranks(p, _peaks, "gpipe", m, rows, "none")
+    boundary = (rows // m) * 8 * BASE["dim"] * 8  # one (b, T, D) float64 activation
+    for r in range(p):
+        # The graphs a stage keeps until backward: p - r microbatches' under 1F1B, all
+        # m under GPipe (the same bytes per microbatch: uniform microbatches).
+        assert one[r][1] * m == all_[r][1] * (p - r), (r, one[r], all_[r])
+        if r < p - 1:  # the outputs sent on, held for their backward
+            assert (one[r][0], all_[r][0]) == ((p - r) * boundary, m * boundary)
+    # Full recomputation keeps only each block's input: 2 blocks per stage.
+    full = run_ranks(p, _peaks, "1f1b", m, rows, "full")
+    assert [full[r][1] for r in (1, 2)] == [(p - r) * 2 * boundary for r in (1, 2)]
 
 
 def _clipped(comm, kw, ids, m, grid_sizes):
