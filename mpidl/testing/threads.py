@@ -30,6 +30,11 @@ mismatch error. ``isendrecv`` deposits its message in a per-(source, dest) FIFO 
 starts and receives at ``wait()``: every order MPI's eager sends allow works. So do
 ``isend`` (deposited at start) and ``irecv_`` (at ``wait()``), per tag.
 
+Where the ranks meet (rounds, mailboxes, the comparison of calls, the waits and their
+errors) is :mod:`mpidl.testing.rendezvous`; how a reduction folds the ranks' parts,
+:mod:`mpidl.testing.thread_ops`; this module is the communicator's methods and
+:func:`run_ranks`.
+
 What it does not model:
 
 - MPI's progress and timing: no message is ever "in flight", sums fold in rank order
@@ -50,13 +55,10 @@ What it does not model:
 """
 from __future__ import annotations
 
-import os
 import pickle
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy
 
@@ -64,106 +66,12 @@ from mpidl.backend import get_array_module
 from mpidl.comm import base
 from mpidl.comm.base import (Communicator, DistributedError, Request, check_op,
                              check_reducible, split_counts)
+from mpidl.testing.rendezvous import (PENDING, Call, Group, Rendezvous, ThreadRequest, World,
+                                      rank_list)
+from mpidl.testing.thread_ops import FOLDS, wire_sum
 
 
-@dataclass(frozen=True)
-class Call:
-    """One call on a :class:`ThreadCommunicator`, as recorded in ``comm.calls``.
-
-    Attributes:
-        seq: the call's number on this rank's communicator, from 1 (``calls[seq - 1]``).
-        name: the method: "allreduce_", "barrier", "bcast_obj", "isendrecv", ...
-        shape, dtype: of the array handed over; None for barrier, ``*_obj``, split, free.
-        op: the reduction ("sum", "max", "min", "prod", "float16 wire sum", ...).
-        root: of bcast_, reduce_ and bcast_obj.
-        nbytes: bytes of the array handed over (what CountingCommunicator counts; 0
-            for barrier, ``*_obj``, split and free).
-        point_to_point: True for sendrecv and isendrecv, which ranks do not compare.
-        dest, source: the peers of a point-to-point call.
-        site: ``file.py:LINE in function`` of the caller (left out of ``==``).
-    """
-
-    seq: int
-    name: str
-    shape: tuple | None = None
-    dtype: str | None = None
-    op: str | None = None
-    root: int | None = None
-    nbytes: int = 0
-    point_to_point: bool = False
-    dest: int | None = None
-    source: int | None = None
-    site: str = field(default="", compare=False)
-
-    def signature(self) -> tuple:
-        """What every rank's call must match (allgatherv's row counts may differ)."""
-        shape = self.shape
-        if self.name == "allgatherv" and shape:
-            shape = ("rows",) + shape[1:]
-        return (self.name, shape, self.dtype, self.op, self.root)
-
-    def describe(self) -> str:
-        """``#4 allreduce_(shape (3,), float64, op=sum)``."""
-        args = [] if self.shape is None else [f"shape {self.shape}, {self.dtype}"]
-        args += [f"{k}={v}" for k, v in (("op", self.op), ("root", self.root),
-                                          ("dest", self.dest), ("source", self.source))
-                 if v is not None]
-        return f"#{self.seq} {self.name}({', '.join(args)})"
-
-
-class _Aborted(DistributedError):
-    """Raised in a rank's wait because another rank's function raised: a consequence,
-    never the error :func:`run_ranks` reports."""
-
-
-class _World:
-    """What every group of one :func:`run_ranks` call shares, behind one condition."""
-
-    def __init__(self, size: int, ranks_per_node: int | None, timeout: float) -> None:
-        self.size, self.ranks_per_node, self.timeout = size, ranks_per_node, timeout
-        self.cond = threading.Condition()
-        self.errors: dict[int, BaseException] = {}  # world rank -> what its fn raised
-        self.ended: set[int] = set()  # world ranks whose fn has returned or raised
-        self.splits: dict[tuple, list] = {}  # (group, round, color) -> [group, takers left]
-
-    def node(self, world_rank: int) -> int:
-        return 0 if self.ranks_per_node is None else world_rank // self.ranks_per_node
-
-    def failed(self) -> dict[int, BaseException]:
-        """The ranks whose fn raised an error of its own (not an abort)."""
-        return {r: e for r, e in self.errors.items() if not isinstance(e, _Aborted)}
-
-
-class _Round:
-    """One collective of a group: each rank's call and its part (read-only once put)."""
-
-    def __init__(self, size: int) -> None:
-        self.calls: list[Call | None] = [None] * size
-        self.parts: list[Any] = [None] * size
-        self.arrived = 0
-        self.unread = size
-
-
-class _Group:
-    """The state the ranks of one communicator share: collectives and mailboxes."""
-
-    def __init__(self, world: _World, members: tuple[int, ...], label: str) -> None:
-        self.world, self.members, self.label = world, members, label
-        self.size = len(members)
-        self.rounds: dict[int, _Round] = {}
-        # (source, dest, tag, number) -> (array, sender's call site); tag None: sendrecv
-        self.mail: dict[tuple, Any] = {}
-        self.broken = ""  # set by a timeout: later collectives fail at once
-
-    def name(self, ranks: Sequence[int]) -> str:
-        """``ranks 1, 2``, with their world ranks in a split group."""
-        text = _ranks(ranks)
-        if self.members != tuple(range(self.size)):
-            text += f" (world {', '.join(str(self.members[r]) for r in ranks)})"
-        return text
-
-
-class ThreadCommunicator(Communicator):
+class ThreadCommunicator(Rendezvous, Communicator):
     """One rank's handle on a group of thread ranks; made by :func:`run_ranks` and split.
 
     Keeps the contract of :class:`~mpidl.comm.base.Communicator` and the semantics of
@@ -174,22 +82,6 @@ class ThreadCommunicator(Communicator):
         local_rank, local_size: among the group's ranks on this rank's "node" (with
             ``run_ranks(ranks_per_node=k)``, world ranks ``k*i .. k*i + k - 1``).
     """
-
-    def __init__(self, group: _Group, rank: int) -> None:
-        self._group = group
-        self.rank, self.size = rank, group.size
-        world = group.world
-        node = world.node(group.members[rank])
-        same_node = [r for r in range(group.size) if world.node(group.members[r]) == node]
-        self.local_rank, self.local_size = same_node.index(rank), len(same_node)
-        self.calls: list[Call] = []
-        self._rounds = 0  # collectives started here (the group's round numbers)
-        self._sent: dict[tuple, int] = {}  # (dest, tag) -> messages sent to it
-        self._received: dict[tuple, int] = {}  # (source, tag) -> receives started from it
-        self._freed = False
-
-    def __repr__(self) -> str:
-        return f"ThreadCommunicator(rank={self.rank}, size={self.size}, {self._group.label})"
 
     # -- reductions -------------------------------------------------------------------
     def allreduce_(self, x: Any, op: Any = "sum") -> Any:
@@ -217,11 +109,11 @@ class ThreadCommunicator(Communicator):
         def complete(block: bool) -> Any:
             parts = self._finish(n, call, block)
             if parts is None:
-                return _PENDING
+                return PENDING
             x[...] = fold(parts)
             return x
 
-        return _ThreadRequest(complete)
+        return ThreadRequest(complete)
 
     def reduce_(self, x: Any, root: int = 0, op: Any = "sum") -> Any:
         """Reduce ``x`` over all ranks into root's ``x``, in place; returns ``x``.
@@ -282,9 +174,9 @@ class ThreadCommunicator(Communicator):
 
         def complete(block: bool) -> Any:
             parts = self._finish(n, call, block)
-            return _PENDING if parts is None else xp.stack(parts)
+            return PENDING if parts is None else xp.stack(parts)
 
-        return _ThreadRequest(complete)
+        return ThreadRequest(complete)
 
     def allgatherv(self, x: Any) -> Any:
         """Every rank's ``x`` concatenated along axis 0, in rank order.
@@ -386,7 +278,7 @@ class ThreadCommunicator(Communicator):
             if entry is None:
                 label = f"{g.label}/split #{call.seq} color {color}"
                 entry = world.splits[ident] = [
-                    _Group(world, tuple(g.members[r] for r in members), label), len(members)]
+                    Group(world, tuple(g.members[r] for r in members), label), len(members)]
             entry[1] -= 1
             if entry[1] == 0:
                 del world.splits[ident]
@@ -399,22 +291,7 @@ class ThreadCommunicator(Communicator):
             self._collective(self._record("free"), None)
             self._freed = True
 
-    # -- machinery --------------------------------------------------------------------
-    def _record(self, name: str, x: Any = None, op: str | None = None,
-                root: int | None = None, dest: int | None = None,
-                source: int | None = None) -> Call:
-        if self._freed:
-            raise ValueError(f"{name} on a freed communicator ({self!r}): free() was called "
-                             "on it; use the communicator it was split from, or split again")
-        call = Call(seq=len(self.calls) + 1, name=name,
-                    shape=None if x is None else tuple(x.shape),
-                    dtype=None if x is None else str(x.dtype), op=op, root=root,
-                    nbytes=0 if x is None else int(x.nbytes),
-                    point_to_point=dest is not None or source is not None,
-                    dest=dest, source=source, site=_call_site())
-        self.calls.append(call)
-        return call
-
+    # -- what a reduction computes ----------------------------------------------------
     def _reducer(self, x: Any, op: Any, what: str,
                  contiguous: bool = True) -> tuple[str, Callable[[list], Any]]:
         """The checks MPI makes first, then the op's name and its rank-order fold."""
@@ -422,234 +299,8 @@ class ThreadCommunicator(Communicator):
             _contiguous(x, what)
         check_reducible(x, what, op)
         if isinstance(op, str):
-            return check_op(op), _FOLDS[check_op(op)]
-        return _wire_sum(x, op, what)
-
-    def _collective(self, call: Call, part: Any) -> list:
-        return self._finish(self._start(call, part), call)
-
-    def _start(self, call: Call, part: Any) -> int:
-        """Put this rank's call and part into its next round; returns the round."""
-        g, world = self._group, self._group.world
-        with world.cond:
-            self._give_up_if_failed(call)
-            n, self._rounds = self._rounds, self._rounds + 1
-            rnd = g.rounds.get(n)
-            if rnd is None:
-                rnd = g.rounds[n] = _Round(g.size)
-            rnd.calls[self.rank], rnd.parts[self.rank] = call, part
-            rnd.arrived += 1
-            if rnd.arrived == g.size:
-                world.cond.notify_all()
-        return n
-
-    def _finish(self, n: int, call: Call, block: bool = True) -> list | None:
-        """Every rank's part of round ``n`` once all arrived (None if not yet and not
-        ``block``); DistributedError on every rank if their calls differ."""
-        g, world = self._group, self._group.world
-        with world.cond:
-            rnd = g.rounds[n]
-            if rnd.arrived < g.size:
-                if not block:
-                    return None
-                self._wait(lambda: rnd.arrived == g.size, call,
-                           lambda: [r for r, c in enumerate(rnd.calls) if c is None],
-                           f"collective #{n + 1} of {g.label!r}")
-            rnd.unread -= 1
-            if rnd.unread == 0:
-                del g.rounds[n]
-        signatures = [c.signature() for c in rnd.calls]
-        if any(s != signatures[0] for s in signatures):
-            lines = [f"rank {r}: {c.describe()} at {c.site}" for r, c in enumerate(rnd.calls)]
-            raise DistributedError(
-                f"collective mismatch in collective #{n + 1} of {g.label!r}: "
-                + "; ".join(lines) + ". Every rank must make the same collective calls in "
-                "the same order, with the same shapes, dtypes, op and root",
-                [r for r, s in enumerate(signatures) if s != signatures[0]],
-                group_size=g.size)
-        return rnd.parts
-
-    def _exchange(self, name: str, x: Any, dest: int | None, source: int | None,
-                  tag: int | None = None, into: Any = None) -> Request:
-        """Send ``x`` to ``dest`` (deposited now) and/or receive from ``source`` (at
-        ``wait()``; into ``into`` when given). Messages match per (source, dest,
-        channel) in order: ``tag`` None is sendrecv's channel, a tag its own."""
-        if dest is not None:
-            self._check_peer(dest, "dest")
-        if source is not None:
-            self._check_peer(source, "source")
-        like = x if x is not None else into
-        call = self._record(name, like, dest=dest, source=source)
-        g, world = self._group, self._group.world
-        if dest is not None:
-            sent = self._sent.get((dest, tag), 0)
-            self._sent[(dest, tag)] = sent + 1
-            with world.cond:
-                self._give_up_if_failed(call)
-                g.mail[(self.rank, dest, tag, sent)] = (x.copy(), call.site)
-                world.cond.notify_all()
-        if source is None:
-            return _ThreadRequest(lambda block: None)
-        number = self._received.get((source, tag), 0)
-        self._received[(source, tag)] = number + 1
-        box = (source, self.rank, tag, number)
-        channel = "" if tag is None else f" with tag {tag}"
-
-        def complete(block: bool) -> Any:
-            with world.cond:
-                if box not in g.mail:
-                    if not block:
-                        return _PENDING
-                    self._wait(lambda: box in g.mail, call, lambda: [source],
-                               f"message #{number + 1}{channel} from rank {source} to "
-                               f"rank {self.rank}", collective=False)
-                got, site = g.mail.pop(box)
-            if got.shape != like.shape or got.dtype != like.dtype:
-                raise DistributedError(
-                    f"{name} on rank {self.rank}: rank {source} sent shape {got.shape} "
-                    f"{got.dtype} (at {site}), this rank receives shape {like.shape} "
-                    f"{like.dtype} (at {call.site}); point-to-point partners must exchange "
-                    "arrays of one shape and dtype", [source])
-            if into is None:
-                return got
-            into[...] = got
-            return into
-
-        return _ThreadRequest(complete)
-
-    def _wait(self, ready: Callable[[], bool], call: Call, missing: Callable[[], list],
-              what: str, collective: bool = True) -> None:
-        """Wait (holding the world's condition) until ``ready()``; raise DistributedError
-        when a rank failed, a missing rank returned, or ``timeout`` passed."""
-        g, world = self._group, self._group.world
-        deadline = time.monotonic() + world.timeout
-        while not ready():
-            absent = missing()
-            gone = [r for r in absent if g.members[r] in world.ended
-                    and g.members[r] not in world.errors]
-            waiting = f"rank {self.rank} waits in {call.describe()} ({what})"
-            if gone:  # first-hand, so it goes before another rank's failure
-                raise DistributedError(
-                    f"{waiting}, but {g.name(gone)} returned from its function without "
-                    + ("calling it: every rank must make the same collective calls"
-                       if collective else "sending it: a receive needs its matching send"),
-                    gone)
-            self._give_up_if_failed(call)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                message = (f"{waiting}: {g.name(absent)} "
-                           f"{'never arrived' if collective else 'did not send it'} within "
-                           f"{world.timeout:g} s (a skipped call, or a rank stuck elsewhere)")
-                if collective:  # the round can never be matched up again
-                    g.broken = message
-                    world.cond.notify_all()
-                raise DistributedError(message, absent)
-            world.cond.wait(left)
-
-    def _give_up_if_failed(self, call: Call) -> None:
-        """Raise if another rank's function raised, or a timeout broke this group."""
-        g, world = self._group, self._group.world
-        failed = world.failed()
-        if failed:
-            r = min(failed)
-            raise _Aborted(f"rank {self.rank} gave up in {call.describe()}: world rank {r} "
-                           f"raised {type(failed[r]).__name__}: {failed[r]}",
-                           sorted(failed))
-        if g.broken:
-            raise DistributedError(f"rank {self.rank}: {call.describe()} on a communicator "
-                                   f"that a timeout broke: {g.broken}")
-
-    def _check_peer(self, peer: int, what: str) -> None:
-        if not 0 <= peer < self.size:
-            raise ValueError(f"{what}={peer} is not a rank of a size-{self.size} communicator")
-
-
-_PENDING = object()  # what a request's completion returns while it cannot complete yet
-
-
-class _ThreadRequest(Request):
-    """A non-blocking call: ``complete(block)`` returns its result or ``_PENDING``."""
-
-    def __init__(self, complete: Callable[[bool], Any]) -> None:
-        self._complete, self._result, self._done = complete, None, False
-
-    def test(self) -> bool:
-        if not self._done:
-            result = self._complete(False)
-            if result is not _PENDING:
-                self._result, self._done = result, True
-        return self._done
-
-    def wait(self) -> Any:
-        if not self._done:
-            self._result, self._done = self._complete(True), True
-        return self._result
-
-
-def _fold(combine: Callable[[Any, Any], None]) -> Callable[[list], Any]:
-    """A reduction over the ranks' parts in rank order, into a fresh array."""
-
-    def fold(parts: list) -> Any:
-        acc = parts[0].copy()
-        # inf - inf and overflow are the IEEE results MPI's own sum gives, silently.
-        with numpy.errstate(over="ignore", invalid="ignore"):
-            for p in parts[1:]:
-                combine(acc, p)
-        return acc
-
-    return fold
-
-
-def _ufunc(name: str) -> Callable[[Any, Any], None]:
-    def combine(acc: Any, p: Any) -> None:
-        getattr(get_array_module(acc), name)(acc, p, out=acc)
-
-    return combine
-
-
-_FOLDS = {"sum": _fold(_ufunc("add")), "max": _fold(_ufunc("maximum")),
-          "min": _fold(_ufunc("minimum")), "prod": _fold(_ufunc("multiply"))}
-
-
-def _add_float16_bits(acc: Any, p: Any) -> None:
-    xp = get_array_module(acc)
-    halves = acc.view(xp.float16)  # a view: the sum lands in acc
-    xp.add(halves, p.view(xp.float16), out=halves)
-
-
-def _add_bfloat16_bits(acc: Any, p: Any) -> None:
-    from mpidl.parallel.compression import bfloat16_to_float32, float32_to_bfloat16
-
-    xp = get_array_module(acc)
-    bits = acc.view(xp.uint16)  # a view: the rounded sum lands in acc
-    total = bfloat16_to_float32(bits) + bfloat16_to_float32(p.view(xp.uint16))
-    float32_to_bfloat16(total, out=bits)
-
-
-def _wire_sum(x: Any, op: Any, what: str) -> tuple[str, Callable[[list], Any]]:
-    """The fold of one of mpidl's user-defined MPI ops, found by identity.
-
-    The ops exist only once mpi4py made them (or a test stood in for them), so asking
-    :func:`~mpidl.parallel.compression.wire_sum_op` for the same op returns that very
-    object without importing MPI anew.
-    """
-    from mpidl.parallel import compression
-
-    for wire_dtype, combine in (("float16", _add_float16_bits),
-                                ("bfloat16", _add_bfloat16_bits)):
-        try:
-            known = compression.wire_sum_op(wire_dtype)
-        except ImportError:  # no mpi4py: this op cannot be one of them
-            continue
-        if op is known:
-            if x.dtype.itemsize != 2:
-                raise TypeError(f"{what} with the {wire_dtype} wire sum of a {x.dtype} "
-                                "array: the op sums 16-bit buffers; pass the wire buffer "
-                                "(mpidl.parallel.compression.compress)")
-            return f"{wire_dtype} wire sum", _fold(combine)
-    raise TypeError(f"{what} with op={op!r}: ThreadCommunicator knows the named ops "
-                    f"{', '.join(base.OPS)} and mpidl's 16-bit wire sums "
-                    "(mpidl.parallel.compression.wire_sum_op) only")
+            return check_op(op), FOLDS[check_op(op)]
+        return wire_sum(x, op, what)
 
 
 def _contiguous(x: Any, what: str) -> None:
@@ -662,27 +313,6 @@ def _need_rows(x: Any, what: str) -> None:
     if x.ndim == 0:
         raise ValueError(f"{what} splits or joins along axis 0: got a 0-d array; "
                          "pass x.reshape(1)")
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-_HERE = os.path.abspath(__file__)
-_COMM_DIR = os.path.dirname(os.path.abspath(base.__file__))
-
-
-def _call_site() -> str:
-    """``file.py:LINE in function`` of the first caller outside this module and
-    :mod:`mpidl.comm` (whose ``check`` and ``agree`` call the collectives)."""
-    frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename == _HERE
-                                 or frame.f_code.co_filename.startswith(_COMM_DIR)):
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    return (f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} "
-            f"in {frame.f_code.co_name}")
 
 
 def run_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 20.0,
@@ -715,8 +345,8 @@ def run_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 20
         raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or None: one node)")
     if not timeout > 0:
         raise ValueError(f"timeout={timeout} must be > 0 seconds")
-    world = _World(size, ranks_per_node, timeout)
-    group = _Group(world, tuple(range(size)), "world")
+    world = World(size, ranks_per_node, timeout)
+    group = Group(world, tuple(range(size)), "world")
     comms = [ThreadCommunicator(group, r) for r in range(size)]
     results: list[Any] = [None] * size
 
@@ -747,7 +377,7 @@ def run_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 20
         errors, failed = dict(world.errors), world.failed()
         stuck = sorted(set(range(size)) - world.ended)
     for r in stuck:
-        errors[r] = DistributedError(f"{_ranks(stuck)} did not return within {timeout:g} s "
+        errors[r] = DistributedError(f"{rank_list(stuck)} did not return within {timeout:g} s "
                                      "after a rank failed", stuck)
     if return_exceptions:
         return [errors.get(r, results[r]) for r in range(size)]
@@ -756,7 +386,7 @@ def run_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 20
         e = errors[r]
         note = f"raised on rank {r} of {size} (mpidl.testing.run_ranks)"
         if stuck:
-            note += f"; {_ranks(stuck)} never returned"
+            note += f"; {rank_list(stuck)} never returned"
         if hasattr(e, "add_note"):
             e.add_note(note)
         elif e.__cause__ is None:  # Python 3.10: no notes; the chain names the rank
