@@ -192,7 +192,8 @@ def parallel_model(comm, layout: str, mode: str, dtype=numpy.float64):
     on_tensor = options.pop("tensor", False)
     grid = ProcessGrid(comm, tensor=comm.size if on_tensor else 1,
                        sequence=1 if on_tensor else comm.size)
-    model = parallel_gpt(grid, **SHAPE, dtype=dtype, **options)
+    model = parallel_gpt(grid, **SHAPE, dtype=dtype, recompute=mode, **options)
+    assert [b.recompute for b in model.blocks] == [mode] * SHAPE["layers"]  # the GPT's
     assert set_recompute(model, mode) == SHAPE["layers"]
     return model
 
