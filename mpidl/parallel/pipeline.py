@@ -108,7 +108,8 @@ class PipelineModel:
         microbatches: ``m``, at least the number of stages.
         wrapper: ``wrapper(module, comm) -> Wrapper`` for data parallelism over
             ``grid.replicas`` (default :class:`~mpidl.parallel.DataParallel`; ZeRO-1:
-            ``lambda m, c: ShardedDataParallel(m, c, stage=1)``).
+            ``lambda m, c: ShardedDataParallel(m, c, stage=1)``; stage 2 works too, with
+            a reduce-scatter per microbatch; stage 3 is refused: DistributedError on every rank).
         names: the single-rank model's parameter names in order (the order of
             :meth:`full_state_dict`); None: the parts' order.
 
@@ -154,6 +155,14 @@ class PipelineModel:
             def wrapper(module: Module, comm: Communicator) -> Any:
                 return DataParallel(module, comm)
         self.wrapped = wrapper(self.module, grid.replicas)
+        from mpidl.parallel.zero import ShardedDataParallel
+
+        zero3 = isinstance(self.wrapped, ShardedDataParallel) and self.wrapped.stage > 2
+        grid.world.check(not zero3, (
+            "PipelineModel with ZeRO stage 3: ZeRO-3 gathers a unit's parameters only "
+            "inside its module's forward and backward, and the pipeline reads them "
+            "outside (the tied embedding sent to the last stage, the full state); use "
+            "ZeRO stage 1 or 2 per stage (DeepSpeed refuses ZeRO 2-3 with pipelines)"))
         self.names = list(names) if names is not None else None
         self.peak_activation_bytes = self.peak_graph_bytes = 0
         self.measure_graphs = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from mpidl.comm import split_counts
+from mpidl.comm import DistributedError, split_counts
 from mpidl.models import gpt
 from mpidl.optim import AdamW
 from mpidl.parallel import ProcessGrid, ShardedDataParallel
@@ -119,9 +119,21 @@ def test_a_data_axis_reduces_each_stage_over_its_replicas():
     run(4, dict(pipeline=2), data=2, exact=False, tie_weights=True)
 
 
-def test_zero_1_wraps_each_stage_as_data_parallelism_would():
-    run(4, dict(pipeline=2), data=2, exact=False, tie_weights=False,
-        options=dict(wrapper=lambda module, comm: ShardedDataParallel(module, comm, stage=1)))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_wraps_each_stage_as_data_parallelism_would(stage):
+    run(4, dict(pipeline=2), data=2, exact=False, tie_weights=True,
+        options=dict(wrapper=lambda module, comm: ShardedDataParallel(module, comm,
+                                                                      stage=stage)))
+
+
+def test_zero_3_is_refused_on_every_rank_saying_what_works():
+    def build(comm):
+        pipeline_gpt(ProcessGrid(comm, pipeline=2), microbatches=2, **BASE,
+                     wrapper=lambda module, c: ShardedDataParallel(module, c, stage=3))
+
+    errors = run_ranks(4, build, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) and "use ZeRO stage 1 or 2" in str(e)
+               for e in errors), errors
 
 
 @pytest.mark.parametrize("grid", [dict(pipeline=2, tensor=2), dict(pipeline=2, sequence=2)])
