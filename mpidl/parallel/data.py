@@ -45,9 +45,12 @@ from mpidl import backend
 from mpidl.autograd import Tensor
 from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator
+from mpidl.nn import Embedding, EmbeddingBag
+from mpidl.optim import clip_grad_norm_
 from mpidl.parallel import agreement
 from mpidl.parallel.buckets import Bucket, build_buckets
 from mpidl.parallel.sparse import SparseTables
+from mpidl.parallel.syncbn import convert_sync_batchnorm
 from mpidl.parallel import compression as wire
 from mpidl.parallel.overlap import BucketLauncher
 from mpidl.parallel.transport import WindowTransport, choose_transport
@@ -132,8 +135,6 @@ class DataParallel:
         if keep_freed_memory:
             backend.keep_freed_memory()
         if sync_batchnorm and comm.size > 1:
-            from mpidl.parallel.syncbn import convert_sync_batchnorm
-
             convert_sync_batchnorm(model, comm)  # before the parameter list is taken
         self.module = model
         self.bucket_mb = bucket_mb
@@ -232,8 +233,6 @@ class DataParallel:
     def clip_grad_norm_(self, max_norm: float) -> Any:
         """Clip the averaged gradients to a global 2-norm of ``max_norm``; returns the
         norm before. Not collective: every rank holds the same gradients already."""
-        from mpidl.optim import clip_grad_norm_
-
         return clip_grad_norm_(self.parameters(), max_norm)
 
     @contextlib.contextmanager
@@ -356,8 +355,6 @@ def _is_row_sparse(model: Any, p: Tensor) -> bool:
     A table tied to a dense use (an output projection sharing the embedding weight)
     gets a dense gradient, so it must stay in the dense buckets.
     """
-    from mpidl.nn import Embedding, EmbeddingBag
-
     holders = [m for _, m in model.named_modules()
                if any(v is p for v in vars(m).get("_parameters", {}).values())]
     return bool(holders) and all(isinstance(m, (Embedding, EmbeddingBag)) for m in holders)

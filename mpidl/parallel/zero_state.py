@@ -3,10 +3,11 @@
 
 :func:`holdings` describes this rank's blocks of every parameter and optimizer array as
 typed records (:mod:`mpidl.parallel.holdings`); :func:`refresh_after_load` brings the full
-parameters of stages 1-2 up to date after a load. A format-2 ZeRO checkpoint has one companion file per rank holding that rank's pieces
-``{name: {start, shape, data}}`` of the model and optimizer state (:func:`state_pieces`
-wrote them); :func:`pieces_to_full` puts every rank's pieces back into the full,
-data-parallel state. :func:`load_full_state` sets a rank's shards from a full state.
+parameters of stages 1-2 up to date after a load. A format-2 ZeRO checkpoint has one
+companion file per rank holding that rank's pieces ``{name: {start, shape, data}}`` of
+the model and optimizer state (:func:`state_pieces` wrote them); :func:`pieces_to_full`
+puts every rank's pieces back into the full, data-parallel state. :func:`load_full_state`
+sets a rank's shards from a full state.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Sequence
 import numpy
 
 from mpidl import backend
+from mpidl.parallel.holdings import Key, clip, optimizer_int, optimizer_state, record, whole_runs
 from mpidl.parallel.units import Unit, member_slices
 from mpidl.parallel.zero import ShardedDataParallel
 
@@ -37,9 +39,6 @@ def holdings(sdp: ShardedDataParallel, optimizer: Any, runs_of: Any = None,
         buffer_owner: whether this rank writes the buffers (held whole on every rank);
             default: rank 0 of the group.
     """
-    from mpidl.parallel.holdings import (Key, clip, optimizer_int, optimizer_state, record,
-                                         whole_runs)
-
     runs_of = runs_of or whole_runs
     owner_of = owner_of or (lambda p: True)
     names = {id(p): n for n, p in sdp.named}
