@@ -12,8 +12,8 @@ Three modes, as Megatron-LM's ``--recompute-granularity`` (Korthikanti et al. 20
 - ``full``: a block keeps only its input; backward re-runs the block's forward with
   the graph on and backpropagates through it (:func:`checkpoint`).
 
-What mpidl's :class:`~mpidl.nn.TransformerEncoderLayer` keeps (counted by
-:func:`saved_bytes`; ``e`` bytes per element, B batch, T tokens, D width, H heads,
+What mpidl's :class:`~mpidl.nn.TransformerEncoderLayer` keeps (:func:`block_bytes`,
+measured by :func:`saved_bytes`; ``e`` bytes per element, B batch, T tokens, D width, H heads,
 FFN width 4D): ``none`` 23 BTD + 4 BT + BHT^2 elements without dropout, 27 BTD + 4 BT +
 BHT^2 with it (each dropout keeps its mask and its output); ``selective`` the same less
 BHT^2; ``full`` BTD (the input). Korthikanti et al. count bytes at fp16 with 1-byte
@@ -89,6 +89,28 @@ def set_recompute(model: Module, mode: str) -> int:
     return len(blocks)
 
 
+def block_bytes(mode: str, batch: int, seq: int, dim: int, heads: int, ffn: int | None = None,
+                dropout: bool = False, itemsize: int = 4) -> int:
+    """Bytes one :class:`~mpidl.nn.TransformerEncoderLayer` keeps for backward.
+
+    Counted from its functions (and held to :func:`saved_bytes` by the tests): the
+    input, both LayerNorm outputs, q/k/v, the attention output and its merged copy,
+    the projection, the residual sum, the MLP's input, GELU's input, ``Phi`` and output,
+    its projection (11 D + 3 F per token), with dropout each dropout's mask and output
+    (4 D more); the LayerNorms' mean and 1/std (4 per token); ``P``, ``H T`` per token.
+    ``full`` keeps the input only. Not the embedding, the last LayerNorm or the loss.
+    """
+    check_recompute(mode)
+    ffn = 4 * dim if ffn is None else ffn
+    tokens = batch * seq
+    if mode == "full":
+        return tokens * dim * itemsize
+    per_token = (15 if dropout else 11) * dim + 3 * ffn + 4
+    if mode == "none":
+        per_token += heads * seq
+    return tokens * per_token * itemsize
+
+
 # -- full recomputation ---------------------------------------------------------------------
 def _generators(module: Module) -> list:
     """The host generators ``module``'s modules draw from (their ``rng``, as Dropout's)."""
@@ -117,11 +139,15 @@ def _set_state(g: Any, state: Any) -> None:
         g.set_state(state)
 
 
-def _same_states(a: list, b: list) -> bool:
-    return all(numpy.array_equal(x, y) if isinstance(x, numpy.ndarray) else
-               (_same_states(list(x.values()), list(y.values())) if isinstance(x, dict)
-                else _same_states(list(x), list(y)) if isinstance(x, tuple) else x == y)
-               for x, y in zip(a, b))
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two generator states are equal (dicts, tuples and arrays of integers)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, numpy.ndarray):
+        return numpy.array_equal(a, b)
+    return a == b
 
 
 class Recompute(Function):
@@ -149,7 +175,7 @@ class Recompute(Function):
             with fresh_grads(params) as grads, enable_grad():
                 y = self.fn(x)
                 drawn = [_state(g) for g in self.generators]
-                if not _same_states(drawn, self.after):
+                if not _equal(drawn, self.after):
                     raise RuntimeError(
                         f"full recomputation of {self.name}: the recomputed forward drew "
                         "other random numbers than the first one (did train()/eval() or "
@@ -235,4 +261,4 @@ def saved_bytes(output: Tensor) -> int:
 
 
 __all__ = ["RECOMPUTE", "check_recompute", "Recomputable", "set_recompute", "checkpoint",
-           "Recompute", "saved_bytes"]
+           "Recompute", "saved_bytes", "block_bytes"]

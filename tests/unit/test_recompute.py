@@ -15,7 +15,7 @@ from mpidl import functions as F
 from mpidl.autograd import Tensor
 from mpidl.models import GPT
 from mpidl.nn import TransformerEncoderLayer
-from mpidl.nn.recompute import RECOMPUTE, saved_bytes, set_recompute
+from mpidl.nn.recompute import RECOMPUTE, block_bytes, saved_bytes, set_recompute
 from mpidl.parallel.gpt import parallel_gpt
 from mpidl.parallel.grid import ProcessGrid
 from mpidl.testing import run_ranks
@@ -153,19 +153,21 @@ def kept_per_layer(mode: str, dtype=numpy.float32, dropout=0.1, **shape) -> floa
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_the_bytes_kept_per_block_are_the_documented_formula_in_each_mode(dropout):
-    # mpidl.nn.recompute's formula: none keeps 27 BTD + 4 BT + B H T^2 elements per
-    # block with dropout (23 BTD without), selective the same less B H T^2, full BTD;
-    # the paper's sbh(34 + 5as/h) bytes count fp16 and 1-byte masks (see the module).
+    # block_bytes: none keeps 27 BTD + 4 BT + B H T^2 elements per block with dropout
+    # (23 BTD without), selective the same less B H T^2, full BTD; the paper's
+    # sbh(34 + 5as/h) bytes count fp16 and 1-byte masks (see mpidl.nn.recompute).
     b, t, d, h, e = 2, 16, 24, 6, 4
     btd = b * t * d
-    none = ((27 if dropout else 23) * btd + 4 * b * t + b * h * t * t) * e
-    expected = {"none": none, "selective": none - b * h * t * t * e, "full": btd * e}
-    measured = {mode: kept_per_layer(mode, dropout=dropout) for mode in RECOMPUTE}
-    # Tolerance 1%: the count is exact today (a function that starts to keep one more
-    # (B, T) array per block moves it by 0.2%, one more BTD array by 3.5%).
+    by_hand = ((27 if dropout else 23) * btd + 4 * b * t + b * h * t * t) * e
+    assert block_bytes("none", b, t, d, h, dropout=dropout > 0) == by_hand
+    assert block_bytes("full", b, t, d, h) == btd * e
     for mode in RECOMPUTE:
-        assert abs(measured[mode] - expected[mode]) <= 0.01 * expected[mode], (
-            f"{mode}: {measured[mode]} bytes per block, formula {expected[mode]}")
+        expected = block_bytes(mode, b, t, d, h, dropout=dropout > 0, itemsize=e)
+        measured = kept_per_layer(mode, dropout=dropout)
+        # Tolerance 1%: the count is exact today (a function that starts to keep one
+        # more (B, T) array per block moves it by 0.2%, one more BTD array by 3.5%).
+        assert abs(measured - expected) <= 0.01 * expected, (
+            f"{mode}: {measured} bytes per block, formula {expected}")
 
 
 def test_selective_saves_the_t_squared_term_and_full_all_but_the_input_at_longer_context():
