@@ -356,7 +356,8 @@ def _what(e: dict) -> str:
     """``allreduce_ #3``, or ``recv_ p2p #2 from world rank 1``."""
     if e.get("peer") is None:
         return f"{e['op']} #{e['seq']}"
-    return f"{e['op']} p2p #{e['seq']} {'to' if 'send' in e['op'] else 'from'} world rank {e['peer']}"
+    way = "to" if "send" in e["op"] else "from"
+    return f"{e['op']} p2p #{e['seq']} {way} world rank {e['peer']}"
 
 
 def _ranks(ranks: list[int]) -> str:

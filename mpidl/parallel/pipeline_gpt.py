@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy
-
 from mpidl import functions as F
 from mpidl.autograd import Tensor
 from mpidl.comm.base import split_counts
@@ -195,7 +193,8 @@ def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b"
 
     Collective over the world (the grid's groups compare and wrap the parts).
     ``part_layers``: blocks per part (``pipeline * virtual_stages`` counts; default as
-    even as possible; ``layers`` is the GPT's own argument, the total). ``wrapper``: as :class:`~mpidl.parallel.pipeline.PipelineModel`.
+    even as possible; ``layers`` is the GPT's own argument, the total). ``wrapper``: as
+    :class:`~mpidl.parallel.pipeline.PipelineModel`.
     """
     from mpidl.models import gpt
 
