@@ -231,3 +231,44 @@ def test_recomputation_with_dropout_in_stages_redraws_no_mask(recompute):
     for _, _, state, _ in got:
         for name, value in want.items():
             numpy.testing.assert_array_equal(state[name], value, err_msg=name)
+
+
+def _resumed(comm, kw, batches, first, second):
+    """Two steps in layout ``first``, its full model and optimizer state; loaded into
+    layout ``second``, one more step there."""
+    out = []
+    for layout, steps, state in ((first, batches[:2], None), (second, batches[2:], out)):
+        grid = ProcessGrid(comm, **layout.get("grid", {}))
+        model = pipeline_gpt(grid, microbatches=4, **layout.get("options", {}), **kw)
+        opt = AdamW(model.parameters(), lr=1e-2)
+        if state:
+            model.load_full_state_dict(state[0])
+            model.load_full_optimizer_state(opt, state[1])
+        for step in steps:
+            model.step(step[0])
+            opt.step()
+            opt.zero_grad()
+        out[:] = [model.full_state_dict(), model.full_optimizer_state(opt)]
+        grid.free()
+    return out
+
+
+def test_model_and_optimizer_state_move_between_pipeline_layouts():
+    kw = {**BASE, "tie_weights": True}
+    batches = _batches(6)
+    model = gpt(**kw)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    for step in batches:
+        n = model.count_targets(step[0])
+        for mb in numpy.array_split(step[0], 4):
+            model.loss(mb, reduction="sum").backward(numpy.full((), 1.0 / n))
+        opt.step()
+        opt.zero_grad()
+    first = dict(grid=dict(pipeline=2, tensor=2))
+    second = dict(grid=dict(pipeline=4), options=dict(part_layers=[0, 2, 2, 0]))
+    for state, optimizer in run_ranks(4, _resumed, kw, batches, first, second):
+        assert all(allclose(state[k], v, scale=10) for k, v in model.state_dict().items())
+        want = opt.state_dict()
+        assert sorted(optimizer) == sorted(want) and optimizer["step"] == want["step"]
+        assert all(allclose(optimizer[k], v, scale=10) for k, v in want.items()
+                   if hasattr(v, "shape"))
