@@ -35,8 +35,8 @@ only actions that the schedule validator and simulator have run to the end. Mess
 carry tags (activation into part k ``2k``, gradient into part k ``2k + 1``, tied weight
 ``2P``, its gradient ``2P + 1``), a second guard: every schedule's ranks receive from a
 peer in the order it sends (tests/unit/test_pipeline_schedule.py), so one tag would do.
-Every message is checked for size (and under ``MPIDL_CHECK_COLLECTIVES=1`` shape and dtype) on receipt,
-and the watchdog names the peer of a receive that waits too long.
+Every message is checked for size (and under ``MPIDL_CHECK_COLLECTIVES=1`` shape and
+dtype) on receipt, and the watchdog names the peer of a receive that waits too long.
 """
 from __future__ import annotations
 
