@@ -52,6 +52,7 @@ from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator, split_counts
 from mpidl.nn.container import ModuleList
 from mpidl.nn.module import Module, Parameter
+from mpidl.parallel import pipeline_state
 from mpidl.parallel.grid import ProcessGrid
 from mpidl.parallel.pipeline_schedule import Action, messages, schedule as make_schedule
 
@@ -84,6 +85,9 @@ class Part(Protocol):
 
     def count_targets(self, ids: Any) -> int:
         """How many targets of ``ids`` count in the loss."""
+
+    def full_names(self) -> dict[str, str]:
+        """Its parameters' names -> the single-rank model's names (for the state)."""
 
 
 class Stage(Module):
@@ -401,81 +405,23 @@ class PipelineModel:
                                                    tag=2 * self.parts_total + 1))
         return F.sum(F.mul(w, Tensor(g)))
 
-    # -- state -------------------------------------------------------------------------------
+    # -- state (mpidl.parallel.pipeline_state) -----------------------------------------------
     def full_state_dict(self) -> dict[str, Any]:
-        """The single-rank model's state dict, on every rank. Collective over the world.
-
-        Each stage gathers its parts' full arrays (over the tensor group), then the
-        stages exchange them (pickled: a checkpoint-time operation, not a step's).
-        """
-        from mpidl.parallel.pipeline_gpt import part_full_state
-
-        self.wrapped.before_forward()  # ZeRO: the optimizer's updates are in the shards
-        mine: dict[str, Any] = {}
-        for part in self.module.parts:
-            mine.update({n: numpy.asarray(a) if get_array_module(a) is numpy else a
-                         for n, a in part_full_state(part).items()})
-        merged: dict[str, Any] = {}
-        for state in self.grid.pipeline.allgather_obj(mine):
-            for name, array in state.items():
-                merged.setdefault(name, array)
-        order = self.names if self.names is not None else list(merged)
-        return {n: merged[n] for n in order}
-
-    def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """What the single-rank optimizer's ``state_dict()`` would be, from this stage's
-        ``optimizer`` (built over :meth:`parameters`, plain data parallelism; ZeRO keeps
-        its own sharded state). Collective over the world, as :meth:`full_state_dict`.
-        """
-        from mpidl.parallel.tensor import full_optimizer_state
-
-        stage = full_optimizer_state(optimizer, self.module)
-        names = self._stage_names()
-        mine = {(names[int(k.split(".")[1])], k.split(".", 2)[2]): v
-                for k, v in stage.items() if k.startswith("state.")}
-        merged: dict[tuple[str, str], Any] = {}
-        for part in self.grid.pipeline.allgather_obj(mine):
-            for key, value in part.items():
-                merged.setdefault(key, value)
-        order = self.names if self.names is not None else sorted({n for n, _ in merged})
-        index = {name: i for i, name in enumerate(order)}
-        out = {k: v for k, v in stage.items() if not k.startswith("state.")}
-        out.update({f"state.{index[n]}.{what}": v for (n, what), v in
-                    sorted(merged.items(), key=lambda kv: (index[kv[0][0]], kv[0][1]))})
-        return out
-
-    def load_full_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
-        """Load a single-rank optimizer state (:meth:`full_optimizer_state` of any
-        layout) into this stage's ``optimizer`` (not collective)."""
-        from mpidl.parallel.tensor import load_full_optimizer_state
-
-        if self.names is None:
-            raise ValueError("load_full_optimizer_state needs the model's parameter names "
-                             "(PipelineModel(names=...), as pipeline_gpt passes them)")
-        here = {name: i for i, name in enumerate(self._stage_names())}
-        stage = {k: v for k, v in state.items() if not k.startswith("state.")}
-        for key, value in state.items():
-            if key.startswith("state."):
-                _, i, what = key.split(".", 2)
-                name = self.names[int(i)]
-                if name in here:
-                    stage[f"state.{here[name]}.{what}"] = value
-        load_full_optimizer_state(optimizer, self.module, stage)
-
-    def _stage_names(self) -> list[str]:
-        """The single-rank names of :attr:`module`'s parameters, in their order."""
-        out = []
-        for name, _ in self.module.named_parameters():
-            _, j, local = name.split(".", 2)  # "parts.<j>.<the part's own name>"
-            out.append(self.module.parts[int(j)].full_names()[local])
-        return out
+        """The single-rank model's state dict, on every rank. Collective over the world."""
+        return pipeline_state.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Load a single-rank state dict into this rank's parts (not collective)."""
-        from mpidl.parallel.pipeline_gpt import load_part_state
+        pipeline_state.load_full_state_dict(self, state)
 
-        for part in self.module.parts:
-            load_part_state(part, state)
+    def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The single-rank optimizer's state dict, from this stage's ``optimizer``.
+        Collective over the world."""
+        return pipeline_state.full_optimizer_state(self, optimizer)
+
+    def load_full_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """Load a single-rank optimizer state into this stage's ``optimizer``."""
+        pipeline_state.load_full_optimizer_state(self, optimizer, state)
 
 
 __all__ = ["Part", "PipelineModel", "Stage"]

@@ -35,7 +35,6 @@ from mpidl.nn.module import Module, as_input
 from mpidl.parallel.gpt import ParallelGPT
 from mpidl.parallel.grid import ProcessGrid
 from mpidl.parallel.pipeline import PipelineModel
-from mpidl.parallel import tensor as tensor_state
 
 
 def split_layers(layers: int, parts: int, counts: Sequence[int] | None = None) -> list[int]:
@@ -209,18 +208,4 @@ def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b"
                          wrapper=wrapper, names=names)
 
 
-def part_full_state(part: GPTPart) -> dict[str, Any]:
-    """The single-rank names and full arrays of ``part``'s parameters (collective over
-    the tensor group when the part is tensor-parallel)."""
-    arrays = tensor_state.full_state_dict(part)
-    return {part.full_names()[n]: a for n, a in arrays.items()}
-
-
-def load_part_state(part: GPTPart, state: dict[str, Any]) -> None:
-    """Load ``part``'s parameters from a single-rank state dict (not collective)."""
-    local = {n: state[full] for n, full in part.full_names().items()}
-    tensor_state.load_full_state_dict(part, local)
-
-
-__all__ = ["GPTPart", "gpt_parts", "load_part_state", "part_full_state", "pipeline_gpt",
-           "split_layers"]
+__all__ = ["GPTPart", "gpt_parts", "pipeline_gpt", "split_layers"]
