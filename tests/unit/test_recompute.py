@@ -292,3 +292,12 @@ def test_data_parallel_and_zero_3_reduce_the_recomputed_gradients_as_the_kept_on
             assert all(numpy.array_equal(a, b) for a, b in zip(reference, grads(comm, mode)))
 
     run_ranks(2, body, timeout=60)
+
+
+def test_a_generator_whose_state_cannot_be_set_back_is_refused_naming_the_module():
+    # A CuPy generator's state cannot be saved (mpidl.functions.dropout): full
+    # recomputation could not draw its masks again, so it says so at the forward.
+    model = GPT(**SHAPE, recompute="full")
+    model.blocks[0].dropout1.rng = object()
+    with pytest.raises(ValueError, match="dropout1 draws from a object"):
+        model.loss(batches(1)[0])
