@@ -846,8 +846,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         name="pipeline-loss-keeps-last-microbatch",
         file="mpidl/parallel/pipeline.py",
-        original="                    loss_sum += float(out.data)",
-        mutated="                    loss_sum = float(out.data)",
+        original="                else:\n                    loss_sum += float(out.data)\n",
+        mutated="                else:\n                    loss_sum = float(out.data)\n",
         why="the step reports the last microbatch's loss, not the batch's sum",
         tests=(PIPE + "test_gpipe_and_1f1b_equal_single_rank_accumulation_bit_for_bit",),
     ),
