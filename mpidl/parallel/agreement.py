@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from mpidl.parallel.syncbn import SyncBatchNorm
+
 
 def check_same_options(comm: Any, owner: str, **options: Any) -> None:
     """Raise DistributedError on every rank unless all ranks passed the same options."""
@@ -61,8 +63,6 @@ def drifting_buffers(model: Any) -> list:
     cost collectives for nothing. Data parallel wrappers broadcast rank 0's drifting
     buffers before every training forward, as PyTorch DDP does. Not collective.
     """
-    from mpidl.parallel.syncbn import SyncBatchNorm
-
     kept = {id(b) for _, m in model.named_modules()
             if isinstance(m, SyncBatchNorm) or getattr(m, "constant_buffers", False)
             for b in m.buffers()}

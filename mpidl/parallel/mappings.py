@@ -36,6 +36,7 @@ from typing import Any
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator
+from mpidl.nn.linear import linear
 
 
 class CopyToRegion(Function):
@@ -157,8 +158,6 @@ def gathered_linear(comm: Communicator, x: Any, weight: Any, bias: Any, length: 
     reduce-scatter).
     """
     if comm.size == 1:
-        from mpidl.nn.linear import linear
-
         return linear(x, weight, bias)
     return GatheredLinear.apply(x, weight, bias, comm=comm, length=int(length))
 

@@ -25,12 +25,15 @@ multiple of the group size (sharded data parallelism pads them so): equal blocks
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy
 
 from mpidl.backend import get_array_module
 from mpidl.comm.base import CompletedRequest, Request
+from mpidl.comm.hierarchical import HierarchicalCommunicator
+from mpidl.comm.shared import NodeSharedArrays
 from mpidl.parallel import compression as wire
 
 
@@ -146,8 +149,6 @@ class HierarchicalTransport(Transport):
 
     def __init__(self, comm: Any, piece_bytes: int, ranks_per_node: int | None,
                  wire_dtype: str | None) -> None:
-        from mpidl.comm.hierarchical import HierarchicalCommunicator
-
         super().__init__(comm, piece_bytes)
         self.reducer = HierarchicalCommunicator(comm, ranks_per_node=ranks_per_node)
         self.wire = (CompressedTransport(self.reducer.leaders, piece_bytes, wire_dtype)
@@ -187,8 +188,6 @@ class WindowTransport(Transport):
         self.retired: Any = None
 
     def bind(self, flats: Sequence[Any]) -> list[Any]:
-        from mpidl.comm.shared import NodeSharedArrays
-
         self.window = NodeSharedArrays(self.comm, list(flats))
         return list(self.window.local)
 
@@ -270,8 +269,6 @@ def shared_memory_excluded(comm: Any, flats: Sequence[Any], compression: str | N
 
 def _shm_free_bytes() -> int | None:
     """Free bytes in /dev/shm, or None where there is none to ask."""
-    import os
-
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
