@@ -136,9 +136,14 @@ def test_zero_3_is_refused_on_every_rank_saying_what_works():
                for e in errors), errors
 
 
-@pytest.mark.parametrize("grid", [dict(pipeline=2, tensor=2), dict(pipeline=2, sequence=2)])
-def test_pipeline_by_tensor_and_by_sequence_grids_match_to_rounding(grid):
-    run(4, grid, exact=False, tie_weights=True)
+@pytest.mark.parametrize("grid,options", [
+    (dict(pipeline=2, tensor=2), {}), (dict(pipeline=2, sequence=2), {}),
+    (dict(pipeline=2, tensor=2), dict(sequence_parallel=True, schedule="interleaved",
+                                      virtual_stages=2))])
+def test_pipeline_by_tensor_and_by_sequence_grids_match_to_rounding(grid, options):
+    # The activation between stages is this rank's shard: (b, T_here, D), with
+    # Megatron's sequence parallelism T_here / t.
+    run(4, grid, exact=False, tie_weights=True, options=options)
 
 
 def test_a_layer_list_that_does_not_sum_to_the_layers_is_refused_naming_it():
