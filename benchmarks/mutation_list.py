@@ -473,8 +473,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         name="zero-member-slices-from-the-parameter-start",
         file="mpidl/parallel/units.py",
-        original="block[x - u.start:y - u.start]",
-        mutated="block[x - a:y - a]",
+        original="out.append((k, x - a, x - lo, y - lo))",
+        mutated="out.append((k, x - a, x - a, y - a))",
         why="a member's piece of a block is sliced from the parameter's offset, not the block's",
         tests=(THREADS.format(ZC + "test_every_ranks_checkpoint_pieces_assemble_into_the_single_"
                               "rank_state[stage=2]", 2),
