@@ -200,8 +200,8 @@ def parallel_model(comm, layout: str, mode: str, dtype=numpy.float64):
     return model
 
 
-def parallel_run(comm, layout: str, mode: str):
-    model = parallel_model(comm, layout, mode)
+def parallel_run(comm, layout: str, mode: str, dtype=numpy.float64):
+    model = parallel_model(comm, layout, mode, dtype)
     return train_like_a_pipeline(model, gpt_loss, batches(3, length=15))
 
 
@@ -212,10 +212,12 @@ def test_the_parallel_layer_recomputes_to_the_same_gradients_on_every_rank(layou
     # all-to-alls, ring sendrecvs) again in backward: the thread communicator compares
     # every call across ranks, so a rank that recomputed in another order would fail.
     def body(comm):
-        reference = parallel_run(comm, layout, "none")
-        for mode in ("selective", "full"):
-            assert_same_run(reference, parallel_run(comm, layout, mode),
-                            f"{layout}, recompute={mode}, rank {comm.rank} of {comm.size}")
+        for dtype in (numpy.float64, numpy.float32):
+            reference = parallel_run(comm, layout, "none", dtype)
+            for mode in ("selective", "full"):
+                assert_same_run(reference, parallel_run(comm, layout, mode, dtype),
+                                f"{layout}, recompute={mode}, {numpy.dtype(dtype).name}, "
+                                f"rank {comm.rank} of {comm.size}")
         ids = batches(1, length=15)[0]
         models = {mode: parallel_model(comm, layout, mode) for mode in RECOMPUTE}
         kept = {mode: saved_bytes(model.loss(ids)) for mode, model in models.items()}
