@@ -303,3 +303,53 @@ def test_a_generator_whose_state_cannot_be_set_back_is_refused_naming_the_module
     model.blocks[0].dropout1.rng = object()
     with pytest.raises(ValueError, match="dropout1 draws from a object"):
         model.loss(batches(1)[0])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_full_recomputation_sends_each_blocks_forward_traffic_again_in_backward(layout):
+    # Per block (the difference of 2 and 1 blocks), counted on 2 thread ranks: full
+    # adds exactly the block's forward collectives to backward (allreduces, gathers,
+    # all-to-alls, ring sendrecvs: calls and bytes), selective adds nothing.
+    from mpidl.testing.counting import CountingCommunicator
+
+    def traffic(comm, layers, mode):
+        world = CountingCommunicator(comm)
+        options = dict(LAYOUTS[layout])
+        on_tensor = options.pop("tensor", False)
+        grid = ProcessGrid(world, tensor=comm.size if on_tensor else 1,
+                           sequence=1 if on_tensor else comm.size)
+        model = parallel_gpt(grid, **dict(SHAPE, layers=layers), recompute=mode,
+                             dtype=numpy.float64, **options)
+        axes = (grid.tensor, grid.sequence)
+        passes = []
+        loss = None
+        for step in ("forward", "backward"):
+            for c in axes:
+                c.reset()
+            if step == "forward":
+                loss = model.loss(batches(1, length=15)[0])
+            else:
+                loss.backward()
+            passes.append({(i, op): (c.calls, c.nbytes) for i, a in enumerate(axes)
+                           for op, c in a.counts.items()})
+        grid.free()
+        return passes
+
+    def per_block(comm, mode):
+        one, two = traffic(comm, 1, mode), traffic(comm, 2, mode)
+        return [{k: (c[0] - p.get(k, (0, 0))[0], c[1] - p.get(k, (0, 0))[1])
+                 for k, c in t.items()} for p, t in zip(one, two)]
+
+    def body(comm):
+        none, selective, full = (per_block(comm, m) for m in RECOMPUTE)
+        assert selective == none
+        forward, backward = none
+        assert any(calls for calls, _ in forward.values()), forward  # something to send
+        assert full[0] == forward
+        again = {k: (backward.get(k, (0, 0))[0] + forward.get(k, (0, 0))[0],
+                     backward.get(k, (0, 0))[1] + forward.get(k, (0, 0))[1])
+                 for k in set(backward) | set(forward)}
+        assert {k: v for k, v in full[1].items() if v != (0, 0)} == \
+            {k: v for k, v in again.items() if v != (0, 0)}
+
+    run_ranks(2, body, timeout=60)
