@@ -28,12 +28,21 @@ sys.path.insert(0, ROOT)
 BASE = 64
 
 
-def cases(multiples: Sequence[int]) -> list[dict]:
+def cases(multiples: Sequence[int], optimizers: Sequence[str],
+          no_warmup: bool = True) -> list[dict]:
+    """One case per optimizer (``name`` or ``name:rule``: its learning rate and rule are
+    mpidl's defaults unless a rule is named) and batch multiple, with warm-up (5% of the
+    steps) and, with ``no_warmup``, without it."""
     out = []
-    for m in multiples:
-        out.append({"name": f"{m}x, warm-up", "batch": BASE * m, "warmup": 0.05})
-        if m > 1:
-            out.append({"name": f"{m}x, no warm-up", "batch": BASE * m, "warmup": 0.0})
+    for spec in optimizers:
+        optimizer, _, rule = spec.partition(":")
+        label = spec if len(optimizers) > 1 else ""
+        for m in multiples:
+            case = {"optimizer": optimizer, "rule": rule or None, "batch": BASE * m}
+            out.append({**case, "name": f"{label} {m}x, warm-up".strip(), "warmup": 0.05})
+            if m > 1 and no_warmup:
+                out.append({**case, "name": f"{label} {m}x, no warm-up".strip(),
+                            "warmup": 0.0})
     return out
 
 
@@ -41,10 +50,13 @@ def train(case: dict, ranks: int, epochs: int, out: str, extra: Sequence[str]) -
     from mpidl.testing.launch import launch_env, mpiexec_command
     from mpidl.train.metrics import read_metrics
 
-    run_dir = os.path.join(out, f"batch{case['batch']}-warmup{case['warmup']}")
+    run_dir = os.path.join(out, f"{case['optimizer']}-{case['rule'] or 'auto'}-"
+                                f"batch{case['batch']}-warmup{case['warmup']}")
+    rule = [f"--lr-scaling={case['rule']}"] if case["rule"] else []
     cmd = mpiexec_command(ranks, [
         sys.executable, "-m", "mpidl", "train", f"--epochs={epochs}",
-        f"--global-batch={case['batch']}", f"--base-batch={BASE}", "--lr-scaling=linear",
+        f"--global-batch={case['batch']}", f"--base-batch={BASE}",
+        f"--optimizer={case['optimizer']}", *rule,
         f"--warmup-fraction={case['warmup']}", "--progress=never", "--resume=never",
         f"--run-dir={run_dir}", *extra])
     done = subprocess.run(cmd, env=launch_env(), cwd=ROOT, capture_output=True, text=True)
@@ -81,6 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--multiples", default="1,8,32")
+    p.add_argument("--optimizers", default="adamw:linear",
+                   help="comma-separated OPTIMIZER or OPTIMIZER:RULE (mpidl's default "
+                        "learning rate and rule for the optimizer unless RULE is named)")
+    p.add_argument("--no-warmup-variants", action="store_true",
+                   help="only the runs with warm-up")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--out", default="runs/large-batch")
@@ -88,11 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     results = {}
-    for case in cases([int(m) for m in args.multiples.split(",")]):
+    for case in cases([int(m) for m in args.multiples.split(",")],
+                      args.optimizers.split(","), not args.no_warmup_variants):
         results[case["name"]] = train(case, args.ranks, args.epochs, args.out, extra)
         last = results[case["name"]][-1]
         accuracies = " ".join(f"{e['accuracy']:.3f}" for e in results[case["name"]])
-        print(f"{case['name']:>16}: batch {case['batch']:5d}, {last['step']:5d} steps, "
+        print(f"{case['name']:>24}: batch {case['batch']:5d}, {last['step']:5d} steps, "
               f"test accuracy per epoch {accuracies}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

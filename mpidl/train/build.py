@@ -109,14 +109,21 @@ def warn_if_one_class_dominates(train_set: Any, log: Logger) -> None:
                  f"{share:.2f}, the accuracy a model must beat")
 
 
-def build_optimizer(config: Config, params: list) -> Any:
-    """The configured optimizer over ``params`` at the scaled base learning rate."""
+def build_optimizer(config: Config, params: list, norms: Any = None) -> Any:
+    """The configured optimizer over ``params`` at the scaled base learning rate;
+    ``norms``: where the model's tensors are (:class:`~mpidl.optim.TensorNorms`), for
+    the layer-wise LARS and LAMB (None: every parameter a whole tensor)."""
     lr = config.scaled_lr()
     if config.optimizer == "sgd":
         return optim.SGD(params, lr=lr, momentum=config.momentum,
-                         weight_decay=config.weight_decay)
+                         weight_decay=config.decay())
+    if config.optimizer == "lars":
+        return optim.LARS(params, lr=lr, momentum=config.momentum,
+                          weight_decay=config.decay(), norms=norms)
+    if config.optimizer == "lamb":
+        return optim.LAMB(params, lr=lr, weight_decay=config.decay(), norms=norms)
     cls = optim.AdamW if config.optimizer == "adamw" else optim.Adam
-    return cls(params, lr=lr, weight_decay=config.weight_decay)
+    return cls(params, lr=lr, weight_decay=config.decay())
 
 
 def check_microbatches(config: Config, data_ranks: int) -> None:
@@ -176,7 +183,7 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
         dp = DataParallel(model, replicas, overlap=config.overlap,
                           keep_freed_memory=config.keep_freed_memory, **dp_options)
     # What the optimizer updates: the model's parameters, or this rank's shards.
-    optimizer = build_optimizer(config, dp.parameters())
+    optimizer = build_optimizer(config, dp.parameters(), layout.tensor_norms(dp))
     data = layout.data  # every rank of a tensor x sequence group reads the same
     sampler = DistributedSampler(len(train_set), config.global_batch, data.rank, data.size,
                                  seed=config.seed, shuffle=config.data.shuffle,

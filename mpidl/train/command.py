@@ -36,6 +36,7 @@ def _help(argv: Sequence[str]) -> str:
     # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.train.config import (DEFAULT_PRESET, ConfigError, list_presets, load_config,
                                     split_args, to_toml)
+    from mpidl.train.optimizer_defaults import describe
 
     rest = [a for a in argv if a not in ("-h", "--help")]
     try:
@@ -44,7 +45,7 @@ def _help(argv: Sequence[str]) -> str:
         name = preset or DEFAULT_PRESET
     except ConfigError as e:
         shown, name = f"# {e}\n", "?"
-    return (__doc__ + "\nPresets: " + ", ".join(list_presets()) +
+    return (__doc__ + "\n" + describe() + "\nPresets: " + ", ".join(list_presets()) +
             f"\n\nKeys as `{name}` sets them (TOML; override any as --key=value, tables "
             "as --model.dim=64):\n\n" + shown)
 

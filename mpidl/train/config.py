@@ -33,7 +33,6 @@ presets live.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import sys
 import time
@@ -42,6 +41,7 @@ from typing import Optional, Sequence, Union
 
 from hpc.argtypes import number_problem
 from mpidl.data.sampler import DEFAULT_BLOCK_SIZE
+from mpidl.train import optimizer_defaults
 from mpidl.train.schema import (
     ConfigError,
     apply_overrides as _apply_overrides,
@@ -101,9 +101,10 @@ class DataConfig:
 class Config:
     """Everything ``mpidl train`` needs; the TOML keys are these field names.
 
-    Learning rate: ``lr`` is the rate at ``base_batch``; the run uses
-    :meth:`scaled_lr` (Goyal et al. 2017: linear scaling rule) with warm-up
-    (:meth:`warmup_for`) and then the ``schedule`` decay to ``min_lr_ratio * lr``.
+    Learning rate: ``lr`` is the rate at ``base_batch`` (none: the optimizer's); the run
+    uses :meth:`scaled_lr` (``lr_scaling``, "auto": the optimizer's published rule,
+    :mod:`mpidl.train.optimizer_defaults`) with warm-up (:meth:`warmup_for`) and then the
+    ``schedule`` decay to ``min_lr_ratio * lr``.
     """
 
     # reviews: classify the generated reviews; gpt: a language model on the generated
@@ -122,12 +123,14 @@ class Config:
     # One optimizer step over this many microbatches of each rank's share, their
     # gradients accumulated, reduced over the ranks once (mpidl.train.step.TrainStep)
     microbatches: int = 1
-    lr: float = 1e-3
+    lr: Optional[float] = None               # at base_batch; none: the optimizer's own
     base_batch: int = 64                     # the batch that `lr` is meant for
-    lr_scaling: str = choices("linear", "sqrt", "none", default="linear")
-    optimizer: str = choices("adamw", "adam", "sgd", default="adamw")
-    momentum: float = 0.9                    # sgd only
-    weight_decay: float = 0.01
+    # auto: the optimizer's published rule (sqrt for adam, adamw, lamb; linear for sgd,
+    # lars; sources in mpidl.train.optimizer_defaults)
+    lr_scaling: str = choices("auto", "linear", "sqrt", "none", default="auto")
+    optimizer: str = choices("adamw", "adam", "sgd", "lars", "lamb", default="adamw")
+    momentum: float = 0.9                    # sgd and lars
+    weight_decay: Optional[float] = None     # none: the optimizer's own
     schedule: str = choices("cosine", "linear", "constant", default="cosine")
     warmup_steps: int = 0                    # if > 0, wins over warmup_fraction
     warmup_fraction: float = 0.05            # of all steps
@@ -177,15 +180,16 @@ class Config:
     timeout: Optional[float] = None
 
     def scaled_lr(self) -> float:
-        """``lr`` scaled from ``base_batch`` to ``global_batch`` by ``lr_scaling``."""
-        if self.lr_scaling == "linear":
-            # Here: reading a config (`mpidl train --help`, the planner) loads no engine.
-            from mpidl.optim.schedule import linear_scaling_rule
+        """``lr`` (or the optimizer's) scaled from ``base_batch`` to ``global_batch`` by
+        ``lr_scaling`` (or, for "auto", the optimizer's rule)."""
+        rules = optimizer_defaults
+        return rules.scale(rules.base_lr(self.optimizer, self.lr),
+                           rules.scaling_rule(self.optimizer, self.lr_scaling),
+                           self.global_batch, self.base_batch)
 
-            return linear_scaling_rule(self.lr, self.global_batch, self.base_batch)
-        if self.lr_scaling == "sqrt":   # often preferred for Adam (Malladi et al. 2022)
-            return self.lr * math.sqrt(self.global_batch / self.base_batch)
-        return self.lr
+    def decay(self) -> float:
+        """``weight_decay``, or the optimizer's default when it is none."""
+        return optimizer_defaults.weight_decay(self.optimizer, self.weight_decay)
 
     def warmup_for(self, total_steps: int) -> int:
         """Warm-up steps of a run of ``total_steps`` (``warmup_steps`` or the fraction)."""
@@ -221,7 +225,7 @@ def _validate(config: Config) -> None:
     if config.sequence_parallel_size is not None and config.sequence_parallel_size < 1:
         raise ConfigError(f"config key 'sequence_parallel_size' must be >= 1 or none, "
                           f"got {config.sequence_parallel_size}")
-    for key, strict, note in (("lr", True, ""), ("weight_decay", False, ""),
+    for key, strict, note in (("lr", True, " or none"), ("weight_decay", False, " or none"),
                               ("bucket_mb", True, " or none"),
                               ("clip_grad_norm", True, " or none"),
                               ("timeout", False, " (seconds; 0: no watchdog) or none")):
@@ -336,8 +340,18 @@ def load_config(preset_or_path: str | None = None, overrides: Sequence[str] = ()
             or out-of-range value; the message names the file or key.
     """
     path = _source_path(preset_or_path or DEFAULT_PRESET)
-    config = config_from_dict(_read_toml(path))
-    return apply_overrides(config, overrides)
+    data = _read_toml(path)
+    config = apply_overrides(config_from_dict(data), overrides)
+    if config.optimizer != data.get("optimizer", config.optimizer):
+        # The file's rate and decay were chosen for its own optimizer (a preset's AdamW
+        # rate and decay wreck LARS): another optimizer from the command line brings its
+        # own, unless they are given there too.
+        for key in ("lr", "weight_decay"):
+            flag = "--" + key.replace("_", "-")
+            if not any(a in (flag, "--" + key) or a.startswith((flag + "=", f"--{key}="))
+                       for a in overrides):
+                setattr(config, key, None)
+    return config
 
 
 def default_run_dir(config: Config, job_id: str | None = None, stamp: str | None = None) -> str:

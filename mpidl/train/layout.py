@@ -33,6 +33,8 @@ from typing import Any
 from mpidl.comm.base import split_counts
 from mpidl.models.gpt import GPT
 from mpidl.parallel import ParallelGPT, ProcessGrid
+from mpidl.optim.layerwise import TensorNorms
+from mpidl.parallel.layerwise import whole_tensor_norms
 from mpidl.parallel.tensor import clip_grad_norm_ as clip_tensor_parallel_grad_norm_
 from mpidl.parallel.sequence import ulysses_heads_fit
 from mpidl.train.config import Config, ConfigError
@@ -160,6 +162,15 @@ class Layout:
         if self.plan.zero:
             return wrapper.clip_grad_norm_(max_norm, tensor=self.grid.tensor)
         return clip_tensor_parallel_grad_norm_(wrapper.parameters(), max_norm, self.grid.tensor)
+
+    def tensor_norms(self, wrapper: Any) -> TensorNorms:
+        """Where the model's tensors are among ``wrapper.parameters()``, for LARS and
+        LAMB (:mod:`mpidl.parallel.layerwise`): ZeRO's shards, or the model's own
+        parameters, tensor-parallel shards adding up over the tensor group."""
+        tensor = None if self.grid is None else self.grid.tensor
+        if self.plan.zero:
+            return wrapper.tensor_norms(tensor)
+        return whole_tensor_norms(wrapper.parameters(), tensor)
 
     def free(self) -> None:
         if self.grid is not None:

@@ -194,6 +194,8 @@ def test_every_optional_key_defaults_to_none():
 
 def test_scaled_lr_and_warmup():
     config = load_config(None, ["--lr=0.001", "--base-batch=64", "--global-batch=256"])
+    assert config.scaled_lr() == pytest.approx(0.002)  # auto: AdamW's rule is sqrt
+    config.lr_scaling = "linear"
     assert config.scaled_lr() == pytest.approx(0.004)
     config.lr_scaling = "sqrt"
     assert config.scaled_lr() == pytest.approx(0.002)
