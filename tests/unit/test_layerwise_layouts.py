@@ -76,3 +76,50 @@ def test_zero_stages_equal_one_rank(name, stage, size):
     for got in run_ranks(size, sharded, name, stage):
         for g, w in zip(got, want):
             numpy.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13)
+
+
+def grid_run(comm, name, tensor, zero):
+    """A tensor-parallel GPT (data parallel over the rest, or ZeRO on the replicas) with
+    the layer-wise optimizer over the layout's norms; the single-rank state at the end."""
+    from mpidl.parallel import DataParallel, ProcessGrid, parallel_gpt
+    from mpidl.parallel.layerwise import whole_tensor_norms
+
+    cls, kw = OPTIMIZERS[name]
+    grid = ProcessGrid(comm, tensor=tensor)
+    model = parallel_gpt(grid, vocab=23, seq_len=8, dim=6, layers=2, heads=2, seed=3,
+                         dtype="float64")
+    if zero:
+        wrapper = ShardedDataParallel(model, grid.replicas, stage=zero, bucket_mb=0.0005)
+        norms = wrapper.tensor_norms(grid.tensor)
+    else:
+        wrapper = DataParallel(model, grid.replicas)
+        norms = whole_tensor_norms(wrapper.parameters(), grid.tensor)
+    opt = cls(wrapper.parameters(), norms=norms, **kw)
+    for x, y in batches():
+        ids = numpy.concatenate([x, y[:, -1:]], axis=1)
+        counts = split_counts(len(ids), grid.data_size)
+        a = sum(counts[:grid.data_rank])
+        mine = ids[a:a + counts[grid.data_rank]]
+        wrapper.before_forward()  # ZeRO: the shards' last update, gathered
+        wrapper.backward(model.loss(mine, reduction="sum"), global_count=y.size)
+        opt.step()
+        opt.zero_grad()
+    if zero:
+        wrapper.gather_parameters()
+        if zero == 3:
+            pytest.skip("stage 3 full state: gathered inside forward only")
+    state = model.full_state_dict()
+    wrapper.close()
+    grid.free()
+    return state
+
+
+@pytest.mark.parametrize("size,tensor,zero", [(2, 2, 0), (4, 2, 0), (4, 2, 1),
+                                              (4, 2, 2)])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_tensor_parallel_grids_equal_one_rank(name, size, tensor, zero):
+    want = dict(zip([n for n, _ in small_gpt().named_parameters()], one_rank(name)))
+    for state in run_ranks(size, grid_run, name, tensor, zero):
+        for key, w in want.items():
+            numpy.testing.assert_allclose(state[key], w, rtol=1e-10, atol=1e-13,
+                                          err_msg=key)
