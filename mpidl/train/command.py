@@ -9,6 +9,11 @@ Run::
     mpidl train reviews-transformer --help         # ... as that preset sets them
     mpiexec -n 2 mpidl eval runs/tf                # evaluate it (mpidl.train.inference)
 
+``--schedule`` names the learning-rate schedule (cosine, linear, constant) or the pipeline
+schedule (gpipe, 1f1b, interleaved: it sets ``pipeline_schedule``; the names do not
+overlap). Pipelines and recomputation: ``mpidl train gpt --pipeline-parallel 2
+--microbatches 4 --recompute selective`` (docs/parallelism.md).
+
 Exit codes (the same on every rank): 0 done; 2 a configuration or data error (unknown
 key, wrong type, missing file, a dataset that is corrupt or whose splits disagree: one
 message, from rank 0); 75 (EX_TEMPFAIL) preempted by SIGTERM/SIGUSR1 — after writing a

@@ -62,6 +62,10 @@ __all__ = ["Config", "ModelConfig", "DataConfig", "ConfigError", "load_config", 
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
 DEFAULT_PRESET = "reviews"
+# The pipeline schedules (mpidl.parallel.pipeline_schedule.SCHEDULES, not imported: reading
+# a config loads no engine). Disjoint from the learning-rate schedules, so `schedule`
+# takes both: a pipeline schedule's name sets `pipeline_schedule` (_schedule_alias).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass
@@ -160,6 +164,16 @@ class Config:
     sequence_parallel: str = choices("none", "ulysses", "ring", default="none")
     sequence_parallel_size: Optional[int] = None
     megatron_sequence_parallel: bool = False
+    # gpt only: the model's layers in pipeline_parallel stages (the outermost axis), each
+    # step's share cut into `microbatches` (at least the stages) run by pipeline_schedule;
+    # interleaved runs virtual_stages model chunks per rank (mpidl.parallel.pipeline).
+    # `schedule` takes these names too: --schedule=1f1b sets pipeline_schedule.
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = choices(*PIPELINE_SCHEDULES, default="1f1b")
+    virtual_stages: int = 1
+    # Activation recomputation of transformer blocks: none, selective (the attention
+    # scores and probabilities), full (each block keeps its input); mpidl.nn.recompute
+    recompute: str = choices("none", "selective", "full", default="none")
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
     keep_freed_memory: bool = True           # glibc keeps freed memory (no page faults
     #                                          re-fetching each step's activations)
@@ -219,6 +233,9 @@ def _validate(config: Config) -> None:
     if config.zero not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'zero' must be 0 (data parallelism) or a ZeRO stage 1, 2 "
                           f"or 3, got {config.zero}")
+    for key in ("pipeline_parallel", "virtual_stages"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"config key {key!r} must be >= 1, got {getattr(config, key)}")
     if config.tensor_parallel < 1:
         raise ConfigError(f"config key 'tensor_parallel' must be >= 1 (ranks per layer), "
                           f"got {config.tensor_parallel}")
@@ -268,6 +285,9 @@ def _validate(config: Config) -> None:
 def config_from_dict(table: dict) -> Config:
     """A validated Config from a parsed TOML document (a dict of dicts)."""
     config = Config()
+    if table.get("schedule") in PIPELINE_SCHEDULES:  # schedule = "1f1b": the pipeline's
+        table = {**table, "pipeline_schedule": table["schedule"]}
+        del table["schedule"]
     apply_table(config, table)
     _validate(config)
     return config
@@ -320,9 +340,29 @@ def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return None, argv
 
 
+def _schedule_alias(overrides: Sequence[str]) -> list[str]:
+    """``--schedule=1f1b`` (or ``--schedule 1f1b``) as ``--pipeline-schedule=1f1b``: the
+    key names the learning-rate schedule (cosine, linear, constant) and, by a value of
+    :data:`PIPELINE_SCHEDULES` (disjoint names), the pipeline's."""
+    out, args = [], list(overrides)
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if not eq and key == "--schedule" and i + 1 < len(args):
+            value = args[i + 1]
+        if key == "--schedule" and value in PIPELINE_SCHEDULES:
+            out.append("--pipeline-schedule" + (eq and "=" + value))
+        elif key == "--schedule" and value not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"--schedule={value!r} is neither a learning-rate schedule "
+                              "(cosine, linear, constant) nor a pipeline schedule (gpipe, "
+                              "1f1b, interleaved: --pipeline-schedule)")
+        else:
+            out.append(arg)
+    return out
+
+
 def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
     """Apply command-line overrides to ``config`` in place (checked, validated); return it."""
-    _apply_overrides(config, overrides)
+    _apply_overrides(config, _schedule_alias(overrides))
     _validate(config)
     return config
 

@@ -316,3 +316,30 @@ def test_the_custom_task_without_a_dataset_is_a_config_error_naming_the_option()
     with pytest.raises(ConfigError, match="task 'custom' trains on your dataset: pass "
                                           "--data=DIR"):
         load_config(None, ["--task=custom"])
+
+
+@pytest.mark.parametrize("args", [["--schedule=gpipe"], ["--schedule", "gpipe"],
+                                  ["--pipeline-schedule=gpipe"]])
+def test_schedule_takes_a_pipeline_schedule_name_too(args, tmp_path):
+    # The learning-rate and pipeline schedules share the key `schedule` (disjoint names).
+    config = load_config("gpt", args + ["--schedule=linear"])
+    assert (config.pipeline_schedule, config.schedule) == ("gpipe", "linear")
+    path = tmp_path / "run.toml"
+    path.write_text('task = "gpt"\nschedule = "interleaved"\n')
+    config = load_config(str(path))
+    assert (config.pipeline_schedule, config.schedule) == ("interleaved", "cosine")
+    with pytest.raises(ConfigError, match="neither a learning-rate schedule .* nor a "
+                                          "pipeline schedule"):
+        load_config("gpt", ["--schedule=1F1B"])
+
+
+def test_the_pipeline_and_recompute_keys_are_checked():
+    config = load_config("gpt", ["--pipeline-parallel=2", "--virtual-stages=2",
+                                 "--recompute=selective"])
+    assert (config.pipeline_parallel, config.virtual_stages, config.recompute) == \
+        (2, 2, "selective")
+    for bad in ("--pipeline-parallel=0", "--virtual-stages=0"):
+        with pytest.raises(ConfigError, match="must be >= 1"):
+            load_config("gpt", [bad])
+    with pytest.raises(ConfigError, match="recompute"):
+        load_config("gpt", ["--recompute=some"])
