@@ -983,4 +983,72 @@ MUTATIONS: list[Mutation] = [
         why="bf16 training is priced with bf16 gradients, not Megatron's fp32 ones",
         tests=(LAYOUTS + "test_model_state_bytes_per_parameter_follow_megatrons_table",),
     ),
+    # -- layer-wise optimizers (#27: mpidl/optim/layerwise.py, lamb.py, lars.py, the
+    #    norms of each layout in mpidl/parallel/layerwise.py, train/optimizer_defaults.py) --
+    Mutation(
+        name="layerwise-replicated-counted-per-rank",
+        file="mpidl/optim/layerwise.py",
+        original="                sums[:, xp.asarray(~self.split)] = 0",
+        mutated="                pass",
+        why="a tensor replicated over the tensor group adds its squares once per rank",
+        tests=("tests/unit/test_optim_layerwise.py::"
+               "test_a_replicated_tensor_counts_once_and_a_split_one_adds_up",),
+    ),
+    Mutation(
+        name="layerwise-trust-not-clipped",
+        file="mpidl/optim/layerwise.py",
+        original="        ratio = xp.minimum(ratio, max_trust)",
+        mutated="        ratio = ratio",
+        why="LAMB's trust ratio is never clipped (the paper's phi)",
+        tests=("tests/unit/test_optim_layerwise.py::"
+               "test_lamb_ratio_is_clipped_and_a_zero_tensor_moves_by_its_direction",),
+    ),
+    Mutation(
+        name="lamb-decays-biases",
+        file="mpidl/optim/lamb.py",
+        original="                if not self.norms.excluded[s.tensor]:",
+        mutated="                if True:",
+        why="LAMB decays biases and norm parameters, which the paper leaves out",
+        tests=("tests/unit/test_optim_layerwise.py::test_the_update_is_the_papers",),
+    ),
+    Mutation(
+        name="lars-decay-outside-the-ratio",
+        file="mpidl/optim/lars.py",
+        original="return trust(self.eta * w, g + self.weight_decay * w, self.norms.excluded,",
+        mutated="return trust(self.eta * w, g, self.norms.excluded,",
+        why="LARS's local rate ignores the weight decay term of its denominator",
+        tests=("tests/unit/test_optim_layerwise.py::test_the_update_is_the_papers",),
+    ),
+    Mutation(
+        name="layerwise-zero-segments-one-tensor-early",
+        file="mpidl/parallel/layerwise.py",
+        original="segments.append([Segment(start, stop, first + k)",
+        mutated="segments.append([Segment(start, stop, first + k - (k > 0))",
+        why="a ZeRO shard's parts are credited to the tensor before their own",
+        tests=("tests/unit/test_layerwise_layouts.py",),
+    ),
+    Mutation(
+        name="layout-norms-forget-the-tensor-group",
+        file="mpidl/train/layout.py",
+        original="        return whole_tensor_norms(wrapper.parameters(), tensor)",
+        mutated="        return whole_tensor_norms(wrapper.parameters(), None)",
+        why="mpidl train gives LAMB shard norms on a tensor-parallel grid",
+        tests=("tests/unit/test_layerwise_layouts.py",),
+    ),
+    Mutation(
+        name="lamb-scaled-linearly",
+        file="mpidl/train/optimizer_defaults.py",
+        original='"lamb": OptimizerDefaults(6e-3, "sqrt",',
+        mutated='"lamb": OptimizerDefaults(6e-3, "linear",',
+        why="LAMB's default rate grows linearly with the batch, not as its paper's sqrt",
+        tests=("tests/unit/test_optimizer_defaults.py",),
+    ),
+    Mutation(
+        name="preset-rate-kept-for-another-optimizer",
+        file="mpidl/train/config.py",
+        original="                setattr(config, key, None)",
+        mutated="                pass",
+        why="--optimizer lars keeps the preset's AdamW rate and decay",
+        tests=("tests/unit/test_optimizer_defaults.py",),
+    ),
 ]
