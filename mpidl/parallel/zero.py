@@ -32,6 +32,7 @@ AdamW, update it as they would any parameter):
   gradient is reduce-scattered and released as soon as backward has finished it.
   Tied parameters (GPT's embedding and output projection) sit in the model's own unit,
   gathered for the whole forward and backward. Communication: 1.5x data parallelism.
+  The gathers and their schedule are :mod:`mpidl.parallel.zero_gather`'s.
 
 Stage 3 asks the static graph FSDP asks: every rank's backward reaches the same
 parameters in the same order (the gathers and reduce-scatters of backward are
@@ -42,13 +43,15 @@ and 3 (which hold no full gradient). Embedding gradients are exchanged dense.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator
 
 import numpy
 
 from mpidl import backend
-from mpidl.autograd import Function, Tensor
+from mpidl.autograd import Tensor
 from mpidl.comm.base import Communicator
+from mpidl.nn.container import ModuleList
 from mpidl.nn.module import Module, Parameter
 from mpidl.optim.clip import gradient_norm
 from mpidl.optim.layerwise import TensorNorms
@@ -57,20 +60,10 @@ from mpidl.parallel.buckets import plan_buckets
 from mpidl.parallel.layerwise import unit_tensor_norms
 from mpidl.parallel.transport import choose_transport
 from mpidl.parallel.units import Unit, member_slices
+from mpidl.parallel.zero_gather import Gathers
 from mpidl.parallel.wrapper import HeldBytes
 
 STAGES = (1, 2, 3)
-
-
-class _GatherForBackward(Function):
-    """Identity in forward; in backward, gathers the unit's parameters first (stage 3)."""
-
-    def forward(self, x):
-        return x
-
-    def backward(self, gy):
-        self.owner._before_backward(self.unit)
-        return gy
 
 
 class ShardedDataParallel:
@@ -128,10 +121,10 @@ class ShardedDataParallel:
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         for u in self.units:
             self._shard(u)
+        self.gathers = Gathers(comm, self.transport, self.units, model)
         self._stale = False       # shards updated since the last gather (stages 1, 2)
         self._syncing = True
         self._in_backward = False
-        self._order: list[Unit] = []   # stage 3: the units in forward order, as seen
         # Stage 3 reduces the units in one order on every rank: backward's (the forward
         # order reversed), each once it and all before it are final. Reducing each as
         # soon as it is final would let a rank whose batch left a parameter without a
@@ -141,9 +134,7 @@ class ShardedDataParallel:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
                          for _, p in self.named]
         if stage == 3:
-            for u in self.units:
-                self._handles += [u.module.register_forward_pre_hook(self._pre_forward(u)),
-                                  u.module.register_forward_hook(self._post_forward(u))]
+            self._handles += self.gathers.install_hooks()
         self.comm_wait_seconds = 0.0
         self.comm_wait_start = 0.0
 
@@ -154,8 +145,6 @@ class ShardedDataParallel:
             groups = [[params[i] for i in g] for g in plan_buckets(params, self.piece_bytes)]
             return [Unit(i, g, self.comm.size, self.comm.rank) for i, g in enumerate(groups)]
         # Stage 3: every ModuleList item is a unit; the model's own unit holds the rest.
-        from mpidl.nn.container import ModuleList
-
         blocks = [m for _, container in model.named_modules()
                   if isinstance(container, ModuleList) for m in container]
         taken: set[int] = set()
@@ -190,81 +179,21 @@ class ShardedDataParallel:
         """This rank's shards, one Parameter per unit: what the optimizer updates."""
         return [u.shard for u in self.units if u.block]
 
-    # -- gathering parameters ----------------------------------------------------------------
-    def _gather(self, u: Unit) -> None:
-        """The unit's full parameters from every rank's shard (collective)."""
-        if u.request is not None:
-            flat = self._finish_gather(u)
-        else:
-            flat = self.transport.allgather(u.shard.data, u.flat if u.flat is not None
-                                            else u.new_flat())
-        u.point_params_at(flat)
-        self._track()
+    # -- gathering parameters (mpidl.parallel.zero_gather) -----------------------------------
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """The most full parameters, gradients and prefetches held at once (stage 3's
+        transient memory on top of the shards)."""
+        return self.gathers.peak_bytes
 
-    def _track(self) -> None:
-        """Keep :attr:`peak_gathered_bytes`: the most full parameters, gradients and
-        prefetches held at once (stage 3's transient memory on top of the shards)."""
-        held = sum((0 if u.flat is None else u.flat.nbytes)
-                   + (0 if u.grad_flat is None else u.grad_flat.nbytes)
-                   + (0 if u.request is None else u.padded * u.flat_itemsize)
-                   for u in self.units)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
-
-    peak_gathered_bytes = 0
     _block_scale: float | None = None  # 1/N for a backward without global_count
-
-    def _start_gather(self, u: Unit) -> None:
-        """Start the unit's allgather without waiting for it (stage 3 prefetch)."""
-        if u.request is None and u.flat is None:
-            u.request = self.comm.iallgather(u.shard.data)
-            self._track()
-
-    def _finish_gather(self, u: Unit) -> Any:
-        blocks = u.request.wait()
-        u.request = None
-        return blocks.reshape(-1)
 
     def gather_parameters(self) -> None:
         """Bring the model's parameters up to date with the shards (stages 1 and 2: after
         an optimizer step). Collective; done by the next forward by itself."""
         if self.stage < 3 and self._stale:
-            for u in self.units:
-                self.transport.allgather(u.shard.data, u.flat)
+            self.gathers.refresh()
             self._stale = False
-
-    # -- stage 3 hooks -----------------------------------------------------------------------
-    def _pre_forward(self, u: Unit) -> Any:
-        def hook(module: Module, args: tuple) -> None:
-            if u not in self._order:
-                self._order.append(u)
-            self._gather(u)
-            nxt = self._next_in(self._order, u, +1)
-            if nxt is not None and nxt is not self.units[0]:
-                self._start_gather(nxt)
-        return hook
-
-    def _post_forward(self, u: Unit) -> Any:
-        def hook(module: Module, args: tuple, out: Any) -> Any:
-            if u.module is not self.module:
-                u.release_params()
-            if not isinstance(out, Tensor) or not out.requires_grad:
-                return None
-            return _GatherForBackward.apply(out, owner=self, unit=u)
-        return hook
-
-    def _next_in(self, order: list[Unit], u: Unit, step: int) -> Unit | None:
-        i = order.index(u) + step if u in order else -1
-        return order[i] if 0 <= i < len(order) else None
-
-    def _before_backward(self, u: Unit) -> None:
-        if u.flat is None:
-            self._gather(u)
-        if u.grad_flat is None:
-            u.attach_grads(u.new_flat())
-            self._track()
-        prev = self._next_in(self._order, u, -1)
-        if prev is not None and prev.flat is None:
-            self._start_gather(prev)
 
     # -- backward ----------------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -298,8 +227,6 @@ class ShardedDataParallel:
                  scale: float = 1.0) -> None:
         """Backward of this rank's summed ``loss``; each shard's ``.grad`` becomes this
         rank's block of the global mean (``global_count`` samples in all). Collective."""
-        import time
-
         xp = loss.xp
         seed = (scale / global_count) if global_count else scale
         # Without global_count each rank's loss is its own mean: the sum over ranks is
@@ -315,7 +242,8 @@ class ShardedDataParallel:
             if u.grad_flat is None and (self.stage < 3 or u.module is self.module):
                 u.attach_grads(u.new_flat())
             u.pending, u.reduced = len(u.params), False
-        self._reduce_order = [u for u in reversed(self._order) if u.module is not self.module]
+        self._reduce_order = [u for u in reversed(self.gathers.order)
+                              if u.module is not self.module]
         self._next_reduce = 0
         self._in_backward = True
         try:

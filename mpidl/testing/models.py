@@ -48,7 +48,7 @@ def full_parameters(wrapper: Any) -> dict[str, Any]:
     for u in wrapper.units:
         gathered = u.flat is None  # stage 3: released after the step
         if gathered:
-            wrapper._gather(u)
+            wrapper.gathers.gather(u)
         out.update({names[id(p)]: p.data.copy() for p in u.params})
         if gathered:
             u.release_params()

@@ -544,7 +544,7 @@ def sharded(comm, data, stage):
     names, full = {id(p): n for n, p in sdp.named}, {}
     for u in sdp.units:
         if u.flat is None:
-            sdp._gather(u)
+            sdp.gathers.gather(u)
         full.update((names[id(p)], p.data.copy()) for p in u.params)
         if sdp.stage == 3:
             u.release_params()
