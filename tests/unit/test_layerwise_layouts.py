@@ -80,21 +80,21 @@ def test_zero_stages_equal_one_rank(name, stage, size):
 
 def grid_run(comm, name, tensor, zero):
     """A tensor-parallel GPT (data parallel over the rest, or ZeRO on the replicas) with
-    the layer-wise optimizer over the layout's norms; the single-rank state at the end."""
-    from mpidl.parallel import DataParallel, ProcessGrid, parallel_gpt
-    from mpidl.parallel.layerwise import whole_tensor_norms
+    the layer-wise optimizer over the norms ``mpidl train``'s layout gives it; the
+    single-rank state at the end."""
+    from mpidl.parallel import DataParallel, parallel_gpt
+    from mpidl.train.layout import Layout, LayoutPlan
 
     cls, kw = OPTIMIZERS[name]
-    grid = ProcessGrid(comm, tensor=tensor)
+    layout = Layout(LayoutPlan(tensor=tensor, data=comm.size // tensor, zero=zero), comm)
+    grid = layout.grid
     model = parallel_gpt(grid, vocab=23, seq_len=8, dim=6, layers=2, heads=2, seed=3,
                          dtype="float64")
     if zero:
         wrapper = ShardedDataParallel(model, grid.replicas, stage=zero, bucket_mb=0.0005)
-        norms = wrapper.tensor_norms(grid.tensor)
     else:
         wrapper = DataParallel(model, grid.replicas)
-        norms = whole_tensor_norms(wrapper.parameters(), grid.tensor)
-    opt = cls(wrapper.parameters(), norms=norms, **kw)
+    opt = cls(wrapper.parameters(), norms=layout.tensor_norms(wrapper), **kw)
     for x, y in batches():
         ids = numpy.concatenate([x, y[:, -1:]], axis=1)
         counts = split_counts(len(ids), grid.data_size)
