@@ -23,17 +23,26 @@ Python had run a line of its code to catch it), nothing had begun either, so tha
 reported as 75 too. Only the launcher's own first milliseconds, before its handlers,
 are out of reach: a SIGTERM then ends it with 143, having started nothing.
 
+A job that lost a node is never a success: measured with Open MPI 5.0.11, after a rank's
+``MPI_Abort`` (the watchdog's, status 124) and then "PRTE has lost communication with a
+remote daemon" (a node cut off), ``mpiexec`` exits **0**. The launcher reads mpiexec's
+standard error on its way through, and where it said so and exited 0, exits with the
+abort's error code instead (1 if none was given): a batch script trusting the status
+would otherwise call a lost job done (tests/cluster/test_faults.py cuts a node's link).
+
 Under Slurm, ``srun`` forwards SIGTERM to the tasks and returns their status, so
 ``srun mpidl train`` needs no wrapper.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-from typing import Sequence
+import threading
+from typing import IO, Sequence
 
 
 def mpiexec_path() -> str:
@@ -99,6 +108,49 @@ class _Relay:
             self._send(self.pending.pop(0))
 
 
+# What Open MPI's mpiexec writes when a node's daemon is gone, and when a rank aborted.
+LOST_DAEMON = b"lost communication with a remote daemon"
+ABORT_CODE = re.compile(rb"MPI_ABORT was invoked.*?Errorcode: (\d+)", re.S)
+# How long the launcher waits, after mpiexec ended, for the rest of its standard error: a
+# daemon cut off from it may hold the pipe open for ever (tests/cluster/cluster.sh reap).
+TAIL_WAIT_S = 5.0
+
+
+class _Errors:
+    """Copies mpiexec's standard error to ours as it comes, and keeps what a lost daemon
+    and an abort said (the lines that follow them are kept, to find the error code)."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.seen = bytearray()
+        self.lost = False
+        self._thread = threading.Thread(target=self._copy, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _copy(self, stream: IO[bytes]) -> None:
+        out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+        for line in iter(stream.readline, b""):
+            if out is not None:
+                out.write(line)
+                out.flush()
+            else:  # pragma: no cover - a stderr without bytes (an embedding)
+                sys.stderr.write(line.decode(errors="replace"))
+            self.lost = self.lost or LOST_DAEMON in line
+            if b"MPI_ABORT was invoked" in line or (self.seen and len(self.seen) < 4096):
+                self.seen += line
+
+    def status(self, code: int) -> int:
+        """mpiexec's status, or the abort's (1 if none) where it lost a daemon and said 0."""
+        self._thread.join(TAIL_WAIT_S)
+        if code != 0 or not self.lost:
+            return code
+        found = ABORT_CODE.search(bytes(self.seen))
+        status = int(found.group(1)) if found else 1
+        why = "the MPI_Abort's error code" if found else "no MPI_Abort said why"
+        print(f"mpidl launch: mpiexec exited 0 after losing a node's daemon; exiting with "
+              f"{status} ({why})", file=sys.stderr, flush=True)
+        return status
+
+
 def main(argv: Sequence[str]) -> int:
     """``mpidl launch [--launcher=PATH] MPIEXEC_ARGUMENTS...``; returns mpiexec's status
     (75 for a job preempted before it could catch the signal: see the module's text)."""
@@ -123,11 +175,12 @@ def main(argv: Sequence[str]) -> int:
             print(f"mpidl launch: preempted before mpiexec started: nothing started; exiting "
                   f"with {EXIT_PREEMPTED} (run it again)", file=sys.stderr, flush=True)
             return EXIT_PREEMPTED
-        child = subprocess.Popen(command)
+        child = subprocess.Popen(command, stderr=subprocess.PIPE)
     except (FileNotFoundError, PermissionError) as e:
         print(f"mpidl launch: error: cannot run the launcher: {e}", file=sys.stderr)
         return 2
     relay.attach(child)  # and sends what came since the check above
+    errors = _Errors(child.stderr)
     # Not before the start: mpiexec would inherit an ignored SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
@@ -136,7 +189,7 @@ def main(argv: Sequence[str]) -> int:
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries for us
             continue
-    status = code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+    status = errors.status(code if code >= 0 else 128 - code)  # killed: the shell's way
     if relay.preempted and status == 128 + PREEMPT_SIGNAL:
         print(f"mpidl launch: the job ended by the {PREEMPT_SIGNAL.name} that asked it to "
               "stop, before a rank (or mpiexec) could catch it: it was starting and had done "

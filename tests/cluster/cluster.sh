@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # A cluster of N virtual nodes inside this machine, for tests that cross nodes (root).
 #
-#   bash tests/cluster/cluster.sh up --nodes 2 [--rate 1gbit] [--slots 2]
+#   bash tests/cluster/cluster.sh up --nodes 2 [--rate 1gbit] [--slots 2] [--slurm]
 #   bash tests/cluster/cluster.sh mpiexec -n 4 mpidl train     # ranks 0-1 on n1, 2-3 on n2
 #   bash tests/cluster/cluster.sh mpiexec --nodes 1 -n 2 ...   # only the first K nodes
+#   eval "$(bash tests/cluster/cluster.sh env)"               # with --slurm: sbatch -N 2 ...
 #   bash tests/cluster/cluster.sh status
 #   bash tests/cluster/cluster.sh link n2 down|up              # cut or mend a node's link
+#   bash tests/cluster/cluster.sh slurmd n2 stop|start         # with --slurm: a node's slurmd
 #   bash tests/cluster/cluster.sh reap                         # stop orphaned daemons
 #   bash tests/cluster/cluster.sh down                         # idempotent
 #
@@ -28,6 +30,8 @@
 # more as TCP backs off. Unshaped: 0.2-0.5 GB/s. 64 KB messages crawl at 0.02-0.03 GB/s
 # shaped or not (Open MPI's TCP eager limit is 64 KB: the rendezvous round trip).
 #
+# --slurm adds a Slurm: slurmctld here, one slurmd per node (slurm.sh says how).
+#
 # What `up` makes is written to $MPIDL_CLUSTER_DIR/made before it is made (default
 # ${TMPDIR:-/tmp}/mpidl-cluster), so `down` removes exactly that, also after an `up`
 # that failed half-way, and leaves the machine as it found it. `down` with nothing up
@@ -48,8 +52,11 @@ export MPIDL_CLUSTER_DIR=$dir
 
 die() { echo "cluster.sh: $*" >&2; exit 2; }
 
+# shellcheck source=slurm.sh source-path=SCRIPTDIR
+source "$here/slurm.sh"
+
 usage() {
-    sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
 }
 
@@ -67,14 +74,15 @@ record() { echo "$*" >>"$dir/made"; }
 
 # ---- up ---------------------------------------------------------------------------
 up() {
-    local nodes=2 rate="" slots=2 shaper=htb
+    local nodes=2 rate="" slots=2 shaper=htb slurm=0
     while [[ $# -gt 0 ]]; do
         case $1 in
             --nodes) nodes=$2; shift 2 ;;
             --rate) rate=$2; shift 2 ;;
             --slots) slots=$2; shift 2 ;;
             --shaper) shaper=$2; shift 2 ;;
-            *) die "up: unknown option $1 (expected --nodes N [--rate RATE] [--slots S] [--shaper htb|tbf])" ;;
+            --slurm) slurm=1; shift ;;
+            *) die "up: unknown option $1 (expected --nodes N [--rate RATE] [--slots S] [--shaper htb|tbf] [--slurm])" ;;
         esac
     done
     [[ $nodes =~ ^[0-9]+$ ]] && ((nodes >= 1 && nodes <= 200)) \
@@ -94,9 +102,14 @@ up() {
         die "up: $subnet.0/24 is already in use on this machine; set MPIDL_CLUSTER_SUBNET"
     fi
     ip link show "$bridge" >/dev/null 2>&1 && die "up: a link named $bridge exists already"
+    if ((slurm)); then
+        why=$(slurm_unavailable)
+        [[ -z $why ]] || die "up --slurm: $why"
+    fi
     mkdir -p "$dir"
     : >"$dir/made"
-    trap 'echo "cluster.sh: up failed; undoing" >&2; down >/dev/null 2>&1 || true' ERR
+    # On any failure from here (set -e, or die), undo what was made.
+    trap 'echo "cluster.sh: up failed; undoing" >&2; down >/dev/null 2>&1 || true' EXIT
 
     record "link $bridge"
     ip link add "$bridge" type bridge
@@ -145,10 +158,13 @@ up() {
         echo "n$i $ns $addr $veth" >>"$dir/nodes"
         echo "$addr slots=$slots" >>"$dir/hostfile"
     done
-    printf 'nodes=%s\nrate=%s\nslots=%s\nshaper=%s\nsubnet=%s\n' \
-        "$nodes" "${rate:-none}" "$slots" "$shaper" "$subnet" >"$dir/config"
-    trap - ERR
-    echo "cluster: up, $nodes nodes ($(awk '{print $1 "=" $3}' "$dir/nodes" | xargs)), rate ${rate:-unshaped}, state in $dir"
+    printf 'nodes=%s\nrate=%s\nslots=%s\nshaper=%s\nsubnet=%s\nslurm=%s\n' \
+        "$nodes" "${rate:-none}" "$slots" "$shaper" "$subnet" "$slurm" >"$dir/config"
+    if ((slurm)); then
+        slurm_up "$nodes"
+    fi
+    trap - EXIT
+    echo "cluster: up, $nodes nodes ($(awk '{print $1 "=" $3}' "$dir/nodes" | xargs)), rate ${rate:-unshaped}$( ((slurm)) && echo ", Slurm")$( ((slurm)) && echo ' (eval "$(cluster.sh env)")'), state in $dir"
 }
 
 # shape DEV NETNS RATE SHAPER: limit DEV's egress to RATE (NETNS empty: this namespace).
@@ -166,8 +182,9 @@ shape() {
 }
 
 # ---- down -------------------------------------------------------------------------
-# Stop every process inside one of our namespaces (ranks, prted, slurmd), then remove
-# the namespaces and links, in the reverse order of `made`.
+# Stop every process inside one of our namespaces (ranks, prted, slurmd), then the
+# daemons of this namespace (slurmctld, munged), then remove the namespaces and links,
+# in the reverse order of `made`.
 down() {
     if [[ ! -e $dir/made ]]; then
         echo "cluster: nothing up ($dir/made not found)"
@@ -190,6 +207,9 @@ down() {
         done
     done <"$dir/made"
     while read -r kind name; do
+        [[ $kind == daemon ]] && slurm_stop_daemon "$name"
+    done < <(tac "$dir/made")
+    while read -r kind name; do
         case $kind in
             netns) ip netns list | grep -qw "^$name" && ip netns del "$name" ;;
             link) ip link show "$name" >/dev/null 2>&1 && ip link del "$name" ;;
@@ -203,6 +223,7 @@ down() {
             case $kind in
                 netns) ip netns list | grep -qw "^$name" && left+=" netns $name" ;;
                 link) ip link show "$name" >/dev/null 2>&1 && left+=" link $name" ;;
+                daemon) slurm_alive "$name" "$dir" && left+=" daemon $(<"$name")" ;;
             esac
         done <"$dir/made"
         [[ -n $left ]] || break
@@ -261,29 +282,29 @@ mpiexec_() {
     for arg in "$@"; do
         [[ $arg == --bind-to ]] && bind=()
     done
-    # mpiexec runs on the head node. A copy of its standard error keeps the exit status
-    # honest: measured with Open MPI 5.0.11, after MPI_Abort (the watchdog's, status
-    # 124) and then "PRTE has lost communication with a remote daemon" (a node's link
-    # cut), mpiexec exits 0. This then exits with the abort's code, or 1 if none.
-    local copy status=0
-    copy=$(mktemp "$dir/mpiexec-stderr.XXXXXX")
+    # mpiexec runs on the head node, through `mpidl launch`: measured with Open MPI
+    # 5.0.11, after MPI_Abort (the watchdog's, status 124) and then "PRTE has lost
+    # communication with a remote daemon" (a node's link cut), mpiexec exits 0;
+    # mpidl launch exits with the abort's code instead (1 if none), and turns a SIGTERM
+    # into a checkpoint (hpc/launch.py).
+    local python
+    for python in ${MPIDL_PYTHON:-} "$(dirname "$launcher")/python" "$root/.venv/bin/python" \
+        python3 ""; do
+        [[ -n $python ]] || die "mpiexec: no python that imports mpidl; set MPIDL_PYTHON"
+        "$python" -c 'import hpc.launch' 2>/dev/null && break
+    done
+    local status=0
     # TMPDIR: mpiexec's session folder (/tmp/ompi.PID, left behind when it is killed)
     # goes with `down`; the agent gives each node its own.
     mkdir -p "$dir/tmp/head"
     TMPDIR=$dir/tmp/head nsenter --net="/var/run/netns/$(<"$dir/head")" \
-        "$launcher" --hostfile "$hostfile" "${bind[@]}" \
+        "$python" -m mpidl launch --launcher="$launcher" --hostfile "$hostfile" "${bind[@]}" \
         --prtemca plm_ssh_agent "$here/agent.sh" \
         --prtemca oob_tcp_if_include "$net" \
         --mca btl "${MPIDL_CLUSTER_BTL:-tcp,sm,self}" --mca btl_tcp_if_include "$net" \
         --mca mpi_yield_when_idle 1 \
-        "$@" 2> >(tee "$copy" >&2) || status=$?
-    wait  # for tee
+        "$@" || status=$?
     reap
-    if ((status == 0)) && grep -q "lost communication with a remote daemon" "$copy"; then
-        status=$(awk '/MPI_ABORT was invoked/ { a = 1 } a && $1 == "Errorcode:" { print $2; exit }' "$copy")
-        status=${status:-1}
-    fi
-    rm -f "$copy"
     return "$status"
 }
 
@@ -342,6 +363,8 @@ case ${1:-} in
     mpiexec) shift; mpiexec_ "$@" ;;
     status) status ;;
     link) shift; link "$@" ;;
+    env) slurm_env ;;
+    slurmd) shift; slurmd_ "$@" ;;
     reap) reap ;;
     unavailable) unavailable ;;
     *) usage ;;

@@ -8,12 +8,14 @@ are retried), as every other test's do.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from mpidl.testing.launch import Launched, launch_env, retry_startup, run
 
@@ -32,22 +34,24 @@ LAYOUTS = {
 }
 
 
-def script_env(state_dir: str | os.PathLike) -> dict[str, str]:
+def script_env(state_dir: str | os.PathLike, name: str = NAME,
+               subnet: str = SUBNET) -> dict[str, str]:
     """The environment cluster.sh and the launched jobs run in."""
     from hpc.launch import mpiexec_path
 
-    return launch_env({"MPIDL_CLUSTER_DIR": str(state_dir), "MPIDL_CLUSTER_NAME": NAME,
-                       "MPIDL_CLUSTER_SUBNET": SUBNET, "MPIEXEC": mpiexec_path(),
+    return launch_env({"MPIDL_CLUSTER_DIR": str(state_dir), "MPIDL_CLUSTER_NAME": name,
+                       "MPIDL_CLUSTER_SUBNET": subnet, "MPIEXEC": mpiexec_path(),
                        # `mpidl` as a command on the nodes, as a user's shell would have it
                        "PATH": os.path.dirname(sys.executable) + os.pathsep
                        + os.environ.get("PATH", "")})
 
 
 def script(state_dir: str | os.PathLike, *args: str, timeout: float = 120,
-           check: bool = True) -> subprocess.CompletedProcess:
+           check: bool = True, name: str = NAME, subnet: str = SUBNET
+           ) -> subprocess.CompletedProcess:
     """``bash cluster.sh ARGS...`` for the tests' cluster (raises on failure if check)."""
     proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=timeout, env=script_env(state_dir))
+                          timeout=timeout, env=script_env(state_dir, name, subnet))
     if check and proc.returncode != 0:
         raise AssertionError(f"cluster.sh {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout}{proc.stderr}")
@@ -61,15 +65,40 @@ def unavailable() -> str | None:
     return proc.stdout.strip() or None
 
 
-def leftovers() -> list[str]:
-    """Namespaces and links with the tests' names that exist now (none after down)."""
+def leftovers(state_dir: str | os.PathLike, name: str = NAME) -> list[str]:
+    """What of a cluster exists now (nothing after down): namespaces and links with its
+    names, processes whose command line names its state folder (slurmctld, munged,
+    slurmd, a job's daemons), and the state folder itself."""
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     found = [f"netns {line.split()[0]}" for line in netns.splitlines()
-             if line.startswith(NAME + "-")]
+             if line.startswith(name + "-")]
     found += [f"link {line.split(':')[1].strip().split('@')[0]}" for line in links.splitlines()
-              if line.split(":")[1].strip().startswith(NAME + "-")]
+              if line.split(":")[1].strip().startswith(name + "-")]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:  # gone meanwhile
+            continue
+        if str(state_dir) in cmdline and not zombie and int(pid) != os.getpid():
+            found.append(f"process {pid} {cmdline[:200]}")
+    if os.path.exists(state_dir):
+        found.append(f"folder {state_dir}")
     return found
+
+
+def machine_state() -> dict[str, str]:
+    """What `down` must leave as it found it and no other name above covers: /etc/hosts
+    (never touched) and the machine namespace's addresses and routes."""
+    def out(*cmd):
+        return subprocess.run(list(cmd), capture_output=True, text=True).stdout
+    with open("/etc/hosts") as f:
+        hosts = f.read()
+    return {"/etc/hosts": hosts, "addresses": out("ip", "-4", "-o", "addr"),
+            "routes": out("ip", "-4", "route")}
 
 
 @dataclass
@@ -79,13 +108,19 @@ class Cluster:
     state_dir: Path
     nodes: int
     launches: list = field(default_factory=list)
+    name: str = NAME
+    subnet: str = SUBNET
 
     def command(self, layout: tuple[int, int], args: Sequence[str]) -> list[str]:
         """The command line running ``args`` at ``layout`` (nodes, ranks per node)."""
         return ["bash", str(SCRIPT), "mpiexec", *LAYOUTS[layout], *args]
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return {**script_env(self.state_dir), **(extra or {})}
+        return {**script_env(self.state_dir, self.name, self.subnet), **(extra or {})}
+
+    def script(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        """``cluster.sh ARGS...`` on this cluster; see :func:`script`."""
+        return script(self.state_dir, *args, name=self.name, subnet=self.subnet, **kwargs)
 
     def mpiexec(self, layout: tuple[int, int], args: Sequence[str], timeout: float = 240,
                 env: dict[str, str] | None = None) -> Launched:
@@ -97,16 +132,16 @@ class Cluster:
 
     def reap(self) -> None:
         """Stop the daemons and ranks of jobs whose mpiexec has ended (``cluster.sh reap``)."""
-        script(self.state_dir, "reap")
+        self.script("reap")
 
     def link(self, node: str, state: str) -> None:
         """Cut (``down``) or mend (``up``) ``node``'s link to the bridge."""
-        script(self.state_dir, "link", node, state)
+        self.script("link", node, state)
 
     def processes(self, node: str, containing: str) -> list[int]:
         """Pids of the processes in ``node``'s namespace whose command line holds
         ``containing`` (the node's ranks, say)."""
-        out = subprocess.run(["ip", "netns", "pids", f"{NAME}-{node}"], capture_output=True,
+        out = subprocess.run(["ip", "netns", "pids", f"{self.name}-{node}"], capture_output=True,
                              text=True).stdout
         found = []
         for pid in map(int, out.split()):
@@ -117,3 +152,30 @@ class Cluster:
             except OSError:  # gone meanwhile
                 pass
         return found
+
+
+@contextlib.contextmanager
+def brought_up(folder: str, nodes: int, *options: str, name: str = NAME,
+               subnet: str = SUBNET) -> Iterator[Cluster]:
+    """A cluster of ``nodes`` nodes (``cluster.sh up --nodes N OPTIONS``), brought down
+    afterwards, also after a failure; then an AssertionError if anything of it is left
+    (:func:`leftovers`) or the machine's hosts file, addresses or routes changed.
+
+    Its state folder is ``folder`` under the temporary folder, fixed, so that what a
+    killed session left is cleaned up by the next one's first ``down``.
+    """
+    state = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / folder
+    script(state, "down", name=name, subnet=subnet)  # what a killed session left
+    before = machine_state()
+    try:
+        script(state, "up", "--nodes", str(nodes), *options, name=name, subnet=subnet)
+        yield Cluster(state, nodes, name=name, subnet=subnet)
+    finally:
+        down = script(state, "down", check=False, name=name, subnet=subnet)
+        left = leftovers(state, name)
+        assert down.returncode == 0 and not left, \
+            f"cluster.sh down left {left}:\n{down.stdout}{down.stderr}"
+        after = machine_state()
+        changed = [k for k in before if before[k] != after[k]]
+        assert not changed, f"cluster.sh up/down changed the machine's {changed}: " \
+            f"before {[before[k] for k in changed]}, after {[after[k] for k in changed]}"

@@ -7,15 +7,12 @@ session killed before its teardown is cleaned up by the next one's first `down`.
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from clusterci import HERE, Cluster, leftovers, script, unavailable
+from clusterci import HERE, Cluster, brought_up, unavailable
 
 # The helpers of the single-machine layout tests (a tiny float64 gpt, its metrics and
 # checkpoints, one tolerance for "the same model"), shared rather than copied.
@@ -30,17 +27,9 @@ def cluster() -> Iterator[Cluster]:
     reason = unavailable()
     if reason is not None:
         pytest.skip(f"no virtual cluster here: {reason}")
-    state = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / "mpidl-cluster-tests"
-    script(state, "down")  # what a killed session left
-    try:
-        # 10gbit: the shaping path is exercised at a rate that costs the tests no time.
-        script(state, "up", "--nodes", str(NODES), "--slots", "2", "--rate", "10gbit")
-        yield Cluster(state, NODES)
-    finally:
-        down = script(state, "down", check=False)
-        left = leftovers()
-        assert down.returncode == 0 and not left, \
-            f"cluster.sh down left {left}:\n{down.stdout}{down.stderr}"
+    # 10gbit: the shaping path is exercised at a rate that costs the tests no time.
+    with brought_up("mpidl-cluster-tests", NODES, "--slots", "2", "--rate", "10gbit") as made:
+        yield made
 
 
 @pytest.fixture(autouse=True)

@@ -180,6 +180,14 @@ COVERED = {
         Covered(("tests/cluster/test_nodes.py::test_a_node_found_by_name_trains_without_a_shared_memory_window",
                  "tests/cluster/test_modes_across_nodes.py::test_every_mode_across_nodes_trains_the_single_rank_models_steps"),
                 "needs root, iproute2 and util-linux: skipped with the reason elsewhere"),
+    r"bash tests/cluster/cluster\.sh up --nodes 2 --slurm|eval \"\$\(bash tests/cluster/cluster\.sh env\)\"|srun -N 2 hostname":
+        Covered(("tests/cluster/test_slurm_across_nodes.py::test_srun_answers_from_both_nodes",),
+                "a Slurm on the virtual nodes; needs root, iproute2, util-linux and Slurm: "
+                "skipped with the reason elsewhere"),
+    r"sbatch -N 2 --ntasks-per-node=1 slurm/train_cpu\.sbatch --steps 20":
+        Covered(("tests/cluster/test_slurm_across_nodes.py::test_train_cpu_template_trains_across_two_nodes",),
+                "with a small corpus and model; skipped with the reason where the virtual "
+                "nodes or Slurm cannot run"),
     r"sbatch slurm/train_cpu\.sbatch --epochs 2 --run-dir runs/cpu":
         Covered(("tests/slurm/test_train_sbatch.py::test_train_cpu_is_one_two_rank_communicator_and_reports_accuracy",),
                 "needs a real Slurm: skipped with the reason where none can be started"),

@@ -11,14 +11,12 @@ set -euo pipefail
 dir=${MPIDL_SLURM_CI_DIR:-/tmp/mpidl-slurm-ci}
 export SLURM_CONF=$dir/slurm.conf
 
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=common.sh source-path=SCRIPTDIR
+source "$here/common.sh"
+
 ours() {   # ours PIDFILE -> prints the pid if it is one of our running daemons
-    local pidfile=$1 pid
-    [[ -s $pidfile ]] || return 1
-    pid=$(<"$pidfile")
-    [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF "$dir" || return 1
-    [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]] || return 1
-    echo "$pid"
+    slurm_alive "$1" "$dir" && cat "$1"
 }
 
 # Jobs first, while slurmctld can still cancel them and slurmd kill their tasks.

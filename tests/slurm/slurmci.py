@@ -97,9 +97,12 @@ class Job:
 class Cluster:
     """Submit to, poll and inspect the local cluster."""
 
-    def __init__(self, conf: Path):
+    def __init__(self, conf: Path, extra: Mapping[str, str] | None = None):
+        """``extra``: variables every command and job gets besides :func:`job_environ`'s
+        (tests/cluster's Slurm on virtual nodes: its SLURM_CONF, Open MPI's subnet)."""
         self.conf = conf
-        self.env = job_environ()
+        self.extra = {"SLURM_CONF": str(conf), **(extra or {})}
+        self.env = job_environ(self.extra)
         self._logs: dict[str, Path] = {}
 
     def run(self, *cmd: str, timeout: float = 30, check: bool = True,
@@ -124,7 +127,7 @@ class Cluster:
         """
         log.parent.mkdir(parents=True, exist_ok=True)
         proc = self.run("sbatch", "--parsable", f"--output={log}", *options, str(script),
-                        *args, env=job_environ(env), cwd=cwd)
+                        *args, env=job_environ({**self.extra, **(env or {})}), cwd=cwd)
         job_id = proc.stdout.strip().split(";")[0]
         assert job_id.isdigit(), f"sbatch printed {proc.stdout!r}, not a job id"
         self._logs[job_id] = Path(str(log).replace("%j", job_id))

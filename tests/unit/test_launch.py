@@ -140,3 +140,41 @@ def test_a_sigterm_before_mpiexec_starts_starts_nothing_and_exits_75(
     monkeypatch.setattr(hpc.launch.subprocess, "Popen", never)
     assert hpc.launch.main(["-n", "2", "true"]) == 75
     assert "preempted before mpiexec started: nothing started" in capsys.readouterr().err
+
+
+# What Open MPI 5.0.11's mpiexec wrote, and its status 0, when the watchdog aborted a job
+# (124) whose node had been cut off (tests/cluster/test_faults.py does it for real).
+LOST_NODE = textwrap.dedent("""\
+    --------------------------------------------------------------------------
+    MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
+      Proc: [[35771,1],0]
+      Errorcode: 124
+
+    NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+    You may or may not see output from other processes, depending on
+    exactly when Open MPI kills them.
+    --------------------------------------------------------------------------
+    --------------------------------------------------------------------------
+    PRTE has lost communication with a remote daemon.
+
+      HNP daemon   : [prterun-vm-1234@0,0] on node vm
+      Remote daemon: [prterun-vm-1234@0,2] on node 10.213.1.3
+    --------------------------------------------------------------------------
+""")
+
+
+@pytest.mark.parametrize("said,status", [
+    (LOST_NODE, 124),                                   # the abort's code
+    (LOST_NODE.split("-" * 74 + "\n", 3)[3], 1),        # lost, no abort: still a failure
+    ("an unrelated warning\n", 0),                      # nothing lost: mpiexec's 0
+])
+def test_a_job_that_lost_a_node_never_exits_0(tmp_path, said, status):
+    launcher = tmp_path / "mpiexec"
+    (tmp_path / "said.txt").write_text(said)
+    launcher.write_text(f"#!/bin/sh\ncat {tmp_path / 'said.txt'} >&2\nexit 0\n")
+    launcher.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "mpidl", "launch", f"--launcher={launcher}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr
+    assert proc.stderr.startswith(said), proc.stderr  # passed on whole, as it came
+    assert ("exited 0 after losing a node's daemon" in proc.stderr) == (status != 0)
