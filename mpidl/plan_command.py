@@ -96,7 +96,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 LAYOUT_KEYS = (("tensor_parallel", 1), ("sequence_parallel", "none"),
-               ("sequence_parallel_size", None), ("megatron_sequence_parallel", False))
+               ("sequence_parallel_size", None), ("megatron_sequence_parallel", False),
+               ("pipeline_parallel", 1))
 
 
 def check_layout(config: Any) -> None:

@@ -37,18 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="only layouts of P stages (default: every P)")
     lay.add_argument("--microbatch-size", type=positive_int, default=1, metavar="B",
                      help="sequences per microbatch (1)")
-    lay.add_argument("--pipeline-schedule", choices=layouts.SCHEDULES, default="1f1b")
+    lay.add_argument("--pipeline-schedule", choices=layouts.SCHEDULES,
+                     help="(default: the config's pipeline_schedule, 1f1b)")
     lay.add_argument("--virtual-stages", type=positive_int, metavar="V",
-                     help="model chunks per rank, interleaved only (default 2)")
-    lay.add_argument("--recompute", choices=layouts.RECOMPUTE, default="none",
-                     help="activation recomputation (none)")
+                     help="model chunks per rank, interleaved only (default: the config's "
+                          "virtual_stages if > 1, else 2)")
+    lay.add_argument("--recompute", choices=layouts.RECOMPUTE,
+                     help="activation recomputation (default: the config's recompute, none)")
     lay.add_argument("--precision", choices=layouts.PRECISIONS, default="fp32",
                      help="fp32, or half precision with fp32 master weights (fp32)")
 
 
 LAYOUT_FLAGS = (("pipeline_parallel", None), ("microbatch_size", 1),
-                ("pipeline_schedule", "1f1b"), ("virtual_stages", None),
-                ("recompute", "none"), ("precision", "fp32"))
+                ("pipeline_schedule", None), ("virtual_stages", None),
+                ("recompute", None), ("precision", "fp32"))
 
 
 def flags_problem(args: argparse.Namespace) -> str | None:
@@ -62,13 +64,34 @@ def flags_problem(args: argparse.Namespace) -> str | None:
     if args.device is None:
         return ("--layouts prices the gpt model's layouts from FLOPs: name the device with "
                 "--device (e.g. --device h100)")
-    if args.virtual_stages is not None and args.pipeline_schedule != "interleaved":
+    if args.virtual_stages is not None and args.pipeline_schedule not in ("interleaved", None):
         return (f"--virtual-stages={args.virtual_stages}: model chunks per rank are the "
                 "interleaved schedule's; add --pipeline-schedule interleaved")
     if args.pipeline_schedule == "interleaved" and args.virtual_stages == 1:
         return ("--virtual-stages=1 is plain 1F1B: interleaving needs 2 or more chunks per "
                 "rank (or --pipeline-schedule 1f1b)")
     return None
+
+
+def from_config(args: argparse.Namespace, config: Any) -> None:
+    """The layout flags left at their defaults take the config's pipeline keys (a run's
+    config.toml, a TOML file): ``pipeline_parallel``, ``pipeline_schedule``,
+    ``virtual_stages``, ``recompute``. The flags of the same names are the planner's own
+    (argparse reads them before the config's overrides), so a flag given wins. Then
+    the flags are checked together again (ValueError)."""
+    if args.pipeline_parallel is None and config.pipeline_parallel > 1:
+        args.pipeline_parallel = config.pipeline_parallel
+    if args.pipeline_schedule is None:
+        args.pipeline_schedule = config.pipeline_schedule
+    if args.virtual_stages is None and config.virtual_stages > 1:
+        args.virtual_stages = config.virtual_stages
+    if args.recompute is None:
+        args.recompute = config.recompute
+    problem = flags_problem(args)
+    if problem:
+        raise ValueError(f"{problem} (with the config's pipeline_parallel="
+                         f"{config.pipeline_parallel}, pipeline_schedule="
+                         f"{config.pipeline_schedule}, virtual_stages={config.virtual_stages})")
 
 
 def gpt_shape(config: Any) -> layouts.GPTShape:
@@ -118,6 +141,7 @@ def plan_layouts(args: argparse.Namespace, rest: Sequence[str]) -> int:
     try:
         preset, overrides = split_args(list(rest))
         config = load_config(preset, overrides)
+        from_config(args, config)
         shape = gpt_shape(config)
         if config.zero not in (0, 1):
             raise ValueError(f"--zero={config.zero}: layouts with a pipeline price ZeRO 1 "

@@ -95,8 +95,6 @@ def test_a_fixed_pipeline_and_schedule_are_priced_as_asked(tmp_path):
 @pytest.mark.parametrize("argv, words", [
     (["--recompute", "full"], "--recompute prices tensor x pipeline x data layouts: add --layouts"),
     (["--layouts"], "--layouts prices the gpt model's layouts from FLOPs: name the device"),
-    (["--layouts", "--device", "h100", "--virtual-stages", "2"],
-     "--virtual-stages=2: model chunks per rank are the interleaved schedule's"),
     (["--layouts", "--device", "h100", "--pipeline-schedule", "interleaved",
       "--virtual-stages", "1"], "--virtual-stages=1 is plain 1F1B"),
     (["--layouts", "--device", "h100", "--precision", "fp8"], "invalid choice: 'fp8'"),
@@ -110,6 +108,9 @@ def test_bad_layout_flags_exit_2_with_one_message(argv, words, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--zero=2"], "--zero=2: layouts with a pipeline price ZeRO 1"),
+    # The schedule may come from the config (pipeline_schedule): checked once it is read.
+    (["--virtual-stages", "2"],
+     "--virtual-stages=2: model chunks per rank are the interleaved schedule's"),
     (["--model=bow"], "this config's model is 'bow'"),
     (["--device", "cpu-core"], "device profile 'cpu-core'"),
 ])
@@ -117,3 +118,29 @@ def test_layouts_of_what_cannot_be_priced_exit_2_saying_what_can(argv, words, ca
     assert plan_command.main([*GPT3_ARGS, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mpidl plan: error: ") and words in err
+
+
+def test_the_configs_pipeline_keys_are_the_layout_flags_defaults(tmp_path):
+    # A config (a run's config.toml) with a pipeline prices it; the flags given win.
+    config = tmp_path / "run.toml"
+    config.write_text('task = "gpt"\npipeline_parallel = 8\nschedule = "interleaved"\n'
+                      'virtual_stages = 4\nrecompute = "full"\n[model]\nname = "gpt"\n')
+    path = tmp_path / "plan.json"
+    argv = [str(config), *GPT3_ARGS[1:], "--tensor-parallel=8", "--json", str(path)]
+    argv.remove("selective")
+    argv.remove("--recompute")
+    assert plan_command.main(argv) == 0
+    doc = json.loads(path.read_text())
+    assert (doc["options"]["schedule"], doc["options"]["virtual"],
+            doc["options"]["recompute"]) == ("interleaved", 4, "full")
+    assert {(r["tensor"], r["pipeline"]) for r in doc["layouts"]} == {(8, 8)}
+    assert plan_command.main([*argv, "--pipeline-parallel", "4", "--recompute", "none"]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["options"]["recompute"] == "none"
+    assert {r["pipeline"] for r in doc["layouts"]} == {4}
+
+
+def test_a_pipeline_config_without_layouts_is_refused_saying_what_prices_it():
+    with pytest.raises(ValueError, match="--pipeline-parallel=2: mpidl plan times one rank's "
+                                         "data-parallel step.*--layouts"):
+        plan_command.check_layout(load_config("gpt", ["--pipeline-parallel=2"]))
