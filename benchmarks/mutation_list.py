@@ -688,7 +688,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         name="shard-runs-split-axis-as-rows",
-        file="mpidl/parallel/tensor.py",
+        file="mpidl/parallel/tensor_state.py",
         original="full[shard.axis] = shard.groups * n",
         mutated="full[0] = shard.groups * n",
         why="a column-split parameter's full shape is widened along the rows: its "
