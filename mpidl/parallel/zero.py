@@ -60,8 +60,8 @@ from mpidl.parallel.buckets import plan_buckets
 from mpidl.parallel.layerwise import unit_tensor_norms
 from mpidl.parallel.transport import choose_transport
 from mpidl.parallel.units import Unit, member_slices
-from mpidl.parallel.zero_gather import Gathers
 from mpidl.parallel.wrapper import HeldBytes
+from mpidl.parallel.zero_gather import Gathers
 
 STAGES = (1, 2, 3)
 
