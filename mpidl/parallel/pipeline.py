@@ -25,18 +25,8 @@ any :class:`~mpidl.parallel.wrapper.Wrapper`, ZeRO-1 included); every backward b
 stage's last runs under ``no_sync``, so the reduction happens once per step and, for
 every stage but the first, while the stages before it drain (the cool-down).
 
-Message order, and why it cannot deadlock: every send is posted (``isend``) and never
-waited for until the end of the step, and a receive waits only for the one message its
-action needs, posted (``irecv_``) just before. No rank ever blocks in a send, so two
-neighbours cannot block on each other (the classic deadlock: both blocking-send first,
-1F1B's steady state; the simulator shows it, :func:`~mpidl.parallel.pipeline_schedule.
-simulate` with ``blocking_sends=True``); a receive waits for a send its peer makes after
-only actions that the schedule validator and simulator have run to the end. Messages
-carry tags (activation into part k ``2k``, gradient into part k ``2k + 1``, tied weight
-``2P``, its gradient ``2P + 1``), a second guard: every schedule's ranks receive from a
-peer in the order it sends (tests/unit/test_pipeline_schedule.py), so one tag would do.
-Every message is checked for size (and under ``MPIDL_CHECK_COLLECTIVES=1`` shape and
-dtype) on receipt, and the watchdog names the peer of a receive that waits too long.
+The messages between stages, their tags and why their order cannot deadlock:
+:mod:`mpidl.parallel.pipeline_messages`.
 """
 from __future__ import annotations
 
@@ -47,14 +37,19 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy
 
 from mpidl import functions as F
-from mpidl.autograd import Tensor
+from mpidl.autograd import Tensor, no_grad
 from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator, split_counts
 from mpidl.nn.container import ModuleList
 from mpidl.nn.module import Module, Parameter
+from mpidl.nn.recompute import saved_bytes
 from mpidl.parallel import pipeline_state
+from mpidl.parallel.data import DataParallel
 from mpidl.parallel.grid import ProcessGrid
+from mpidl.parallel.pipeline_messages import StageMessages
 from mpidl.parallel.pipeline_schedule import Action, messages, schedule as make_schedule
+from mpidl.parallel.tensor import grad_norm
+from mpidl.parallel.zero import ShardedDataParallel
 
 
 class Part(Protocol):
@@ -154,13 +149,9 @@ class PipelineModel:
         if get_array_module(next(iter(self.module.parameters())).data) is not numpy:
             grid.pipeline.prepare_device()  # collective: device messages need the path
         if wrapper is None:
-            from mpidl.parallel.data import DataParallel
-
             def wrapper(module: Module, comm: Communicator) -> Any:
                 return DataParallel(module, comm)
         self.wrapped = wrapper(self.module, grid.replicas)
-        from mpidl.parallel.zero import ShardedDataParallel
-
         zero3 = isinstance(self.wrapped, ShardedDataParallel) and self.wrapped.stage > 2
         grid.world.check(not zero3, (
             "PipelineModel with ZeRO stage 3: ZeRO-3 gathers a unit's parameters only "
@@ -170,8 +161,14 @@ class PipelineModel:
         self.names = list(names) if names is not None else None
         self.peak_activation_bytes = self.peak_graph_bytes = 0
         self.measure_graphs = False
-        self.wait_seconds = self.step_seconds = 0.0
+        self.step_seconds = 0.0
+        self.messages = StageMessages(grid.pipeline, p, self.parts_total, self.module)
         self._last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+
+    @property
+    def wait_seconds(self) -> float:
+        """The time the last :meth:`step` waited for messages (its bubble)."""
+        return self.messages.wait_seconds
 
     # -- the step --------------------------------------------------------------------------
     def parameters(self) -> list:
@@ -201,7 +198,7 @@ class PipelineModel:
             same on every stage), and the global count it was divided by.
         """
         grid, wrapped = self.grid, self.wrapped
-        started, self.wait_seconds = time.perf_counter(), 0.0
+        started, self.messages.wait_seconds = time.perf_counter(), 0.0
         micro = self._microbatches(ids)
         if global_count is None:
             any_part = next(iter(self.parts.values()))
@@ -210,7 +207,7 @@ class PipelineModel:
             global_count = int(grid.data.allreduce_(mine)[0])
         wrapped.before_forward()
         pipe, sends = grid.pipeline, []
-        tied = self._send_tied(sends)
+        tied = self._exchange_tied(sends)
         held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         loss_sum, live, peak = 0.0, 0, 0
         graph: dict[tuple[int, int], int] = {}
@@ -238,7 +235,7 @@ class PipelineModel:
                 if got is None:  # the last part: the loss, divided once
                     wrapped.backward(out, global_count=global_count, scale=scale)
                 else:
-                    grad = self._receive(out.data.shape, out.data.dtype, got)
+                    grad = self.messages.receive(out.data.shape, out.data.dtype, got)
                     # sum(out * grad) has gradient grad * 1.0 = grad exactly: the
                     # wrapper's declared backward(loss) takes it like any loss.
                     surrogate = F.sum(F.mul(out, Tensor(grad)))
@@ -248,12 +245,12 @@ class PipelineModel:
             if got is not None:
                 live -= out.data.nbytes
             if sent is not None:
-                sends.append(self._send(x.grad, sent))
+                sends.append(self.messages.send(x.grad, sent))
             if action.part == self.parts_total - 1 and tied is not None \
                     and action.microbatch == self.m - 1:
-                sends.append(pipe.isend(tied.grad, 0, tag=2 * self.parts_total + 1))
+                sends.append(self.messages.send_tied_gradient(tied.grad))
         for request in sends:
-            self._waited(request)
+            self.messages.waited(request)
         self.peak_activation_bytes = peak
         self.step_seconds = time.perf_counter() - started
         total = numpy.array([loss_sum], dtype=numpy.float64)
@@ -269,12 +266,10 @@ class PipelineModel:
         each forward's input comes from a forward earlier in that (microbatch, part)
         order, so no rank waits on one that waits on it.
         """
-        from mpidl.autograd import no_grad
-
         self.wrapped.before_forward()
         micro = self._microbatches(ids)
         loss_sum, sends = 0.0, []
-        self._send_tied(sends)
+        self._exchange_tied(sends)
         with no_grad():
             for i, mb in enumerate(micro):
                 for k in sorted(self.parts):
@@ -297,9 +292,6 @@ class PipelineModel:
         once); the stages' squares add up over the pipeline axis. The tied weight is
         one parameter, of part 0, so it counts once.
         """
-        from mpidl.parallel.tensor import grad_norm
-        from mpidl.parallel.zero import ShardedDataParallel
-
         if max_norm <= 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         if isinstance(self.wrapped, ShardedDataParallel):
@@ -336,74 +328,29 @@ class PipelineModel:
         got, sent = messages(action, self.parts_total)
         x = None
         if got is not None:
-            x = Tensor(self._receive(part.input_shape(mb), part.dtype, got), requires_grad=True)
+            x = Tensor(self.messages.receive(part.input_shape(mb), part.dtype, got),
+                       requires_grad=True)
         out = part(x, mb)
         if sent is not None:
-            sends.append(self._send(out.data, sent))
+            sends.append(self.messages.send(out.data, sent))
         return x, out
-
-    # -- messages ----------------------------------------------------------------------------
-    def _tag(self, message: Any) -> int:
-        return 2 * message.part + (message.kind == "gradient")
-
-    def _send(self, array: Any, message: Any) -> Any:
-        xp = get_array_module(array)
-        return self.grid.pipeline.isend(xp.ascontiguousarray(array), message.part % self.p,
-                                        tag=self._tag(message))
-
-    def _receive(self, shape: tuple, dtype: Any, message: Any) -> Any:
-        xp = get_array_module(next(iter(self.module.parameters())).data)
-        buf = xp.empty(shape, dtype=dtype)
-        # The source is the part on the other side of the message: k - 1 for an
-        # activation into part k, k + 1 for a gradient into it.
-        source = message.part - 1 if message.kind == "activation" else message.part + 1
-        request = self.grid.pipeline.irecv_(buf, source % self.p, tag=self._tag(message))
-        return self._waited(request)
 
     @staticmethod
     def _graph_bytes(x: Tensor | None, out: Tensor) -> int:
         """What one part-microbatch holds until its backward: the arrays its graph saved
         (:func:`mpidl.nn.recompute.saved_bytes`) and its received input."""
-        from mpidl.nn.recompute import saved_bytes
-
         return saved_bytes(out) + (0 if x is None else int(x.data.nbytes))
 
-    def _waited(self, request: Any) -> Any:
-        """``request.wait()``, its time added to :attr:`wait_seconds` (the bubble)."""
-        start = time.perf_counter()
-        try:
-            return request.wait()
-        finally:
-            self.wait_seconds += time.perf_counter() - start
-
-    def _send_tied(self, sends: list) -> Tensor | None:
-        """Part 0 sends the tied weight to the last part's stage; that part receives it
-        as a leaf whose gradient accumulates over the step's microbatches."""
-        first, last = self.parts.get(0), self.parts.get(self.parts_total - 1)
-        tag = 2 * self.parts_total
-        if first is not None and first.tied_out is not None:
-            sends.append(self.grid.pipeline.isend(first.tied_out.data,
-                                                  (self.parts_total - 1) % self.p, tag=tag))
-            self._tied_source = first.tied_out
-        if last is not None and last.tied_in is not None:
-            shape, dtype = last.tied_in
-            xp = get_array_module(next(iter(self.module.parameters())).data)
-            w = self._waited(self.grid.pipeline.irecv_(xp.empty(shape, dtype=dtype), 0, tag=tag))
-            last.tied_weight = Tensor(w, requires_grad=True)
-            return last.tied_weight
-        if first is not None and first.tied_out is not None:
-            return first.tied_out
-        return None
+    def _exchange_tied(self, sends: list) -> Tensor | None:
+        """The tied weight from part 0 to the last part (:meth:`StageMessages.exchange_tied`)."""
+        return self.messages.exchange_tied(self.parts.get(0),
+                                           self.parts.get(self.parts_total - 1), sends)
 
     def _tied_gradient_term(self) -> Tensor:
         """``sum(tok.weight * g)``, g the last part's gradient of the tied weight: its
         backward adds g to ``tok.weight``'s gradient in part 0's last backward."""
-        w = self._tied_source
-        xp = get_array_module(w.data)
-        g = self._waited(self.grid.pipeline.irecv_(xp.empty_like(w.data),
-                                                   (self.parts_total - 1) % self.p,
-                                                   tag=2 * self.parts_total + 1))
-        return F.sum(F.mul(w, Tensor(g)))
+        w = self.parts[0].tied_out
+        return F.sum(F.mul(w, Tensor(self.messages.receive_tied_gradient(w))))
 
     # -- state (mpidl.parallel.pipeline_state) -----------------------------------------------
     def full_state_dict(self) -> dict[str, Any]:

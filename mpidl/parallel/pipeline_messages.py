@@ -1,0 +1,114 @@
+"""The point-to-point messages of a pipeline step: activations, gradients, the tied weight.
+
+:class:`~mpidl.parallel.pipeline.PipelineModel` runs a schedule's actions; every action
+that crosses a stage boundary is a message between neighbours on the grid's pipeline
+axis (:func:`~mpidl.parallel.pipeline_schedule.messages` says which). :class:`StageMessages`
+posts them, tags them, waits for them and times the waits (the measured bubble).
+
+Message order, and why it cannot deadlock: every send is posted (``isend``) and never
+waited for until the end of the step, and a receive waits only for the one message its
+action needs, posted (``irecv_``) just before. No rank ever blocks in a send, so two
+neighbours cannot block on each other (the classic deadlock: both blocking-send first,
+1F1B's steady state; the simulator shows it, :func:`~mpidl.parallel.pipeline_schedule.
+simulate` with ``blocking_sends=True``); a receive waits for a send its peer makes after
+only actions that the schedule validator and simulator have run to the end. Messages
+carry tags (activation into part k ``2k``, gradient into part k ``2k + 1``, tied weight
+``2P``, its gradient ``2P + 1``), a second guard: every schedule's ranks receive from a
+peer in the order it sends (tests/unit/test_pipeline_schedule.py), so one tag would do.
+Every message is checked for size (and under ``MPIDL_CHECK_COLLECTIVES=1`` shape and
+dtype) on receipt, and the watchdog names the peer of a receive that waits too long.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mpidl.autograd import Tensor
+from mpidl.backend import get_array_module
+from mpidl.comm.base import Communicator
+from mpidl.nn.module import Module
+
+
+class StageMessages:
+    """One rank's messages to and from its neighbouring stages. Not collective: each
+    method is one side of a point-to-point exchange on ``comm``.
+
+    Args:
+        comm: the grid's pipeline axis (stage ``s`` is its rank ``s``).
+        stages: ``p``, the stages; part ``k`` runs on stage ``k % p``.
+        parts: ``P``, the model's parts in all.
+        module: this rank's parts; received arrays go where its parameters live.
+
+    Attributes:
+        wait_seconds: the time spent waiting in :meth:`waited` since it was last reset.
+    """
+
+    def __init__(self, comm: Communicator, stages: int, parts: int, module: Module) -> None:
+        self.comm, self.p, self.parts, self.module = comm, stages, parts, module
+        self.wait_seconds = 0.0
+
+    def _xp(self) -> Any:
+        return get_array_module(next(iter(self.module.parameters())).data)
+
+    def _tag(self, message: Any) -> int:
+        return 2 * message.part + (message.kind == "gradient")
+
+    def send(self, array: Any, message: Any) -> Any:
+        """Post the send of ``message`` (a schedule's activation or gradient) to the stage
+        of the part it goes into; returns the request."""
+        xp = get_array_module(array)
+        return self.comm.isend(xp.ascontiguousarray(array), message.part % self.p,
+                               tag=self._tag(message))
+
+    def receive(self, shape: tuple, dtype: Any, message: Any) -> Any:
+        """Receive ``message`` (an array of ``shape`` and ``dtype``) and wait for it."""
+        buf = self._xp().empty(shape, dtype=dtype)
+        # The source is the part on the other side of the message: k - 1 for an
+        # activation into part k, k + 1 for a gradient into it.
+        source = message.part - 1 if message.kind == "activation" else message.part + 1
+        request = self.comm.irecv_(buf, source % self.p, tag=self._tag(message))
+        return self.waited(request)
+
+    def waited(self, request: Any) -> Any:
+        """``request.wait()``, its time added to :attr:`wait_seconds` (the bubble)."""
+        start = time.perf_counter()
+        try:
+            return request.wait()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    # -- the tied weight ----------------------------------------------------------------------
+    def exchange_tied(self, first: Any, last: Any, sends: list) -> Tensor | None:
+        """Part 0 (``first``, if this rank holds it) posts the send of its tied weight to
+        the last part's stage; the last part (``last``) receives it as a leaf, set as its
+        ``tied_weight``, whose gradient accumulates over the step's microbatches.
+
+        Returns the tied weight as this rank's step uses it: the last part's leaf, else
+        part 0's Parameter, else None (no tied weight here).
+        """
+        tag = 2 * self.parts
+        if first is not None and first.tied_out is not None:
+            sends.append(self.comm.isend(first.tied_out.data, (self.parts - 1) % self.p,
+                                         tag=tag))
+        if last is not None and last.tied_in is not None:
+            shape, dtype = last.tied_in
+            w = self.waited(self.comm.irecv_(self._xp().empty(shape, dtype=dtype), 0, tag=tag))
+            last.tied_weight = Tensor(w, requires_grad=True)
+            return last.tied_weight
+        if first is not None and first.tied_out is not None:
+            return first.tied_out
+        return None
+
+    def send_tied_gradient(self, grad: Any) -> Any:
+        """The last part posts its gradient of the tied weight to part 0's stage."""
+        return self.comm.isend(grad, 0, tag=2 * self.parts + 1)
+
+    def receive_tied_gradient(self, weight: Any) -> Any:
+        """Part 0 receives the last part's gradient of ``weight`` (the tied Parameter)."""
+        xp = get_array_module(weight.data)
+        return self.waited(self.comm.irecv_(xp.empty_like(weight.data),
+                                            (self.parts - 1) % self.p,
+                                            tag=2 * self.parts + 1))
+
+
+__all__ = ["StageMessages"]
