@@ -13,6 +13,11 @@ TypeError: reduce a float32 copy.
 
 A user-defined op runs on host memory, so a float16 device buffer is staged for a sum
 (:mod:`mpidl.comm.device`).
+
+bfloat16 (``ml_dtypes``) has no MPI type before MPICH's ``MPIX_BFLOAT16`` and none in
+Open MPI: it moves as uint16 like float16, bit-exact, and is not reduced at all (a
+bfloat16 sum rounds every add to 8 bits). Mixed precision reduces gradients in
+float32 (:mod:`mpidl.parallel.buckets`); reduce ``x.astype(numpy.float32)``.
 """
 from __future__ import annotations
 
@@ -51,9 +56,13 @@ def is_float16(x: Any) -> bool:
     return x.dtype == numpy.float16
 
 
+def is_bfloat16(x: Any) -> bool:
+    return x.dtype.name == "bfloat16"
+
+
 def bits(x: Any) -> Any:
-    """What MPI moves for ``x``: its uint16 view when float16, else ``x`` itself."""
-    return x.view(numpy.uint16) if is_float16(x) else x
+    """What MPI moves for ``x``: its uint16 view when a 16-bit float, else ``x``."""
+    return x.view(numpy.uint16) if is_float16(x) or is_bfloat16(x) else x
 
 
 def reducible(x: Any, op: Any, what: str) -> tuple[Any, Any]:
@@ -61,8 +70,15 @@ def reducible(x: Any, op: Any, what: str) -> tuple[Any, Any]:
 
     Float16 with "sum" becomes its uint16 view and :func:`float16_sum_op`; float16 with a
     user-defined op its uint16 view (the op reads the bytes); any other float16 op is a
-    TypeError (:func:`~mpidl.comm.base.check_reducible`). Other dtypes pass through.
+    TypeError (:func:`~mpidl.comm.base.check_reducible`); bfloat16 is a TypeError with
+    any named op. Other dtypes pass through.
     """
+    if is_bfloat16(x) and isinstance(op, str):
+        raise TypeError(f"{what} of a bfloat16 array: MPI has no bfloat16 type, and a "
+                        "bfloat16 sum rounds every add to 8 bits; reduce "
+                        "x.astype(numpy.float32)")
+    if is_bfloat16(x):
+        return bits(x), op
     if not is_float16(x):
         return x, op
     if not isinstance(op, str):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import get_array_module, is_cupy
+from mpidl.backend import compute_dtype, get_array_module, is_cupy, is_half
 from mpidl.functions.math import sum_last_axis
 
 # -- erf ------------------------------------------------------------------------------
@@ -246,11 +246,11 @@ class GELU(Function):
 
     def forward(self, x):
         xp = get_array_module(x)
-        # float16 is computed in float32 and rounded once at the end (as PyTorch): in
-        # float16, 1 + erf cancels near x = -3 (8% off) and x * x overflows past 256.
+        # 16-bit floats are computed in float32 and rounded once at the end (as PyTorch):
+        # in float16, 1 + erf cancels near x = -3 (8% off) and x * x overflows past 256.
         out_dtype = x.dtype
-        if x.dtype == numpy.float16:
-            x = x.astype(numpy.float32)
+        if is_half(x.dtype):
+            x = x.astype(compute_dtype(x.dtype))
         xf = xp.ascontiguousarray(x).reshape(-1)
         y = xp.empty_like(xf)
         # Saved for backward: Phi(x) for the exact form, tanh(u) for the approximation.

@@ -19,6 +19,7 @@ from typing import Any
 
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module, to_device
+from mpidl.functions.half import widened
 from mpidl.functions.math import sum_last_axis, sum_to
 
 
@@ -32,6 +33,9 @@ def causal_mask(xp: Any, tq: int, tk: int) -> Any:
     return xp.tri(tq, tk, k=tk - tq, dtype=bool)
 
 
+# 16-bit floats: scores, softmax and its sums in float32, the output rounded once (as
+# fused attention kernels accumulate in float32); q, k and v are kept widened.
+@widened
 class ScaledDotProductAttention(Function):
     keep_probs = True
 

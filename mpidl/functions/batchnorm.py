@@ -33,14 +33,15 @@ from typing import Any, Callable
 import numpy
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import get_array_module, is_cupy
+from mpidl.backend import compute_dtype, get_array_module, is_cupy
 
 F64 = numpy.float64
 
 
 def _compute_dtype(dtype: Any) -> Any:
-    # float16 sums of squares overflow: normalise in float32 and round once (PyTorch too).
-    return numpy.dtype(numpy.float32) if dtype == numpy.float16 else numpy.dtype(dtype)
+    # 16-bit sums of squares overflow (float16) or stop growing (bfloat16): normalise in
+    # float32 and round once (PyTorch too).
+    return compute_dtype(dtype)
 
 
 def _as3(x: Any, dtype: Any) -> Any:

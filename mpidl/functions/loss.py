@@ -6,17 +6,22 @@ one-hot targets or a separate log-softmax: forward keeps the probabilities, back
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy
 
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module, to_device
+from mpidl.functions.half import widened
 from mpidl.functions.math import sum_last_axis
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 
+# 16-bit logits: the softmax and the loss in float32; the loss stays float32 (Megatron
+# computes the cross-entropy in float32 too), the logits' gradient comes back rounded.
+@functools.partial(widened, keep_float32=(0,))
 class SoftmaxCrossEntropy(Function):
     def forward(self, logits, labels):
         xp = get_array_module(logits)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy
 
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module
+from mpidl.functions.half import widened
 from mpidl.functions.math import sum_last_axis, sum_leading_axes
 
 # NumPy runs ``(N, D) op (D,)`` as N inner loops of D elements, each with per-call
@@ -37,29 +37,15 @@ def _op_with_row_vector(op: Any, a: Any, v: Any, out: Any) -> Any:
     return out
 
 
-def _float32(a: Any) -> Any:
-    return None if a is None else a.astype(numpy.float32)
-
-
-class LayerNorm(Function):
+@widened  # 16-bit floats: a float16 sum of squares overflows (D = 1024, std 10: inf, so
+class LayerNorm(Function):  # an output of zeros): normalise in float32, round once
     owned_grads = (0, 1, 2)  # every gradient is a fresh array
 
     def forward(self, x, weight, bias):
-        if x.dtype == numpy.float16:
-            # A float16 sum of squares overflows (D = 1024, std 10: inf, so an output of
-            # zeros): normalise in float32 and round once, as PyTorch does.
-            self.dtypes = (x.dtype, None if weight is None else weight.dtype,
-                           None if bias is None else bias.dtype)
-            y = self._forward(x.astype(numpy.float32), _float32(weight), _float32(bias))
-            return y.astype(numpy.float16)
-        self.dtypes = None
         return self._forward(x, weight, bias)
 
     def backward(self, gy):
-        if self.dtypes is None:
-            return self._backward(gy)
-        grads = self._backward(gy.astype(numpy.float32))
-        return tuple(None if g is None else g.astype(dt) for g, dt in zip(grads, self.dtypes))
+        return self._backward(gy)
 
     def _forward(self, x, weight, bias):
         xp = get_array_module(x)

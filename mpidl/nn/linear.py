@@ -13,7 +13,7 @@ from typing import Any
 import numpy
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import get_array_module
+from mpidl.backend import compute_dtype, matmul
 from mpidl.nn import init
 from mpidl.nn.module import Module, Parameter, default_dtype
 
@@ -24,30 +24,33 @@ class LinearFunction(Function):
     owned_grads = (0, 1, 2)  # GEMM and column-sum results: fresh arrays
 
     def forward(self, x, weight, bias):
-        xp = get_array_module(x, weight)
         n_in = weight.shape[1]
         x2 = x.reshape(-1, n_in)  # (N, in): a view for contiguous x
         # weight.T is a transposed view; matmul hands it to BLAS with a transpose flag.
-        y = xp.matmul(x2, weight.T)  # (N, out)
+        # 16-bit floats are multiplied in float32 and rounded once (backend.matmul).
+        y = matmul(x2, weight.T)  # (N, out)
         if bias is not None:
             y += bias
         self.x2, self.weight, self.x_shape = x2, weight, x.shape
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     def backward(self, gy):
-        xp = get_array_module(gy)
         nx, nw, nb = self.needs_input_grad
         gy2 = gy.reshape(-1, self.weight.shape[0])  # (N, out)
         gx = gw = gb = None
         if nx:
-            gx = xp.matmul(gy2, self.weight).reshape(self.x_shape)  # (N, in)
+            gx = matmul(gy2, self.weight).reshape(self.x_shape)  # (N, in)
         # Weight and bias gradients go straight into their data-parallel bucket slices
         # when there are any (out=None: a fresh array).
         if nw:
             # (out, in), the weight's own layout
-            gw = xp.matmul(gy2.T, self.x2, out=self.grad_buffer_for(1))
+            gw = matmul(gy2.T, self.x2, out=self.grad_buffer_for(1))
         if nb:
-            gb = gy2.sum(axis=0, out=self.grad_buffer_for(2))
+            # Summed in float32 for 16-bit gy (a bfloat16 sum stops growing at 256).
+            out = self.grad_buffer_for(2)
+            gb = gy2.sum(axis=0, out=out, dtype=compute_dtype(gy2.dtype))
+            if out is None and gb.dtype != gy2.dtype:
+                gb = gb.astype(gy2.dtype)
         return gx, gw, gb
 
 

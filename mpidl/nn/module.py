@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import numpy
 
 from mpidl.autograd import HookHandle, Tensor
-from mpidl.backend import get_array_module, to_device
+from mpidl.backend import get_array_module, is_half, to_device
 
 
 class Parameter(Tensor):
@@ -307,6 +307,22 @@ class Module:
             for name, b in m._buffers.items():
                 if b is not None:
                     m._buffers[name] = to_device(b, xp)
+        return self
+
+    def half_(self, dtype: Any) -> "Module":
+        """Round every floating parameter to the 16-bit float ``dtype`` (float16 or
+        bfloat16: :func:`mpidl.backend.precision_dtype`) in place of its array; buffers
+        (running statistics) keep their dtype. Call it before wrapping the model and
+        building the optimizer (:class:`~mpidl.optim.MasterWeights` keeps the fp32
+        masters). Returns self.
+        """
+        dtype = numpy.dtype(dtype)
+        if not is_half(dtype):
+            raise ValueError(f"half_({dtype}): use float16 or bfloat16")
+        for p in self.parameters():
+            if p.data.dtype.kind == "f" or is_half(p.data.dtype):
+                p.data = p.data.astype(dtype)
+                p.grad = None
         return self
 
     # -- calling --------------------------------------------------------------------

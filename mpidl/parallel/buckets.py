@@ -10,7 +10,10 @@ no zero-fill of the buckets and no read-add-write per step.
 Parameters are assigned in *reverse* registration order, because backward produces
 the last layer's gradients first: the first bucket fills first and its allreduce starts
 while backward is still working through the earlier layers (PyTorch DDP does the same).
-Each bucket holds one dtype. The assignment depends only on the parameter list and the
+Each bucket holds one dtype: the parameters' own, or float32 for half-precision
+parameters with fp32 gradients (``grad_dtype``, mixed precision: backward's
+contributions, the microbatches' accumulation and the allreduce all sum in float32, as
+Megatron requires for bfloat16). The assignment depends only on the parameter list and the
 bucket size, so it is identical on every rank, and so is the order of the collectives.
 """
 from __future__ import annotations
@@ -81,12 +84,14 @@ class Bucket:
                 p.grad = view
 
 
-def plan_buckets(params: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
+def plan_buckets(params: Sequence[Any], bucket_bytes: int,
+                 grad_dtype: Any = None) -> list[list[int]]:
     """Group parameter indices into buckets of about ``bucket_bytes`` each.
 
     Walks the parameters in reverse order; a bucket closes when adding the next
     parameter would pass ``bucket_bytes`` (a single larger parameter gets a bucket of
-    its own) or when the dtype changes. Pure function of shapes and dtypes.
+    its own) or when the dtype changes. Bytes are the gradients' (``grad_dtype``, or
+    the parameters' dtype when None). Pure function of shapes and dtypes.
     """
     groups: list[list[int]] = []
     current: list[int] = []
@@ -94,7 +99,7 @@ def plan_buckets(params: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
     dtype = None
     for i in reversed(range(len(params))):
         p = params[i]
-        nbytes = p.data.nbytes
+        nbytes = p.data.nbytes if grad_dtype is None else p.data.size * grad_dtype.itemsize
         if current and (p.data.dtype != dtype or size + nbytes > bucket_bytes):
             groups.append(current)
             current, size = [], 0
@@ -106,18 +111,21 @@ def plan_buckets(params: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
     return groups
 
 
-def build_buckets(params: Sequence[Any], bucket_bytes: int) -> list[Bucket]:
+def build_buckets(params: Sequence[Any], bucket_bytes: int,
+                  grad_dtype: Any = None) -> list[Bucket]:
     """Allocate one zeroed flat array per bucket and attach the parameters' grads to it.
 
     Any gradient the parameters already hold is copied into the bucket, so building
-    buckets in the middle of an accumulation loses nothing.
+    buckets in the middle of an accumulation loses nothing. ``grad_dtype``: the
+    buckets' dtype (None: each parameter's own).
     """
     buckets = []
-    for index, members in enumerate(plan_buckets(params, bucket_bytes)):
+    for index, members in enumerate(plan_buckets(params, bucket_bytes, grad_dtype)):
         first = params[members[0]].data
         xp = get_array_module(first)
         total = sum(params[i].data.size for i in members)
-        bucket = Bucket(index=index, flat=xp.zeros(total, dtype=first.dtype),
+        dtype = first.dtype if grad_dtype is None else grad_dtype
+        bucket = Bucket(index=index, flat=xp.zeros(total, dtype=dtype),
                         params=[params[i] for i in members])
         bucket.views = _views(bucket.flat, bucket.params)
         bucket.attach()

@@ -110,6 +110,11 @@ class DataParallel:
         broadcast_buffers: copy rank 0's buffers (running statistics of plain batch
             norm, which each rank would update from its own share) to every rank before
             each training forward, as PyTorch DDP does; synced batch norm needs none.
+        grad_dtype: None (gradients in each parameter's dtype) or "float32": the
+            buckets, so backward's accumulation, the microbatches' and the allreduce,
+            sum in float32 whatever the parameters' dtype (mixed precision with
+            :class:`~mpidl.optim.MasterWeights`: half parameters, fp32 gradients, as
+            Megatron's bf16 default; embedding tables then travel dense too).
     """
 
     def __init__(self, model: Any, comm: Communicator, bucket_mb: float = 4.0,
@@ -117,7 +122,7 @@ class DataParallel:
                  sparse_embeddings: bool = True, broadcast: bool = True,
                  overlap: bool | None = None, keep_freed_memory: bool = False,
                  shared_memory: bool | None = None, sync_batchnorm: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, grad_dtype: str | None = None) -> None:
         self.comm = comm
         # First the agreement (collective), then the values: an option that only some
         # ranks got wrong is a DistributedError everywhere, not an error on those ranks
@@ -127,7 +132,10 @@ class DataParallel:
                                      sparse_embeddings=sparse_embeddings, broadcast=broadcast,
                                      overlap=overlap, shared_memory=shared_memory,
                                      sync_batchnorm=sync_batchnorm,
-                                     broadcast_buffers=broadcast_buffers)
+                                     broadcast_buffers=broadcast_buffers, grad_dtype=grad_dtype)
+        if grad_dtype not in (None, "float32"):
+            raise ValueError(f"grad_dtype={grad_dtype!r}: use None (the parameters' dtype) "
+                             "or 'float32'")
         if compression is not None and compression not in wire.WIRE_DTYPES:
             raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
         if not bucket_mb > 0:
@@ -155,10 +163,14 @@ class DataParallel:
             self.broadcast_parameters()
 
         params = [p for _, p in self.named]
-        self.sparse = [p for p in params if sparse_embeddings and _is_row_sparse(model, p)]
+        # fp32 gradients of half tables stay in the buckets: the sparse row exchange
+        # would sum them in the tables' dtype, and MPI has no bfloat16.
+        self.grad_dtype = None if grad_dtype is None else numpy.dtype(grad_dtype)
+        self.sparse = [p for p in params if sparse_embeddings and self.grad_dtype is None
+                       and _is_row_sparse(model, p)]
         dense = [p for p in params if not any(p is s for s in self.sparse)]
         self._piece_bytes = int(bucket_mb * 2**20)
-        self.buckets: list[Bucket] = build_buckets(dense, self._piece_bytes)
+        self.buckets: list[Bucket] = build_buckets(dense, self._piece_bytes, self.grad_dtype)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.sparse_tables = SparseTables(self.sparse)
 

@@ -23,6 +23,8 @@ class Unit:
         size: their elements in all; ``padded`` rounds it up to a multiple of the ranks.
         shard: this rank's block of the flat parameters, the optimizer's Parameter.
         module: the module whose forward gathers it (stage 3), else None.
+        grad_dtype: the dtype of its full gradient: the parameters' own, or float32 for
+            half parameters under mixed precision (the reduce-scatter then sums fp32).
     """
 
     def __init__(self, index: int, params: list[Parameter], ranks: int, rank: int,
@@ -35,6 +37,7 @@ class Unit:
         self.shapes = [tuple(p.data.shape) for p in params]
         first = params[0].data
         self.xp, self.dtype = get_array_module(first), first.dtype
+        self.grad_dtype = first.dtype
         self.offsets = numpy.cumsum([0] + [int(p.data.size) for p in params]).tolist()
         self.flat_itemsize = first.itemsize
         self.flat: Any = None        # the full padded parameters, when held
@@ -47,6 +50,9 @@ class Unit:
     # -- the full flat parameters ------------------------------------------------------------
     def new_flat(self) -> Any:
         return self.xp.zeros(self.padded, dtype=self.dtype)
+
+    def new_grad_flat(self) -> Any:
+        return self.xp.zeros(self.padded, dtype=self.grad_dtype)
 
     def point_params_at(self, flat: Any) -> None:
         """Make each member's ``.data`` its view of ``flat`` (the full parameters)."""

@@ -89,16 +89,25 @@ class ShardedDataParallel:
             layers that are not synchronised go to every rank before each training
             forward (:func:`~mpidl.parallel.agreement.drifting_buffers`), so that every
             rank evaluates the same model.
+        grad_dtype: None (gradients in the parameters' dtype) or "float32": the units'
+            full gradients, so backward's accumulation and the reduce-scatter, sum in
+            float32 (mixed precision with :class:`~mpidl.optim.MasterWeights`: the half
+            shards are what forward uses and stage 3 gathers, the fp32 master shard
+            lives with the optimizer state).
     """
 
     def __init__(self, model: Module, comm: Communicator, stage: int = 1,
                  bucket_mb: float = 4.0, compression: str | None = None,
                  broadcast: bool = True, keep_freed_memory: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, grad_dtype: str | None = None) -> None:
         self.comm, self.module = comm, model
         agreement.check_same_options(comm, "ShardedDataParallel", stage=stage,
                                      bucket_mb=bucket_mb, compression=compression,
-                                     broadcast=broadcast, broadcast_buffers=broadcast_buffers)
+                                     broadcast=broadcast, broadcast_buffers=broadcast_buffers,
+                                     grad_dtype=grad_dtype)
+        if grad_dtype not in (None, "float32"):
+            raise ValueError(f"grad_dtype={grad_dtype!r}: use None (the parameters' dtype) "
+                             "or 'float32'")
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r}: ZeRO stages are 1, 2 and 3")
         if not bucket_mb > 0:
@@ -120,6 +129,8 @@ class ShardedDataParallel:
         self.units = self._make_units(model)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         for u in self.units:
+            if grad_dtype is not None:
+                u.grad_dtype = numpy.dtype(grad_dtype)
             self._shard(u)
         self.gathers = Gathers(comm, self.transport, self.units, model)
         self._stale = False       # shards updated since the last gather (stages 1, 2)
@@ -240,7 +251,7 @@ class ShardedDataParallel:
             # Stage 3 allocates a unit's full gradient only when backward reaches it
             # (_before_backward); the model's own unit is reached first and last.
             if u.grad_flat is None and (self.stage < 3 or u.module is self.module):
-                u.attach_grads(u.new_flat())
+                u.attach_grads(u.new_grad_flat())
             u.pending, u.reduced = len(u.params), False
         self._reduce_order = [u for u in reversed(self.gathers.order)
                               if u.module is not self.module]
@@ -276,7 +287,7 @@ class ShardedDataParallel:
         """Reduce-scatter the unit's gradient into its shard's ``.grad`` (collective);
         stages 2 and 3 then drop the full gradient, stage 3 the full parameters too."""
         if u.grad_flat is None:  # backward never reached it: zeros, summed like the rest
-            u.attach_grads(u.new_flat())
+            u.attach_grads(u.new_grad_flat())
         u.fill_missing()
         block = self.transport.reduce_scatter(u.grad_flat)
         if self._block_scale is not None:

@@ -130,7 +130,7 @@ class Gathers:
         if u.flat is None:
             self.gather(u)
         if u.grad_flat is None:
-            u.attach_grads(u.new_flat())
+            u.attach_grads(u.new_grad_flat())
             self.track()
         prev = self._next(u, -1)
         if prev is not None and prev.flat is None:
