@@ -175,6 +175,11 @@ class PipelineModel:
         """What the optimizer updates: the wrapper's parameters (this stage's)."""
         return self.wrapped.parameters()
 
+    @property
+    def training(self) -> bool:
+        """Whether this stage's parts are in training mode (dropout on), as a Module's."""
+        return self.module.training
+
     def train(self, mode: bool = True) -> "PipelineModel":
         self.module.train(mode)
         return self

@@ -156,16 +156,16 @@ class GPTPart(Module):
 
     def full_names(self) -> dict[str, str]:
         """This part's parameter names -> the single-rank model's names."""
-        out = {}
-        for name, _ in self.named_parameters():
-            head, _, rest = name.partition(".")
-            if head == "blocks":
-                j, _, tail = rest.partition(".")
-                name_full = f"blocks.{self.start + int(j)}.{tail}"
-            else:
-                name_full = name
-            out[name] = name_full
-        return out
+        return {name: self.full_name(name) for name, _ in self.named_parameters()}
+
+    def full_name(self, name: str) -> str:
+        """The single-rank model's name of this part's parameter, buffer or module
+        ``name`` (its blocks are the model's from :attr:`start` on)."""
+        head, _, rest = name.partition(".")
+        if head != "blocks" or not rest:
+            return name
+        j, _, tail = rest.partition(".")
+        return ".".join(p for p in ("blocks", str(self.start + int(j)), tail) if p)
 
     def extra_repr(self) -> str:
         return (f"part={self.index}, blocks={self.start}..{self.start + len(self.blocks) - 1}"
@@ -197,7 +197,20 @@ def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b"
     """
     from mpidl.models import gpt
 
-    model = gpt(**gpt_kwargs)
+    return pipeline_model(gpt(**gpt_kwargs), grid, microbatches=microbatches,
+                          schedule=schedule, virtual_stages=virtual_stages,
+                          part_layers=part_layers, sequence_parallel=sequence_parallel,
+                          attention=attention, wrapper=wrapper)
+
+
+def pipeline_model(model: GPT, grid: ProcessGrid, *, microbatches: int,
+                   schedule: str = "1f1b", virtual_stages: int = 1,
+                   part_layers: Sequence[int] | None = None, sequence_parallel: bool = False,
+                   attention: str = "ring", wrapper: Any = None) -> PipelineModel:
+    """A built single-rank ``model`` (the same on every rank: same seed) in pipeline
+    stages over ``grid``, as :func:`pipeline_gpt`; the parts take over its modules, so
+    what was set on them before (dropout generators, recomputation) stays. Collective
+    over the world."""
     names = [n for n, _ in model.named_parameters()]
     if grid.tensor_size > 1 or grid.sequence_size > 1:
         model = ParallelGPT(model, grid, sequence_parallel=sequence_parallel,
@@ -208,4 +221,4 @@ def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b"
                          wrapper=wrapper, names=names)
 
 
-__all__ = ["GPTPart", "gpt_parts", "pipeline_gpt", "split_layers"]
+__all__ = ["GPTPart", "gpt_parts", "pipeline_gpt", "pipeline_model", "split_layers"]

@@ -22,6 +22,7 @@ from mpidl.backend import get_xp, limit_cpu_threads
 from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
 from mpidl.data.splits import check_splits_agree
 from mpidl.data.stats import majority
+from mpidl.nn.recompute import set_recompute
 from mpidl.parallel import DataParallel, ShardedDataParallel, convert_sync_batchnorm
 from mpidl.train.config import Config, ConfigError
 from mpidl.train.evaluation import evaluation_loader
@@ -43,8 +44,11 @@ class Run:
         train_set, test_set: the dataset's splits.
         objective: what is learned and how it is scored (split over the grid if any).
         layout: the run's communicators: data, replicas, and the grid when split.
-        model: the model this rank trains (its shards on a grid), on ``xp``.
-        dp: the wrapper that averages gradients over ``layout.replicas``.
+        model: the model this rank trains (its shards on a grid, or its stage's parts:
+            a :class:`~mpidl.parallel.PipelineModel` that runs the step's microbatches),
+            on ``xp``.
+        dp: the wrapper that averages gradients over ``layout.replicas`` (with a
+            pipeline: the stage's, ``model.wrapped``).
         optimizer: over ``dp.parameters()`` (the model's, or this rank's ZeRO shards).
         loader: the training batches of this rank's share (its sampler: seed, epoch).
         eval_loader: every test sample once, in order.
@@ -138,6 +142,19 @@ def check_microbatches(config: Config, data_ranks: int) -> None:
             f"--global-batch of at least {config.microbatches * data_ranks}")
 
 
+def apply_recompute(config: Config, model: Any) -> None:
+    """Set the model's transformer blocks to recompute as ``config.recompute`` says
+    (:func:`~mpidl.nn.recompute.set_recompute`); ConfigError for a model without any."""
+    if config.recompute == "none":
+        return  # what the model was built with (--model.recompute, if it takes one)
+    try:
+        set_recompute(model, config.recompute)
+    except ValueError as e:
+        raise ConfigError(f"--recompute={config.recompute}: the {config.model.name!r} model "
+                          "has no transformer blocks to recompute; use --recompute=none, or "
+                          "a model with blocks (transformer, gpt)") from e
+
+
 def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = None) -> Run:
     """The parts of a run of ``config`` on ``data_dir`` (with ``train/`` and ``test/``
     splits). Collective over ``comm`` (the dataset's checks, the grid's communicators).
@@ -160,8 +177,10 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     if note:
         log.info(note)
     model = build_model(config, train_set)
-    # Where the model lives: whole on every rank, or split over a tensor x sequence
-    # grid (mpidl.train.layout); an impossible layout is a ConfigError (exit 2).
+    apply_recompute(config, model)
+    # Where the model lives: whole on every rank, split over a tensor x sequence grid,
+    # or in pipeline stages (mpidl.train.layout); an impossible layout is a ConfigError
+    # (exit 2).
     length = max(int(train_set.features["x"].shape[-1]) - 1, 1) if config.task == "gpt" else 1
     layout = Layout(plan_layout(config, comm.size, model, length), comm)
     check_microbatches(config, layout.data.size)
@@ -171,17 +190,27 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     # Before the split: the shards' dropout keeps the full model's generators, the
     # same on every rank of a replica, one of its own on every data rank.
     seed_dropout_per_rank(model, config.seed, layout.data.rank)
-    model = layout.split_model(model).to(xp)
-    replicas = layout.replicas  # gradients are averaged over these ranks
-    dp_options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
-    if config.sync_batchnorm and replicas.size > 1:
-        convert_sync_batchnorm(model, replicas)  # no-op without batch norm layers
-    if config.zero:
-        dp = ShardedDataParallel(model, replicas, stage=config.zero,
-                                 keep_freed_memory=config.keep_freed_memory, **dp_options)
+
+    def wrap(module: Any, replicas: Any) -> Any:
+        """The wrapper that averages ``module``'s gradients over ``replicas``."""
+        options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
+        if config.zero:
+            return ShardedDataParallel(module, replicas, stage=config.zero,
+                                       keep_freed_memory=config.keep_freed_memory, **options)
+        return DataParallel(module, replicas, overlap=config.overlap,
+                            keep_freed_memory=config.keep_freed_memory, **options)
+    if layout.plan.pipeline > 1:
+        # The whole model moves to the device before it is cut (every rank builds it
+        # from the seed: the parts it keeps are the single-rank model's own modules);
+        # the stage's parts are wrapped inside the PipelineModel, and the trainer's
+        # wrapper is that one: its parameters are this stage's.
+        model = layout.split_model(model.to(xp), wrap)
+        dp = model.wrapped
     else:
-        dp = DataParallel(model, replicas, overlap=config.overlap,
-                          keep_freed_memory=config.keep_freed_memory, **dp_options)
+        model = layout.split_model(model).to(xp)
+        if config.sync_batchnorm and layout.replicas.size > 1:
+            convert_sync_batchnorm(model, layout.replicas)  # no-op without batch norm layers
+        dp = wrap(model, layout.replicas)  # gradients are averaged over the replicas
     # What the optimizer updates: the model's parameters, or this rank's shards.
     optimizer = build_optimizer(config, dp.parameters(), layout.tensor_norms(dp))
     data = layout.data  # every rank of a tensor x sequence group reads the same
@@ -203,5 +232,5 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
                loss_scale=loss_scale, total_steps=total_steps)
 
 
-__all__ = ["Run", "build_run", "build_optimizer", "check_microbatches", "check_splits",
-           "warn_if_one_class_dominates"]
+__all__ = ["Run", "apply_recompute", "build_run", "build_optimizer", "check_microbatches",
+           "check_splits", "warn_if_one_class_dominates"]

@@ -12,6 +12,8 @@ any checkpoint; they differ only in what a rank holds of the single-rank state
   by the first replica (the unsplit parameters by tensor rank 0 of it).
 - :class:`GridZeroCheckpointer`: the grid with ZeRO over the replicas: the blocks of
   the slices.
+- :class:`PipelineCheckpointer`: pipeline stages: each stage's share as its grid (or
+  ZeRO) holds it, under the single-rank names.
 
 :func:`choose_checkpointer` picks one from the layout. Save and load are collective over
 the world: each rank writes its own part, then rank 0 writes the index; each rank reads
@@ -19,6 +21,7 @@ only what it holds. Errors are raised on every rank, naming the rank that failed
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -247,10 +250,63 @@ class GridZeroCheckpointer(ZeroCheckpointer):
                              buffer_owner=first and self.layout.replicas.rank == 0)
 
 
+class PipelineCheckpointer(Checkpointer):
+    """Pipeline stages (``pipeline``: a :class:`~mpidl.parallel.PipelineModel`): this
+    stage's parameters under the single-rank model's names, held as the stage's grid
+    holds them (whole, tensor slices, or ZeRO 1-2 blocks of either), written by the
+    first replica of the stage. Every element of the single-rank state is in exactly
+    one stage (the tied embedding is part 0's parameter), so the checkpoint is the one
+    every layout writes, and loads into any other.
+
+    Memory: a rank reads and writes only its stage's share (its parameters and their
+    optimizer arrays, no gathered copy), as :class:`GridCheckpointer` does.
+    """
+
+    name = "pipeline"
+
+    def __init__(self, comm: Any, layout: Any, pipeline: Any, optimizer: Any) -> None:
+        super().__init__(comm, pipeline.module, optimizer)
+        self.layout, self.pipeline = layout, pipeline
+        self.order = list(pipeline.names)  # the single-rank model's, not the stage's
+        self.buffers = sorted({single_rank_name(pipeline, n) for n in self.buffers})
+        self.zero = isinstance(pipeline.wrapped, ShardedDataParallel)
+
+    def holdings(self) -> tuple[list[hold.Held], list[hold.HeldInt]]:
+        grid = self.layout.grid
+        if self.zero:
+            first = grid.tensor_rank == 0
+
+            def owner(p: Any) -> bool:  # unsplit: alike on every tensor rank; one writes
+                return getattr(p, "shard", None) is not None or first
+            held, ints = zero_state.holdings(
+                self.pipeline.wrapped, self.optimizer, runs_of=tensor.shard_runs,
+                owner_of=owner, buffer_owner=first and grid.replicas.rank == 0)
+        else:
+            held, ints = tensor.holdings(self.model, self.optimizer, grid.replicas.rank == 0,
+                                         grid.tensor_rank)
+        return ([dataclasses.replace(h, key=self._key(h.key)) for h in held],
+                [dataclasses.replace(h, key=self._key(h.key)) for h in ints])
+
+    def _key(self, key: hold.Key) -> hold.Key:
+        return key._replace(name=single_rank_name(self.pipeline, key.name))
+
+    def after_load(self) -> None:
+        if self.zero:
+            zero_state.refresh_after_load(self.pipeline.wrapped)
+
+
+def single_rank_name(pipeline: Any, name: str) -> str:
+    """The single-rank model's name of the stage's ``parts.{i}.NAME``."""
+    _, i, rest = name.split(".", 2)
+    return pipeline.module.parts[int(i)].full_name(rest)
+
+
 def choose_checkpointer(comm: Any, layout: Any, wrapper: Any, model: Any,
                         optimizer: Any) -> Checkpointer:
     """The run's checkpointer, from its layout (None, or ``layout.grid`` None: no grid)
     and wrapper (ZeRO when it is a ShardedDataParallel). Not collective."""
+    if layout is not None and getattr(layout, "pipeline", None) is not None:
+        return PipelineCheckpointer(comm, layout, layout.pipeline, optimizer)
     zero = isinstance(wrapper, ShardedDataParallel)
     grid = layout is not None and layout.grid is not None
     if grid:
@@ -261,4 +317,5 @@ def choose_checkpointer(comm: Any, layout: Any, wrapper: Any, model: Any,
 
 
 __all__ = ["Checkpointer", "LoadError", "ReplicatedCheckpointer", "ZeroCheckpointer",
-           "GridCheckpointer", "GridZeroCheckpointer", "choose_checkpointer"]
+           "GridCheckpointer", "GridZeroCheckpointer", "PipelineCheckpointer",
+           "choose_checkpointer"]

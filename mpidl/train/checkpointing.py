@@ -20,7 +20,7 @@ from mpidl.comm.ledger import patience
 from mpidl.optim import params_finite
 from mpidl.train import checkpoint as ckpt
 from mpidl.train.build import Run
-from mpidl.train.checkpointer import LoadError, choose_checkpointer
+from mpidl.train.checkpointer import LoadError, choose_checkpointer, single_rank_name
 from mpidl.train.config import ConfigError, to_toml
 from mpidl.train.log import Logger
 from mpidl.train.model import another_model, first_line, seed_dropout_per_rank
@@ -119,12 +119,27 @@ class RunCheckpoints:
         resume on as many data ranks continues bit for bit. While they agree, one is.
         """
         run = self.run
-        mine = {name: m.rng.bit_generator.state for name, m in run.model.named_modules()
+        mine = {name: m.rng.bit_generator.state for name, m in self.generators().items()}
+        # A data rank's generators are those of its stages (one, without a pipeline),
+        # alike on the tensor x sequence ranks of each.
+        ranks: dict[str, dict] = {}
+        for d, s in run.comm.allgather_obj((run.layout.data.rank, mine)):
+            ranks.setdefault(str(d), {}).update(s)
+        if all(s == ranks["0"] for s in ranks.values()):
+            return ranks["0"]
+        return {"per_rank": ranks}
+
+    def generators(self) -> dict[str, Any]:
+        """The modules with a dropout generator, by their single-rank model's names
+        (a pipeline stage's parts renamed: a checkpoint names them alike in every
+        layout). Not collective."""
+        pipeline = self.run.layout.pipeline
+        if pipeline is None:
+            return {name: m for name, m in self.run.model.named_modules()
+                    if isinstance(getattr(m, "rng", None), numpy.random.Generator)}
+        return {single_rank_name(pipeline, name): m
+                for name, m in pipeline.module.named_modules()
                 if isinstance(getattr(m, "rng", None), numpy.random.Generator)}
-        everyone = run.comm.allgather_obj((run.layout.data.rank, mine))
-        if all(s == mine for _, s in everyone):
-            return mine
-        return {"per_rank": {str(d): s for d, s in everyone}}
 
     def load_rng_states(self, saved: dict[str, Any], step: int = 0) -> None:
         """Set the modules' generators from :meth:`rng_states` of a run at ``step``."""
@@ -137,11 +152,12 @@ class RunCheckpoints:
             # rounding, not bitwise): data rank 0 continues rank 0's generators, the
             # others get fresh ones of their own (seeded with the step, not reused masks).
             saved = states["0" if other_count else str(data.rank)]
-        for name, m in run.model.named_modules():
+        for name, m in self.generators().items():
             if name in saved:
                 m.rng.bit_generator.state = saved[name]
         if other_count:
-            seed_dropout_per_rank(run.model, run.config.seed, data.rank, salt=step)
+            model = run.model if run.layout.pipeline is None else run.layout.pipeline.module
+            seed_dropout_per_rank(model, run.config.seed, data.rank, salt=step)
 
     def check_replicas(self, step: int) -> None:
         """Warn if the ranks' parameters are not bit-identical. Collective.
@@ -155,7 +171,7 @@ class RunCheckpoints:
         if run.config.zero:
             return  # each rank holds its own shard by design
         digest = 0
-        for p in run.model.parameters():
+        for p in run.dp.parameters():  # the model's (a pipeline: this stage's)
             digest = zlib.crc32(numpy.ascontiguousarray(as_numpy(p.data)), digest)
         # Replicas of the same shards (the whole model under data parallelism).
         digests = layout.replicas.allgather_obj(digest)
@@ -163,7 +179,7 @@ class RunCheckpoints:
         if differ and layout.grid is not None:
             differ = [layout.grid.world_rank(*divmod(r, layout.plan.sequence),
                                              layout.grid.tensor_rank)
-                      for r in differ]  # replica ranks are data x sequence
+                      for r in differ]  # replica ranks are data x sequence (of a stage)
         if differ:
             self.log.info(f"warning: step {step}: the parameters of rank"
                           f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "

@@ -19,6 +19,14 @@ sequence are split into near-equal parts), so only what cannot be split is refus
   tensor rank's heads (ring attention has no such rule);
 - the sequence group cannot be longer than the sequence (a rank would hold no token).
 
+``--pipeline-parallel p`` adds the outermost axis: the gpt model's layers in ``p`` stages
+(:func:`~mpidl.parallel.pipeline_gpt.pipeline_model`), each stage the tensor x sequence
+x data grid above over ``ranks / p`` ranks, each step's share run as ``--microbatches``
+by the ``--pipeline-schedule``. Refused with what works: a schedule that cannot run
+them (:func:`~mpidl.parallel.pipeline_schedule.check_layout`: fewer microbatches than
+stages, interleaving without a multiple of ``p``), more model chunks (``p x
+--virtual-stages``) than layers, ``--zero=3``, and any task or model but gpt.
+
 :class:`Layout` then gives the trainer the communicators each job runs over: samples are
 split over :attr:`Layout.data`, gradients averaged over :attr:`Layout.replicas` (data x
 sequence: the sequence ranks' loss shares add up). A checkpoint holds the single-rank
@@ -32,7 +40,9 @@ from typing import Any
 
 from mpidl.comm.base import split_counts
 from mpidl.models.gpt import GPT
-from mpidl.parallel import ParallelGPT, ProcessGrid
+from mpidl.parallel import ParallelGPT, PipelineModel, ProcessGrid
+from mpidl.parallel.pipeline_gpt import pipeline_model
+from mpidl.parallel.pipeline_schedule import check_layout as check_schedule
 from mpidl.optim.layerwise import TensorNorms
 from mpidl.parallel.layerwise import whole_tensor_norms
 from mpidl.parallel.tensor import clip_grad_norm_ as clip_tensor_parallel_grad_norm_
@@ -50,14 +60,22 @@ class LayoutPlan:
     attention: str = "none"          # "ulysses" | "ring" when ``sequence > 1``
     megatron: bool = False           # Megatron's sequence parallelism in the tensor group
     zero: int = 0                    # the ZeRO stage over the replicas (0: none)
+    pipeline: int = 1                # stages (the outermost axis)
+    schedule: str = "1f1b"           # the pipeline's (gpipe | 1f1b | interleaved)
+    virtual: int = 1                 # model chunks per stage (interleaved)
+    microbatches: int = 1            # per step, run by the pipeline's schedule
 
     @property
     def split(self) -> bool:
         """Whether the model is split at all (else: data parallelism, the trainer's own)."""
-        return self.tensor * self.sequence > 1
+        return self.tensor * self.sequence * self.pipeline > 1
 
     def describe(self) -> str:
         parts = [f"data {self.data} x tensor {self.tensor} x sequence {self.sequence}"]
+        if self.pipeline > 1:
+            parts = [f"pipeline {self.pipeline} x {parts[0]}",
+                     f"{self.schedule} schedule over {self.microbatches} microbatches"
+                     + (f", {self.virtual} chunks per stage" if self.virtual > 1 else "")]
         if self.sequence > 1:
             parts.append(f"{self.attention} attention")
         if self.megatron:
@@ -79,6 +97,13 @@ def plan_layout(config: Config, ranks: int, model: Any, length: int) -> LayoutPl
     """The grid of ``config`` for ``ranks`` ranks and the single-rank ``model`` reading
     sequences of ``length`` tokens; ConfigError saying what would work when impossible."""
     k, mode, s = config.tensor_parallel, config.sequence_parallel, config.sequence_parallel_size
+    p = config.pipeline_parallel
+    if p > 1:
+        ranks = _check_pipeline(config, ranks, model)  # the ranks of one stage
+    elif config.virtual_stages > 1 or config.pipeline_schedule == "interleaved":
+        raise ConfigError(f"--pipeline-schedule={config.pipeline_schedule} --virtual-stages="
+                          f"{config.virtual_stages}: model chunks interleave over pipeline "
+                          "stages; add --pipeline-parallel=2 or more")
     if mode == "none":
         if s not in (None, 1):
             raise ConfigError(f"--sequence-parallel-size={s} needs a way to split the "
@@ -91,7 +116,8 @@ def plan_layout(config: Config, ranks: int, model: Any, length: int) -> LayoutPl
         raise ConfigError("--megatron-sequence-parallel splits the LayerNorm and dropout "
                           "regions within a tensor group: it needs --tensor-parallel >= 2")
     if k == 1 and s == 1:
-        return LayoutPlan(data=ranks, attention=mode)
+        return LayoutPlan(data=ranks, attention=mode, zero=config.zero if p > 1 else 0,
+                          **_pipeline_fields(config))
     if not isinstance(model, GPT):
         raise ConfigError(f"--tensor-parallel and --sequence-parallel split the gpt model; "
                           f"this run's model is {config.model.name!r}: use `mpidl train gpt` "
@@ -127,7 +153,49 @@ def plan_layout(config: Config, ranks: int, model: Any, length: int) -> LayoutPl
             f"{_list(fit)}, heads divisible by {k * s} (--model.heads), or "
             "--sequence-parallel=ring (any head count)")
     return LayoutPlan(k, s, ranks // (k * s), mode if s > 1 else "none",
-                      config.megatron_sequence_parallel, config.zero)
+                      config.megatron_sequence_parallel, config.zero, **_pipeline_fields(config))
+
+
+def _pipeline_fields(config: Config) -> dict:
+    if config.pipeline_parallel == 1:
+        return {}
+    return {"pipeline": config.pipeline_parallel, "schedule": config.pipeline_schedule,
+            "virtual": config.virtual_stages, "microbatches": config.microbatches}
+
+
+def _check_pipeline(config: Config, ranks: int, model: Any) -> int:
+    """The ranks of one pipeline stage, or a ConfigError saying what works: the gpt
+    model and task, a stage count that divides the ranks, a schedule that runs the
+    microbatches (:func:`~mpidl.parallel.pipeline_schedule.check_layout`), a block per
+    model chunk, ZeRO 1 or 2."""
+    p, v, m = config.pipeline_parallel, config.virtual_stages, config.microbatches
+    if not isinstance(model, GPT) or config.task != "gpt":
+        raise ConfigError(f"--pipeline-parallel={p} splits the gpt model's layers into "
+                          f"stages; this run's task is {config.task!r} with the model "
+                          f"{config.model.name!r}: use `mpidl train gpt`, or data "
+                          "parallelism (--zero for memory)")
+    if ranks % p:
+        raise ConfigError(f"--pipeline-parallel={p} does not divide the {ranks} ranks of "
+                          f"this job (stages x tensor x sequence x data = ranks): use one of "
+                          f"{_list([d for d in _divisors(ranks) if d > 1])}, or another "
+                          "rank count")
+    try:
+        check_schedule(config.pipeline_schedule, p, m, v)
+    except ValueError as e:
+        raise ConfigError(f"{e} (--pipeline-parallel={p} --microbatches={m} "
+                          f"--pipeline-schedule={config.pipeline_schedule} --virtual-stages="
+                          f"{v})") from None
+    layers = len(model.blocks)
+    if p * v > layers:
+        raise ConfigError(f"--pipeline-parallel={p} x --virtual-stages={v} = {p * v} model "
+                          f"chunks, but the gpt model has {layers} layers: every chunk needs "
+                          f"a layer; use at most {layers} chunks, or more --model.layers")
+    if config.zero == 3:
+        raise ConfigError("--zero=3 with --pipeline-parallel: ZeRO-3 gathers a layer's "
+                          "parameters only inside its forward, and the pipeline reads them "
+                          "outside it (the tied embedding, the checkpoint); use --zero=1 or "
+                          "--zero=2 per stage (DeepSpeed refuses ZeRO 2-3 with pipelines too)")
+    return ranks // p
 
 
 class Layout:
@@ -142,21 +210,34 @@ class Layout:
         self.plan = plan
         self.grid = None
         self.data = self.replicas = comm
+        self.pipeline: PipelineModel | None = None
         if plan.split:
-            self.grid = ProcessGrid(comm, tensor=plan.tensor, sequence=plan.sequence)
+            self.grid = ProcessGrid(comm, tensor=plan.tensor, sequence=plan.sequence,
+                                    pipeline=plan.pipeline)
             self.data, self.replicas = self.grid.data, self.grid.replicas
 
-    def split_model(self, model: Any) -> Any:
-        """The model this rank trains: ``model`` itself, or its shards on the grid."""
+    def split_model(self, model: Any, wrapper: Any = None) -> Any:
+        """The model this rank trains: ``model`` itself, its shards on the grid, or its
+        stage's parts (a :class:`~mpidl.parallel.PipelineModel`, wrapped by
+        ``wrapper(module, replicas)``: collective over the world)."""
         if self.grid is None:
             return model
+        attention = self.plan.attention if self.plan.sequence > 1 else "ring"
+        if self.plan.pipeline > 1:
+            self.pipeline = pipeline_model(
+                model, self.grid, microbatches=self.plan.microbatches,
+                schedule=self.plan.schedule, virtual_stages=self.plan.virtual,
+                sequence_parallel=self.plan.megatron, attention=attention, wrapper=wrapper)
+            return self.pipeline
         return ParallelGPT(model, self.grid, sequence_parallel=self.plan.megatron,
-                           attention=self.plan.attention if self.plan.sequence > 1 else "ring")
+                           attention=attention)
 
     def clip_grad_norm_(self, wrapper: Any, max_norm: float) -> Any:
         """Clip the averaged gradients to a global 2-norm of ``max_norm`` (every shard
         counted once); returns the norm before. Collective over the tensor group (and
-        the replicas under ZeRO)."""
+        the replicas under ZeRO; the world with a pipeline)."""
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm_(max_norm)
         if self.grid is None:
             return wrapper.clip_grad_norm_(max_norm)
         if self.plan.zero:

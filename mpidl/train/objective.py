@@ -301,7 +301,10 @@ class LanguageModel(Objective):
         return {"perplexity": _perplexity(loss)}
 
     def split_over(self, grid: Any) -> "ParallelLanguageModel":
-        """This objective for the model split over ``grid`` (:class:`ParallelGPT`)."""
+        """This objective for the model split over ``grid`` (:class:`ParallelGPT`, or
+        pipeline stages when the grid has a pipeline axis)."""
+        if grid.pipeline_size > 1:
+            return PipelineLanguageModel(self.pad_id, grid)
         return ParallelLanguageModel(self.pad_id, grid)
 
 
@@ -334,6 +337,29 @@ class ParallelLanguageModel(LanguageModel):
         counts = numpy.array(totals[2:])
         self.grid.data.allreduce_(counts)      # the same on every rank of a sequence group
         totals[:2], totals[2:] = shares, counts
+
+
+class PipelineLanguageModel(ParallelLanguageModel):
+    """The language model in pipeline stages (:class:`~mpidl.parallel.PipelineModel`),
+    each stage split over the grid's tensor x sequence axes or not. The pipeline runs
+    its microbatches itself (:meth:`PipelineModel.step`, called by the trainer's step,
+    not :meth:`step`); evaluation runs :meth:`PipelineModel.evaluate`, whose loss share
+    is the same on every stage, so the sums reduce as :class:`ParallelLanguageModel`'s.
+    The last stage's loss brings no next-token hits: a pipelined run reports loss and
+    perplexity, no accuracy."""
+
+    accuracy = False
+    final_scores = (("test_perplexity", "test perplexity"),)
+
+    def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
+        raise TypeError("a pipelined model steps through PipelineModel.step (the trainer's "
+                        "TrainStep), not the objective's forward")
+
+    def score(self, model: Any, x: Any, y: Any, xp: Any) -> BatchScores:
+        """``model.evaluate(x)``: every rank runs its stage's forwards on every batch,
+        its share empty or not (the pipeline's messages and the stages' collectives)."""
+        loss, count = model.evaluate(x)
+        return BatchScores(loss, count=count)
 
 
 class LanguageModelSums:

@@ -28,11 +28,18 @@ before the first forward, so every microbatch's backward is seeded alike and the
 equals the one-microbatch step up to the order of the float sums; the guard, the loss
 scale, clipping and the optimizer run once per step. Models whose forward depends on
 the batch (batch norm's statistics) see microbatches, not the share, as in PyTorch.
+
+With pipeline stages (``--pipeline-parallel p``) the microbatches are the pipeline's:
+the step hands the share to :meth:`~mpidl.parallel.PipelineModel.step`, whose schedule
+runs them over the stages (the same split, the same seed ``scale / count``, the
+gradients reduced once), and the guard, loss scale, clipping (over every stage) and
+optimizer follow once, as above.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable
 
 import numpy
@@ -103,6 +110,7 @@ class TrainStep:
         self.last_checkpoint = last_checkpoint
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
+        self.pipeline_times = (0.0, 0.0)  # the last pipelined step's wait and wall seconds
 
     def __call__(self, x: Any, y: Any, n: int, step: int, flag: Any = None) -> StepResult:
         """Train on this rank's share ``x``, ``y`` (None for a language model) of a
@@ -162,6 +170,8 @@ class TrainStep:
         # The global count first: every microbatch's backward is seeded 1/count, so the
         # loss is divided once, by the whole batch's count (Megatron divides by m).
         count = run.objective.global_count(run.comm, n, run.objective.targets(x, y))
+        if run.layout.pipeline is not None:
+            return self._pipelined(x, count, scale)
         loss_sum: Any = 0
         counted, correct, start = 0, 0, 0
         for i, rows in enumerate(split_counts(len(x), m)):
@@ -182,6 +192,27 @@ class TrainStep:
             counted += c
             correct = correct + k
         return loss_sum, counted, correct
+
+    def _pipelined(self, x: Any, count: int, scale: float) -> tuple[Any, int, Any]:
+        """The pipeline's step (:meth:`~mpidl.parallel.PipelineModel.step`): its schedule
+        runs the ``m`` microbatches of ``x`` forward and backward over the stages, the
+        gradients reduced over the stage's replicas once, seeded ``scale / count`` as
+        the accumulation above. Collective over the world. The loss share is the same
+        on every stage; no next-token hits (the objective reports none)."""
+        run = self.run
+        pipeline = run.layout.pipeline
+        loss_sum, _ = pipeline.step(x, global_count=count, scale=scale)
+        # The bubble: the step's waits for activations and gradients from the
+        # neighbouring stages, counted as communication (and kept for the records).
+        self.pipeline_times = (pipeline.wait_seconds, pipeline.step_seconds)
+        if self.timer is not None:
+            now = time.perf_counter()
+            self.timer.add("comm", pipeline.wait_seconds, start=now - pipeline.wait_seconds,
+                           name="pipeline wait")
+            if run.dp.comm_wait_seconds:  # the stage's gradient reduction, in its last backward
+                self.timer.add("comm", run.dp.comm_wait_seconds, start=run.dp.comm_wait_start)
+        loss = run.xp.asarray(loss_sum, dtype=numpy.float64)
+        return loss, run.objective.targets(x, None), 0
 
     def _nonfinite_step(self, finite_here: bool, step: int) -> None:
         """Handle a step skipped for a non-finite loss or gradient. Collective.

@@ -290,6 +290,20 @@ class Trainer:
         everyone = self.comm.allgather_obj(state_bytes(self.dp, self.optimizer))
         return {f"state_bytes_{k}": [e[k] for e in everyone] for k in everyone[0]}
 
+    def _pipeline_fields(self) -> dict[str, Any]:
+        """With pipeline stages, every rank's measured bubble of the last step (its waits
+        for the neighbouring stages per second of work, ``wait / (step - wait)``; the
+        schedule's ideal is ``(p - 1) / m``, over ``v`` interleaved) and the most bytes of
+        activations it held for the next stage (lists by rank). Collective; {} without."""
+        pipeline = self.layout.pipeline
+        if pipeline is None:
+            return {}
+        wait, step = self.train_step.pipeline_times
+        everyone = self.comm.allgather_obj(
+            (wait / (step - wait) if step > wait else None, pipeline.peak_activation_bytes))
+        return {"pipeline_bubble": [e[0] for e in everyone],
+                "pipeline_activation_bytes": [e[1] for e in everyone]}
+
     def _record_train(self, window: list, rate: Throughput, epoch: int) -> dict[str, Any]:
         """Write a train record of the steps since the last one. Collective."""
         totals = self._window_totals(window)
@@ -305,6 +319,7 @@ class Trainer:
                          else dict.fromkeys(self.objective.extra(0.0))),
                       lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
         record.update(self._state_bytes())
+        record.update(self._pipeline_fields())
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps  # non-finite steps so far in all
         if self.loss_scale is not None:
@@ -315,6 +330,7 @@ class Trainer:
     def _summary(self, seconds: float, steps: int) -> None:
         """Rank 0 prints the run's summary. Collective (the ranks' state sizes)."""
         held = self._state_bytes()
+        pipeline = self._pipeline_fields()
         if self.comm.rank != 0:
             return
         mean = self.timer.mean()
@@ -331,10 +347,21 @@ class Trainer:
             **{f"final {label}": evals[-1].get(key, "-") if evals else "-"
                for key, label in self.objective.final_scores},
             "model state per rank": _describe_state(held, self.config.zero, self.layout.plan),
+            **({"pipeline (last step)": _describe_pipeline(pipeline)} if pipeline else {}),
             **({"non-finite steps skipped": self.skipped_steps} if self.skipped_steps else {}),
             "run directory": self.run_dir,
         }
         print("\n" + format_summary(records, totals), flush=True)
+
+
+def _describe_pipeline(fields: dict[str, list]) -> str:
+    """``bubble 0.21-0.35 (wait per second of work, by rank), activations for the next
+    stage at most 0.5 MB``."""
+    bubbles = [b for b in fields["pipeline_bubble"] if b is not None]
+    spread = (f"{min(bubbles):.2f}-{max(bubbles):.2f}" if bubbles else "-")
+    return (f"bubble {spread} (wait per second of work, over the ranks), activations "
+            f"held for the next stage at most "
+            f"{max(fields['pipeline_activation_bytes']) / 1e6:.3g} MB")
 
 
 def _describe_state(held: dict[str, list[int]], zero: int, plan: Any = None) -> str:
