@@ -32,13 +32,16 @@ while writing (a full disk, a quota: the old dataset stays as it was).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from hpc.argtypes import nonnegative_int, positive_int
-from mpidl.data import sources
+from mpidl.comm import world
+from mpidl.data import partition, sources
 from mpidl.data.format import DataError, Manifest
 from mpidl.data.hdf5 import verify_dataset
+from mpidl.data.parallel import agreed, write_shards_parallel, write_text_shards_parallel
 from mpidl.data.publish import StorageError
 from mpidl.data.text import check_length
 from mpidl.data.writer import write_shards, write_text_shards
@@ -235,7 +238,10 @@ def _delimiter(args: argparse.Namespace) -> str | None:
     return {"\\t": "\t", "tab": "\t"}.get(args.delimiter, args.delimiter)
 
 
-def _write(args: argparse.Namespace) -> dict[str, Manifest]:
+def _write(args: argparse.Namespace, comm: Any) -> dict[str, Manifest]:
+    """Read the input and write the dataset: as one process, or, on several ranks, each
+    rank its share (:mod:`mpidl.data.parallel`)."""
+    parallel = comm.size > 1
     common = {
         "rows_per_shard": args.rows_per_shard,
         "seed": args.seed,
@@ -250,7 +256,14 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
         "length": args.length,
         "classes": classes,
     }
+    write_text, write_arrays = write_text_shards, write_shards
+    if parallel:
+        write_text = functools.partial(write_text_shards_parallel, comm)
+        write_arrays = functools.partial(write_shards_parallel, comm)
     if args.from_csv and args.feature_cols:
+        if parallel:
+            raise DataError(f"{args.from_csv}: --feature-cols is read by one process only; "
+                            "run `mpidl shard` without mpiexec for a numeric CSV")
         targets = args.target_cols.split(",") if args.target_cols else []
         arrays, names = sources.read_csv_arrays(
             args.from_csv, args.feature_cols.split(","), targets, label_col=args.label_col,
@@ -263,15 +276,15 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
                             labels="y", num_classes=len(names), source=args.from_csv,
                             metadata={"classes": names}, **common)
     if args.from_csv:
-        texts, labels = sources.read_csv(
-            args.from_csv,
-            args.text_col,
-            args.label_col,
-            delimiter=_delimiter(args),
-            header=not args.no_header,
-            quoting=args.quoting,
-        )
-        return write_text_shards(
+        csv_options = {"delimiter": _delimiter(args), "header": not args.no_header,
+                       "quoting": args.quoting}
+        if parallel:
+            texts, labels = partition.read_csv_share(comm, args.from_csv, args.text_col,
+                                                     args.label_col, **csv_options)
+        else:
+            texts, labels = sources.read_csv(args.from_csv, args.text_col, args.label_col,
+                                             **csv_options)
+        return write_text(
             args.out_dir,
             texts,
             labels,
@@ -281,9 +294,12 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
             **common,
         )
     if args.from_folder:
-        splits, found = sources.read_folder(args.from_folder, classes)
+        if parallel:
+            splits, found = partition.read_folder_share(comm, args.from_folder, classes)
+        else:
+            splits, found = sources.read_folder(args.from_folder, classes)
         train, test = splits["train"], splits.get("test")
-        return write_text_shards(
+        return write_text(
             args.out_dir,
             *train,
             test_texts=test and test[0],
@@ -294,8 +310,10 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
             **common,
         )
     features = args.features.split(",") if args.features else None
+    part = (comm.rank, comm.size) if parallel else None
     if args.from_npz:
-        splits, source = sources.load_npz(args.from_npz), args.from_npz
+        source = args.from_npz
+        splits = agreed(comm, sources.load_npz, source, part)
         if features:
             missing = [f for f in features if f not in splits["train"]]
             if missing:
@@ -304,9 +322,10 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
                 )
             splits = {s: {f: a[f] for f in features} for s, a in splits.items()}
     else:
-        splits, source = sources.load_h5(args.from_h5, features), args.from_h5
+        source = args.from_h5
+        splits = agreed(comm, sources.load_h5, source, features, part)
     labels = None if args.labels == "none" else args.labels
-    return write_shards(
+    return write_arrays(
         args.out_dir,
         splits["train"],
         test_arrays=splits.get("test"),
@@ -317,42 +336,53 @@ def _write(args: argparse.Namespace) -> dict[str, Manifest]:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``mpidl shard``; returns the exit status (2 for bad input, 1 for a failed write)."""
+def main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
+    """Run ``mpidl shard``; returns the exit status (2 for bad input, 1 for a failed write).
+
+    Under ``mpiexec -n P`` (P > 1) the ranks share the work (:mod:`mpidl.data.parallel`;
+    ``--verify``: each rank checks a share of the shards) and every rank returns the same
+    status; rank 0 alone prints. ``comm`` (default: the job's :func:`mpidl.comm.world`)
+    lets tests run it on thread ranks.
+    """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    comm = comm or world()
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
     try:
         if args.verify:
-            for ds in verify_dataset(args.verify, level=args.level):
-                print(f"OK {_describe(ds.path, ds.manifest)} ({args.level} checked)")
+            datasets = verify_dataset(args.verify, level=args.level,
+                                      comm=comm if comm.size > 1 else None)
+            for ds in datasets:
+                say(f"OK {_describe(ds.path, ds.manifest)} ({args.level} checked"
+                    + (f" by {comm.size} ranks)" if comm.size > 1 else ")"))
             return 0
         if not args.out_dir:
-            print("mpidl shard: OUT_DIR is required when writing a dataset", file=sys.stderr)
+            say("mpidl shard: OUT_DIR is required when writing a dataset", file=sys.stderr)
             return 2
         if args.from_csv and args.feature_cols and \
                 bool(args.target_cols) == (args.label_col is not None):
-            print("mpidl shard: --feature-cols needs either --target-cols (regression "
-                  "targets) or --label-col (a class label per row)", file=sys.stderr)
+            say("mpidl shard: --feature-cols needs either --target-cols (regression "
+                "targets) or --label-col (a class label per row)", file=sys.stderr)
             return 2
         if args.from_csv and not args.feature_cols and (args.text_col is None
                                                         or args.label_col is None):
-            print(
+            say(
                 "mpidl shard: --from-csv needs --text-col and --label-col (names, or 0-based "
                 "numbers with --no-header)",
                 file=sys.stderr,
             )
             return 2
-        manifests = _write(args)
+        manifests = _write(args, comm)
         length = _length_line(manifests)
         if length:
-            print(length)
+            say(length)
         for split, manifest in manifests.items():
-            print(f"wrote {_describe(f'{args.out_dir}/{split}', manifest)}")
+            say(f"wrote {_describe(f'{args.out_dir}/{split}', manifest)}")
             for line in _stats_lines(manifest):
-                print(f"  {line}")
+                say(f"  {line}")
         return 0
     except StorageError as e:
-        print(f"mpidl shard: error: {e}", file=sys.stderr)
+        say(f"mpidl shard: error: {e}", file=sys.stderr)
         return 1
     except ValueError as e:  # DataError too: bad input, found before anything is written
-        print(f"mpidl shard: error: {e}", file=sys.stderr)
+        say(f"mpidl shard: error: {e}", file=sys.stderr)
         return 2

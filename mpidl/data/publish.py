@@ -96,6 +96,22 @@ def publish_splits(
             (before anything is written).
         StorageError: a write failed (the old dataset unchanged).
     """
+    old = old_files(parent, overwrite, replaces)
+    new = stage(parent)
+    try:
+        manifests = {name: write(os.path.join(new, name)) for name, write in writers.items()}
+    except OSError as e:
+        raise storage_error(e, parent, new, old) from e
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    install(parent, new, list(manifests), old)
+    return manifests
+
+
+def old_files(parent: str, overwrite: bool, replaces: Sequence[str]) -> dict[str, list[str]]:
+    """The files of the old dataset's splits ``replaces`` (split -> names); DataError if
+    one holds a dataset and ``overwrite`` is False."""
     old = {name: dataset_files(os.path.join(parent, name)) for name in replaces}
     held = [name for name, files in old.items() if files]
     if held and not overwrite:
@@ -104,31 +120,43 @@ def publish_splits(
             f"{where}: already holds a dataset ({old[held[0]][0]}, ...); "
             "choose another directory or overwrite it (overwrite=True, `--force`)"
         )
+    return old
+
+
+def stage(parent: str) -> str:
+    """A new, empty directory beside the dataset in ``parent`` to write the new one into."""
     os.makedirs(parent, exist_ok=True)
-    new = tempfile.mkdtemp(prefix=".mpidl-shard-new-", dir=parent)
-    try:
-        manifests = {name: write(os.path.join(new, name)) for name, write in writers.items()}
-    except OSError as e:
-        shutil.rmtree(new, ignore_errors=True)
-        failed = os.path.join(parent, os.path.relpath(e.filename, new)) if e.filename else parent
-        state = "the dataset already there is unchanged" if held else "no dataset was there"
-        fix = _FIXES.get(e.errno, "write to another OUT_DIR").format(parent=parent)
-        raise StorageError(
-            f"{failed}: cannot write the new dataset ({e.strerror or e}); {state} and the "
-            f"partial new one was removed: {fix}",
-            [(failed, str(e.strerror or e))],
-        ) from e
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
-        raise
+    return tempfile.mkdtemp(prefix=".mpidl-shard-new-", dir=parent)
+
+
+def storage_error(e: OSError, parent: str, new: str, old: Mapping[str, list[str]]
+                  ) -> StorageError:
+    """Remove the partial new dataset ``new``; the error to raise for the failed write
+    ``e``, naming the file (as it would be in ``parent``), the reason and the fix."""
+    shutil.rmtree(new, ignore_errors=True)
+    failed = os.path.join(parent, os.path.relpath(e.filename, new)) if e.filename else parent
+    state = ("the dataset already there is unchanged" if any(old.values())
+             else "no dataset was there")
+    fix = _FIXES.get(e.errno, "write to another OUT_DIR").format(parent=parent)
+    return StorageError(
+        f"{failed}: cannot write the new dataset ({e.strerror or e}); {state} and the "
+        f"partial new one was removed: {fix}",
+        [(failed, str(e.strerror or e))],
+    )
+
+
+def install(parent: str, new: str, names: Sequence[str], old: Mapping[str, list[str]]) -> None:
+    """Move the complete splits ``names`` from ``new`` into ``parent`` in place of the
+    old dataset's files ``old`` (see the module docstring for the order)."""
+    held = [name for name, files in old.items() if files]
     aside = tempfile.mkdtemp(prefix=".mpidl-shard-old-", dir=parent)
     try:
         for name in held:
             _move(old[name], os.path.join(parent, name), os.path.join(aside, name))
-        for name in manifests:
+        for name in names:
             files = dataset_files(os.path.join(new, name))
             _move(files[1:] + files[:1], os.path.join(new, name), os.path.join(parent, name))
-        for name in set(held) - set(manifests):  # an old split the new dataset lacks
+        for name in set(held) - set(names):  # an old split the new dataset lacks
             if not os.listdir(os.path.join(parent, name)):
                 os.rmdir(os.path.join(parent, name))
     except OSError as e:  # a rename within one directory tree: should not happen
@@ -138,4 +166,3 @@ def publish_splits(
         ) from e
     shutil.rmtree(aside, ignore_errors=True)
     shutil.rmtree(new, ignore_errors=True)
-    return manifests

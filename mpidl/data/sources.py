@@ -9,14 +9,24 @@ lines of a CSV file, which hold no record.
 from __future__ import annotations
 
 import csv
+import io
 import os
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy
 
+from mpidl.comm.base import split_counts
 from mpidl.data.format import DataError
 
 _TSV_SUFFIXES = (".tsv", ".tab")
+
+
+class Span(NamedTuple):
+    """Bytes ``start .. end`` of a CSV file: whole records, after ``lines_before`` lines."""
+
+    start: int
+    end: int
+    lines_before: int
 
 
 def _column(header: list[str] | None, col: str | int, path: str, what: str) -> int:
@@ -43,8 +53,9 @@ def read_csv(
     header: bool = True,
     quoting: str | None = None,
     encoding: str = "utf-8",
+    span: Span | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Texts and label strings from a CSV or TSV file.
+    """Texts and label strings from a CSV or TSV file (or from the records of ``span``).
 
     Args:
         path: the file, e.g. the common IMDB ``review,sentiment`` CSV.
@@ -56,6 +67,9 @@ def read_csv(
             characters: right for TSV files such as the UCI sentiment sentences, whose
             unbalanced quotes would otherwise merge lines); by default ``"none"`` for a tab
             delimiter and ``"minimal"`` otherwise.
+        span: only the records from byte ``span.start`` to ``span.end`` (a rank's share,
+            cut at record boundaries: :func:`mpidl.data.partition.csv_span`); the header
+            is still read from the file's start, and line numbers count from it.
 
     Raises:
         DataError: missing file, bad encoding, unknown column, a line with too few fields
@@ -70,7 +84,7 @@ def read_csv(
         return (max(found.values()) + 1,
                 f"text column {found['text']}, label column {found['label']}")
 
-    names, rows = _read_rows(path, delimiter, header, quoting, encoding, columns)
+    names, rows = _read_rows(path, delimiter, header, quoting, encoding, columns, span)
     ti, li = found["text"], found["label"]
     texts, labels = [], []
     for line, row in rows:
@@ -79,13 +93,25 @@ def read_csv(
             raise DataError(f"{path}:{line}: empty label")
         texts.append(row[ti])
         labels.append(label)
-    if not texts:
+    if not texts and span is None:
         raise DataError(f"{path}: no records")
     return texts, labels
 
 
+def csv_dialect(path: str, delimiter: str | None, quoting: str | None) -> tuple[str, str]:
+    """The field separator and quoting (``"minimal"`` or ``"none"``) to read ``path``
+    with: a tab and no quoting for ``.tsv``/``.tab`` files, else a comma and CSV quotes."""
+    if delimiter is None:
+        delimiter = "\t" if path.lower().endswith(_TSV_SUFFIXES) else ","
+    if quoting is None:
+        quoting = "none" if delimiter == "\t" else "minimal"
+    if quoting not in ("minimal", "none"):
+        raise ValueError(f"quoting {quoting!r} is not one of ['minimal', 'none']")
+    return delimiter, quoting
+
+
 def _read_rows(path: str, delimiter: str | None, header: bool, quoting: str | None,
-               encoding: str, needed: Any = None
+               encoding: str, needed: Any = None, span: Span | None = None
                ) -> tuple[list[str] | None, list[tuple[int, list[str]]]]:
     """The header names (or None) and ``(line number, fields)`` of every non-empty line.
 
@@ -94,13 +120,8 @@ def _read_rows(path: str, delimiter: str | None, header: bool, quoting: str | No
     header (or the first line): an extra field is an unquoted delimiter inside a text,
     which would cut it silently.
     """
-    if delimiter is None:
-        delimiter = "\t" if path.lower().endswith(_TSV_SUFFIXES) else ","
-    if quoting is None:
-        quoting = "none" if delimiter == "\t" else "minimal"
+    delimiter, quoting = csv_dialect(path, delimiter, quoting)
     modes = {"minimal": csv.QUOTE_MINIMAL, "none": csv.QUOTE_NONE}
-    if quoting not in modes:
-        raise ValueError(f"quoting {quoting!r} is not one of {sorted(modes)}")
     csv.field_size_limit(2**31 - 1)  # whole reviews can exceed the 128 KiB default
     rows = []
     try:
@@ -115,23 +136,33 @@ def _read_rows(path: str, delimiter: str | None, header: bool, quoting: str | No
                 raise DataError(f"{path}: empty file, expected a header line")
             width = len(names) if names is not None else None
             need, which = needed(names) if needed is not None else (0, "")
+            base = 0
+            if span is not None:
+                if width is None:  # every line must have the first line's fields
+                    width = len(next((r for r in reader if r), []) or []) or None
+                base = span.lines_before
+                reader = csv.reader(io.StringIO(_span_text(path, span, opened)),
+                                    delimiter=delimiter, quoting=modes[quoting])
+                if header and span.start == 0:
+                    next(reader, None)
             for row in reader:
                 if not row:
                     continue
+                line = base + reader.line_num
                 if len(row) < need:
                     raise DataError(
-                        f"{path}:{reader.line_num}: {len(row)} field(s), need at least {need} "
+                        f"{path}:{line}: {len(row)} field(s), need at least {need} "
                         f"({which}); check --delimiter/--quoting"
                     )
                 width = width or len(row)
                 if len(row) != width:
                     raise DataError(
-                        f"{path}:{reader.line_num}: {len(row)} fields where "
+                        f"{path}:{line}: {len(row)} fields where "
                         f"{'the header has' if names is not None else 'the first line has'} "
                         f"{width}: a delimiter inside a text? Quote that field, or check "
                         "--delimiter/--quoting"
                     )
-                rows.append((reader.line_num, row))
+                rows.append((line, row))
     except FileNotFoundError as e:
         raise DataError(f"{path}: no such file") from e
     except UnicodeDecodeError as e:
@@ -139,6 +170,15 @@ def _read_rows(path: str, delimiter: str | None, header: bool, quoting: str | No
     except csv.Error as e:
         raise DataError(f"{path}: CSV error ({e}); check --delimiter and --quoting") from e
     return names, rows
+
+
+def _span_text(path: str, span: Span, encoding: str) -> str:
+    """The text of bytes ``span.start .. span.end`` of ``path``: whole records, so whole
+    characters in UTF-8 (a record boundary follows a newline byte)."""
+    with open(path, "rb") as f:
+        f.seek(span.start)
+        data = f.read(span.end - span.start)
+    return data.decode(encoding if span.start == 0 else encoding.replace("-sig", ""))
 
 
 def read_csv_arrays(path: str, feature_cols: Sequence[str | int],
@@ -205,7 +245,7 @@ def _class_dirs(root: str) -> list[str]:
     )
 
 
-def _read_class(folder: str) -> list[str]:
+def _class_files(folder: str) -> list[str]:
     names = sorted(
         f
         for f in os.listdir(folder)
@@ -213,15 +253,53 @@ def _read_class(folder: str) -> list[str]:
     )
     if not names:
         raise DataError(f"{folder}: class folder holds no text files")
+    return [os.path.join(folder, name) for name in names]
+
+
+def read_texts(paths: Sequence[str]) -> list[str]:
+    """The UTF-8 texts of the files ``paths``; DataError naming the first that is not."""
     texts = []
-    for name in names:
-        path = os.path.join(folder, name)
+    for path in paths:
         try:
             with open(path, encoding="utf-8") as f:
                 texts.append(f.read())
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not valid UTF-8 text ({e})") from e
     return texts
+
+
+def list_folder(
+    root: str, classes: list[str] | None = None
+) -> tuple[dict[str, tuple[list[str], list[str]]], list[str]]:
+    """The files :func:`read_folder` reads, in its order: ``({split: (paths, labels)},
+    classes)`` (what rank 0 lists for every rank under ``mpiexec``)."""
+    if not os.path.isdir(root):
+        raise DataError(f"{root}: no such folder")
+    has_splits = all(os.path.isdir(os.path.join(root, s)) for s in ("train", "test"))
+    split_dirs = (
+        {s: os.path.join(root, s) for s in ("train", "test")} if has_splits else {"train": root}
+    )
+    if classes is None:
+        found = [set(_class_dirs(d)) for d in split_dirs.values()]
+        classes = sorted(set.intersection(*found))
+        if len(classes) < 2:
+            raise DataError(
+                f"{root}: found class folders {sorted(found[0])}; need at least 2 "
+                "(one sub-folder of text files per class"
+                + (", present in both train/ and test/)" if has_splits else ")")
+            )
+    out = {}
+    for split, d in split_dirs.items():
+        paths, labels = [], []
+        for c in classes:
+            folder = os.path.join(d, c)
+            if not os.path.isdir(folder):
+                raise DataError(f"{folder}: class folder {c!r} is missing")
+            files = _class_files(folder)
+            paths += files
+            labels += [c] * len(files)
+        out[split] = (paths, labels)
+    return out, list(classes)
 
 
 def read_folder(
@@ -241,38 +319,29 @@ def read_folder(
         DataError: no such folder, no class folders, a named class missing, an empty class
             folder or a file that is not UTF-8.
     """
-    if not os.path.isdir(root):
-        raise DataError(f"{root}: no such folder")
-    has_splits = all(os.path.isdir(os.path.join(root, s)) for s in ("train", "test"))
-    split_dirs = (
-        {s: os.path.join(root, s) for s in ("train", "test")} if has_splits else {"train": root}
-    )
-    if classes is None:
-        found = [set(_class_dirs(d)) for d in split_dirs.values()]
-        classes = sorted(set.intersection(*found))
-        if len(classes) < 2:
-            raise DataError(
-                f"{root}: found class folders {sorted(found[0])}; need at least 2 "
-                "(one sub-folder of text files per class"
-                + (", present in both train/ and test/)" if has_splits else ")")
-            )
-    out = {}
-    for split, d in split_dirs.items():
-        texts, labels = [], []
-        for c in classes:
-            folder = os.path.join(d, c)
-            if not os.path.isdir(folder):
-                raise DataError(f"{folder}: class folder {c!r} is missing")
-            t = _read_class(folder)
-            texts += t
-            labels += [c] * len(t)
-        out[split] = (texts, labels)
-    return out, list(classes)
+    listed, classes = list_folder(root, classes)
+    return {split: (read_texts(paths), labels)
+            for split, (paths, labels) in listed.items()}, classes
 
 
-def load_npz(path: str) -> dict[str, dict[str, numpy.ndarray]]:
+def _share(n: int, part: tuple[int, int] | None) -> slice:
+    """Rows ``part = (rank, size)`` takes of ``n``: a contiguous share, in rank order
+    (:func:`mpidl.comm.split_counts`); all of them without ``part``."""
+    if part is None:
+        return slice(0, n)
+    counts = split_counts(n, part[1])
+    start = sum(counts[: part[0]])
+    return slice(start, start + counts[part[0]])
+
+
+def load_npz(path: str, part: tuple[int, int] | None = None
+             ) -> dict[str, dict[str, numpy.ndarray]]:
     """Arrays of an ``.npz`` file, as ``{"train": {...}}`` or, when every key ends in
-    ``_train`` or ``_test`` (``x_train, y_train, x_test, y_test``), as both splits."""
+    ``_train`` or ``_test`` (``x_train, y_train, x_test, y_test``), as both splits.
+
+    With ``part = (rank, size)``, only that rank's contiguous share of each array's rows
+    (each array is still decompressed whole: an ``.npz`` member cannot be read by rows).
+    """
     import zipfile
 
     if not os.path.isfile(path):
@@ -286,6 +355,9 @@ def load_npz(path: str) -> dict[str, dict[str, numpy.ndarray]]:
     try:
         with numpy.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
+            if part is not None:
+                arrays = {k: v[_share(len(v), part)] if v.ndim else v
+                          for k, v in arrays.items()}
     except ValueError as e:
         if "pickle" not in str(e):
             raise DataError(f"{path}: not a readable .npz file ({e})") from e
@@ -313,8 +385,10 @@ def _by_split(arrays: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:
     return {"train": arrays}
 
 
-def load_h5(path: str, features: list[str] | None = None) -> dict[str, dict[str, numpy.ndarray]]:
-    """Datasets of an HDF5 file, read into memory.
+def load_h5(path: str, features: list[str] | None = None, part: tuple[int, int] | None = None
+            ) -> dict[str, dict[str, numpy.ndarray]]:
+    """Datasets of an HDF5 file, read into memory (with ``part = (rank, size)``: only
+    that rank's contiguous share of the rows).
 
     Uses the ``train`` and ``test`` groups when both exist, else the root. ``features``
     names the datasets to take (default: every dataset in the group).
@@ -349,13 +423,14 @@ def load_h5(path: str, features: list[str] | None = None) -> dict[str, dict[str,
             if missing or not names:
                 raise DataError(f"{path}: group {g.name!r} lacks dataset(s) {missing or 'any'}")
             dsets = {n: _local(f, f"{g.name.rstrip('/')}/{n}", path) for n in names}
-            out[split] = {n: d[...] for n, d in dsets.items()}
-            rows = {n: (a.shape[0] if a.ndim else None) for n, a in out[split].items()}
+            rows = {n: (d.shape[0] if d.ndim else None) for n, d in dsets.items()}
             if len(set(rows.values())) != 1 or None in rows.values():
                 raise DataError(
                     f"{path}: datasets in {g.name!r} have different row counts {rows}; "
                     "choose datasets with one row per sample (--features)"
                 )
+            share = _share(next(iter(rows.values())), part)
+            out[split] = {n: d[share] for n, d in dsets.items()}
     return out
 
 

@@ -23,6 +23,7 @@ The length (tokens per sample) is chosen from the training texts by default
 from __future__ import annotations
 
 import collections
+import math
 import numbers
 import re
 from typing import Any, Iterable, Mapping, Sequence
@@ -91,6 +92,18 @@ def vocab_from_tokens(
     counts: collections.Counter[str] = collections.Counter()
     for tokens in token_lists:
         counts.update(tokens)
+    return vocab_from_counts(counts, max_size, min_freq)
+
+
+def vocab_from_counts(counts: Mapping[str, int], max_size: int = 20000,
+                      min_freq: int = 1) -> list[str]:
+    """:func:`build_vocab` from word counts (parts' counts added up: the same vocabulary
+    as one process's, since ties are broken by the word, never by the order seen)."""
+    if max_size < 2:
+        raise ValueError(f"max_size {max_size} must be >= 2 (room for <pad> and <unk>)")
+    if min_freq < 1:
+        raise ValueError(f"min_freq {min_freq} must be >= 1")
+    counts = collections.Counter(counts)
     counts.pop(PAD, None)
     counts.pop(UNK, None)
     words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
@@ -140,14 +153,31 @@ def covering(lengths: Sequence[int] | numpy.ndarray, percentile: float) -> int:
     return int(numpy.percentile(numpy.asarray(lengths), percentile, method="inverted_cdf"))
 
 
+def covering_counts(counts: Sequence[int] | numpy.ndarray, percentile: float) -> int:
+    """:func:`covering` from a histogram (``counts[v]`` texts have ``v`` tokens), so parts
+    of a split add their histograms and get exactly one process's answer."""
+    counts = numpy.asarray(counts, numpy.int64)
+    n = int(counts.sum())
+    if n == 0:
+        return 0
+    # NumPy's inverted CDF takes sorted index ceil(n q) - 1 (q = percentile / 100, in
+    # float64 as NumPy computes it): the smallest value with at least ceil(n q) texts at
+    # or below it.
+    need = max(1, math.ceil(n * (percentile / 100)))
+    return int(numpy.searchsorted(numpy.cumsum(counts), need, side="left"))
+
+
 def choose_length(lengths: Sequence[int] | numpy.ndarray) -> int:
     """The automatic length for texts of ``lengths`` tokens (the training texts').
 
     The smallest multiple of 8 that 99% of them fit in, at least 8 and at most 512
     (:data:`AUTO_LENGTH`; why these numbers: the comment above it).
     """
+    return _rounded(covering(lengths, AUTO_LENGTH["percentile"]))
+
+
+def _rounded(need: int) -> int:
     rule = AUTO_LENGTH
-    need = covering(lengths, rule["percentile"])
     rounded = -(-need // rule["multiple"]) * rule["multiple"]
     return int(min(rule["cap"], max(rule["min"], rounded)))
 
@@ -172,10 +202,20 @@ def resolve_length(length: int | str, lengths: Sequence[int] | numpy.ndarray
          "percentile": 99, "multiple": 8, "min": 8, "cap": 512}   # the rule
     """
     check_length(length)
-    auto = choose_length(lengths)
+    return _resolve(length, covering(lengths, AUTO_LENGTH["percentile"]))
+
+
+def resolve_length_counts(length: int | str, counts: Sequence[int] | numpy.ndarray
+                          ) -> tuple[int, dict[str, Any]]:
+    """:func:`resolve_length` from a histogram of the training texts' token lengths."""
+    check_length(length)
+    return _resolve(length, covering_counts(counts, AUTO_LENGTH["percentile"]))
+
+
+def _resolve(length: int | str, need: int) -> tuple[int, dict[str, Any]]:
+    auto = _rounded(need)
     choice = {"chosen": "auto" if length == "auto" else "given",
-              "percentile_tokens": covering(lengths, AUTO_LENGTH["percentile"]),
-              "auto": auto, **AUTO_LENGTH}
+              "percentile_tokens": need, "auto": auto, **AUTO_LENGTH}
     return (auto if length == "auto" else int(length)), choice
 
 
@@ -185,6 +225,14 @@ def _is_integer(label: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def default_classes(distinct: Iterable[str]) -> list[str]:
+    """The class names of these distinct labels in id order: sorted, numerically when
+    every one is an integer (see :func:`encode_labels`)."""
+    distinct = set(distinct)
+    numeric = all(_is_integer(c) for c in distinct)
+    return sorted(distinct, key=(lambda c: (int(c), c)) if numeric else None)
 
 
 def encode_labels(
@@ -203,9 +251,7 @@ def encode_labels(
         ValueError: a label is not one of ``classes``; names the label and its position.
     """
     if classes is None:
-        distinct = set(labels)
-        numeric = all(_is_integer(c) for c in distinct)
-        classes = sorted(distinct, key=(lambda c: (int(c), c)) if numeric else None)
+        classes = default_classes(set(labels))
     else:
         classes = list(classes)
     index = {c: i for i, c in enumerate(classes)}

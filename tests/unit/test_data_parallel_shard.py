@@ -1,0 +1,84 @@
+"""``mpidl shard`` on several ranks writes one process's dataset: the same samples in
+each split, the same vocabulary, classes, length, labels and statistics (to rounding
+for a feature's mean and std), whatever the number of ranks. Thread ranks run the
+command's own code path (:func:`mpidl.data.command.main` with a communicator); the
+real-MPI run, a failure injected on one rank and the loader's exactness over the
+result are tests/mpi/test_shard_mpi.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy
+import pytest
+
+from mpidl.data import read_manifest
+from mpidl.data.command import main as shard_main
+from mpidl.data.partition import csv_span
+from mpidl.data.sources import read_csv
+from mpidl.data.text import covering, covering_counts
+from mpidl.testing import run_ranks
+from mpidl.testing.datasets import dataset_differences, sharding_inputs
+
+REPO = Path(__file__).resolve().parents[2]
+SENTENCES = REPO / "tests" / "data" / "sentiment-sentences" / "imdb.tsv"
+
+
+def shard_on(size, argv):
+    """``mpidl shard ARGV`` on ``size`` thread ranks; each rank's exit status."""
+    return run_ranks(size, lambda comm: shard_main(argv, comm=comm), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    return root, sharding_inputs(root, SENTENCES)
+
+
+@pytest.mark.parametrize("case", ["csv", "folder", "npz"])
+def test_two_and_three_ranks_write_one_process_dataset(tmp_path, inputs, case):
+    argv = inputs[1][case] + ["--rows-per-shard", "23", "--seed", "5"]
+    assert shard_on(1, argv + [str(tmp_path / "one")]) == [0]
+    for size in (2, 3):
+        out = tmp_path / f"ranks{size}"
+        assert shard_on(size, argv + [str(out)]) == [0] * size
+        assert dataset_differences(out, tmp_path / "one") == []
+        # each rank wrote its own shards: more of them, still numbered in order
+        shards = read_manifest(str(out / "train")).shards
+        assert [s.file for s in shards] == [f"shard-{i:05d}.h5" for i in range(len(shards))]
+
+
+def test_csv_spans_tile_the_file_at_record_boundaries(inputs):
+    path = str(inputs[0] / "reviews.csv")
+    whole = read_csv(path, "text", "label")
+    for size in (1, 2, 3, 7):
+        spans = run_ranks(size, lambda comm: csv_span(comm, path, quoted=True))
+        assert spans[0].start == 0 and spans[-1].end == os.path.getsize(path)
+        assert all(a.end == b.start for a, b in zip(spans, spans[1:]))
+        parts = [read_csv(path, "text", "label", span=s) for s in spans]
+        assert sum((p[0] for p in parts), []) == whole[0]
+        assert sum((p[1] for p in parts), []) == whole[1]
+
+
+def test_a_bad_line_on_one_rank_is_named_with_its_line_on_every_rank(tmp_path, capsys):
+    path = tmp_path / "bad.csv"
+    rows = [f"text {i},pos" if i % 2 else f"text {i},neg" for i in range(40)]
+    rows[31] = "no label here"
+    path.write_text("text,label\n" + "\n".join(rows) + "\n")
+    errors = run_ranks(3, lambda comm: shard_main(
+        ["--from-csv", str(path), "--text-col", "text", "--label-col", "label",
+         str(tmp_path / "out")], comm=comm), return_exceptions=True)
+    assert errors == [2, 2, 2]  # every rank exits 2; rank 0 alone says why
+    err = capsys.readouterr().err
+    assert err.count("error") == 1 and f"rank 2 of 3: {path}:33: 1 field(s)" in err, err
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_covering_counts_is_numpys_inverted_cdf_percentile():
+    rng = numpy.random.default_rng(0)
+    for n in (1, 2, 3, 10, 99, 100, 101, 1000):
+        lengths = rng.integers(0, 40, n)
+        for q in (0, 1, 50, 90, 95, 99, 100):
+            assert covering_counts(numpy.bincount(lengths), q) == covering(lengths, q)
