@@ -48,6 +48,7 @@ MICRO = "tests/unit/test_microbatches.py::"
 LAYOUTS = "tests/unit/test_layouts.py::"
 PIPE = "tests/unit/test_pipeline.py::"
 SCHED = "tests/unit/test_pipeline_schedule.py::"
+TRAIN_PIPE = "tests/unit/test_train_pipeline.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -1050,5 +1051,128 @@ MUTATIONS: list[Mutation] = [
         mutated="                pass",
         why="--optimizer lars keeps the preset's AdamW rate and decay",
         tests=("tests/unit/test_optimizer_defaults.py",),
+    ),
+    # -- half precision with fp32 master weights (#26: mpidl/optim/master.py, fp32
+    # gradient buckets and units, bfloat16 at the NumPy and MPI boundaries) ---------------
+    Mutation(
+        name="master-not-copied-back",
+        file="mpidl/optim/master.py",
+        original="                p.data[...] = m.data  # in place: buckets and ZeRO shards view p.data",
+        mutated="                pass",
+        why="the fp32 masters are updated but the half parameters forward uses never move",
+        tests=("tests/unit/test_master_weights.py",),
+    ),
+    Mutation(
+        name="master-load-keeps-the-half-values",
+        file="mpidl/optim/master.py",
+        original="            self.inner.state[i][MASTER] = to_device(value, xp).astype(numpy.float32)",
+        mutated="            pass",
+        why="a resumed run's masters restart from the rounded half parameters",
+        tests=("tests/unit/test_master_weights.py",),
+    ),
+    Mutation(
+        name="buckets-keep-half-gradients",
+        file="mpidl/parallel/buckets.py",
+        original="        dtype = first.dtype if grad_dtype is None else grad_dtype",
+        mutated="        dtype = first.dtype",
+        why="half parameters' gradients accumulate and are allreduced in half precision",
+        tests=("tests/unit/test_mixed_precision_ranks.py",),
+    ),
+    Mutation(
+        name="zero-units-keep-half-gradients",
+        file="mpidl/parallel/zero.py",
+        original="                u.grad_dtype = numpy.dtype(grad_dtype)",
+        mutated="                u.grad_dtype = u.dtype",
+        why="ZeRO reduce-scatters half gradients though fp32 ones were asked for",
+        tests=("tests/unit/test_mixed_precision_ranks.py",),
+    ),
+    Mutation(
+        name="bfloat16-matmul-left-float32",
+        file="mpidl/backend.py",
+        original="        return y.astype(a.dtype)",
+        mutated="        return y",
+        why="NumPy's float32 product of bfloat16 operands leaks into the activations",
+        tests=("tests/unit/test_master_weights.py",),
+    ),
+    Mutation(
+        name="linear-bias-gradient-summed-in-bfloat16",
+        file="mpidl/nn/linear.py",
+        original="            gb = gy2.sum(axis=0, out=out, dtype=compute_dtype(gy2.dtype))",
+        mutated="            gb = gy2.sum(axis=0, out=out)",
+        why="a bfloat16 column sum stops growing at 256",
+        tests=("tests/unit/test_master_weights.py",),
+    ),
+    Mutation(
+        name="half-loss-rounded",
+        file="mpidl/functions/loss.py",
+        original="@functools.partial(widened, keep_float32=(0,))",
+        mutated="@functools.partial(widened, keep_float32=())",
+        why="the loss of half logits is rounded to half precision",
+        tests=("tests/unit/test_master_weights.py",),
+    ),
+    Mutation(
+        name="bfloat16-handed-to-mpi-as-is",
+        file="mpidl/comm/datatypes.py",
+        original="    return x.view(numpy.uint16) if is_float16(x) or is_bfloat16(x) else x",
+        mutated="    return x.view(numpy.uint16) if is_float16(x) else x",
+        why="a bfloat16 buffer goes to MPI, which has no type for it",
+        tests=("tests/mpi/test_half_precision.py",),
+    ),
+    # -- mpidl train with pipeline stages and recomputation (train/*.py, #26) ---------------
+    Mutation(
+        name="train-pipeline-step-bypassed",
+        file="mpidl/train/step.py",
+        original="        if run.layout.pipeline is not None:\n            return self._pipelined(",
+        mutated="        if False:\n            return self._pipelined(",
+        why="the trainer's step runs the accumulation loop on a pipelined model",
+        tests=(TRAIN_PIPE + "test_a_pipelined_run_equals_single_rank_gradient_accumulation",),
+    ),
+    Mutation(
+        name="train-pipeline-counts-sequences",
+        file="mpidl/train/step.py",
+        original="        return loss, run.objective.targets(x, None), 0",
+        mutated="        return loss, len(x), 0",
+        why="a pipelined step counts its sequences, not their targets, under its loss sum",
+        tests=(TRAIN_PIPE + "test_a_pipelined_run_equals_single_rank_gradient_accumulation",),
+    ),
+    Mutation(
+        name="train-pipeline-clips-each-stage-alone",
+        file="mpidl/train/layout.py",
+        original="        if self.pipeline is not None:\n            return self.pipeline.clip_grad_norm_",
+        mutated="        if False:\n            return self.pipeline.clip_grad_norm_",
+        why="clipping takes each stage's norm for the model's (no sum over the stages)",
+        tests=(TRAIN_PIPE + "test_a_pipelined_run_equals_single_rank_gradient_accumulation",),
+    ),
+    Mutation(
+        name="train-pipeline-checkpoint-keeps-stage-names",
+        file="mpidl/train/checkpointer.py",
+        original="    return pipeline.module.parts[int(i)].full_name(rest)",
+        mutated="    return rest",
+        why="a stage writes its parts' own names: the stages' blocks.0 collide",
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others",),
+    ),
+    Mutation(
+        name="train-pipeline-generators-of-one-stage",
+        file="mpidl/train/checkpointing.py",
+        original="            ranks.setdefault(str(d), {}).update(s)",
+        mutated="            ranks[str(d)] = s",
+        why="a data rank's dropout generators are saved from one stage, the others lost",
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others",),
+    ),
+    Mutation(
+        name="train-pipeline-schedule-unchecked",
+        file="mpidl/train/layout.py",
+        original="        check_schedule(config.pipeline_schedule, p, m, v)",
+        mutated="        pass",
+        why="fewer microbatches than stages reach the engine instead of exit 2",
+        tests=(TRAIN_PIPE + "test_an_impossible_pipeline_layout_is_a_config_error_saying_what_works",),
+    ),
+    Mutation(
+        name="train-recompute-flag-ignored",
+        file="mpidl/train/build.py",
+        original="        set_recompute(model, config.recompute)",
+        mutated="        set_recompute(model, \"none\")",
+        why="--recompute never reaches the model's blocks",
+        tests=(TRAIN_PIPE + "test_the_recompute_key_sets_every_block",),
     ),
 ]
