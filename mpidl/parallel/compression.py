@@ -114,6 +114,7 @@ def wire_sum_op(wire_dtype: str) -> Any:
     if wire_dtype == "float16":
         return float16_sum_op()  # the communicators' own float16 sum
     if wire_dtype not in _ops:
+        # here: `import mpidl.parallel` loads no mpi4py (a single process needs none)
         from mpi4py import MPI
 
         _ops[wire_dtype] = MPI.Op.Create(_sum_bfloat16, commute=True)

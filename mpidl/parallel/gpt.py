@@ -29,6 +29,7 @@ from typing import Any
 import numpy
 
 from mpidl import functions as F
+from mpidl import models
 from mpidl.autograd import Tensor
 from mpidl.backend import get_array_module, to_device
 from mpidl.models.gpt import GPT
@@ -216,9 +217,7 @@ def parallel_gpt(grid: ProcessGrid, *, sequence_parallel: bool = False, attentio
     Every rank builds the full model from the seed, then keeps its shards: the gathered
     parameters equal the single-rank model's exactly. Collective as :class:`ParallelGPT`.
     """
-    from mpidl.models import gpt
-
-    return ParallelGPT(gpt(**gpt_kwargs), grid, sequence_parallel=sequence_parallel,
+    return ParallelGPT(models.gpt(**gpt_kwargs), grid, sequence_parallel=sequence_parallel,
                        attention=attention)
 
 

@@ -25,6 +25,7 @@ same samples' gradient, so the gradient exchange of data parallelism runs over
 from __future__ import annotations
 
 from mpidl.comm.base import Communicator
+from mpidl.comm.single import SingleCommunicator
 
 
 class ProcessGrid:
@@ -130,8 +131,6 @@ class ProcessGrid:
 
 def single_grid() -> ProcessGrid:
     """The 1 x 1 x 1 grid of a process alone (not collective)."""
-    from mpidl.comm.single import SingleCommunicator
-
     return ProcessGrid(SingleCommunicator())
 
 

@@ -33,6 +33,7 @@ from mpidl import functions as F
 from mpidl.autograd import Function, Tensor
 from mpidl.backend import get_array_module, to_device
 from mpidl.comm.base import Communicator, split_counts
+from mpidl.nn.attention import merge_heads, split_heads
 
 
 class SequenceLayout:
@@ -211,8 +212,6 @@ def ulysses_attention(qkv: Any, comm: Communicator, heads: int, causal: bool,
     if layout.zigzag or layout.size != comm.size:
         raise ValueError(f"ulysses_attention needs a contiguous layout over {comm.size} ranks, "
                          f"got {layout}")
-    from mpidl.nn.attention import merge_heads, split_heads
-
     mask = None
     if layout.has_padding:
         xp = get_array_module(qkv)

@@ -26,15 +26,21 @@ disagrees with the run's (one message, from rank 0); 1 any other error.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import sys
 from typing import Any, Callable, Sequence, TypeVar
 
-# Modules that import NumPy (all of mpidl's below) are imported inside the functions that
-# use them: `mpidl eval --help` and a usage error answer at once, not after loading NumPy
-# and the data stack (0.7 s). None of them imports this module: no cycle is hidden here.
+from mpidl.comm import world
+from mpidl.train.log import Logger, format_table, report_first_error
+from mpidl.train.model_keys import check_model
+
+# The modules that import NumPy (the rest of mpidl's) are imported inside the functions
+# that use them, each marked "lazy": `mpidl eval --help` and a usage error answer at once,
+# not after loading NumPy and the data stack (0.7 s). None of them imports this module: no
+# cycle is hidden here. The ones above load no NumPy.
 
 EXIT_CONFIG = 2
 MAX_SHOWN_CLASSES = 20  # a wider confusion matrix does not fit a terminal: --json has it
@@ -50,10 +56,10 @@ def agreed(comm: Any, prog: str, step: Callable[[], T]) -> T:
     """Run ``step`` on every rank; if it fails on any rank with an error about the user's
     files or options, rank 0 reports the first such error once and every rank raises
     :class:`Refused`. Collective (``step`` itself may be)."""
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.data import DataError
     from mpidl.train.checkpoint import CheckpointError
     from mpidl.train.config import ConfigError
-    from mpidl.train.log import report_first_error
 
     value, error = None, None
     try:
@@ -75,6 +81,7 @@ class TrainedRun:
 
     @property
     def description_file(self) -> str:
+        # lazy: NumPy and the data stack load after --help (see the module's note)
         from mpidl.train.checkpoint import DATASET_FILE
 
         return os.path.join(self.run_dir, DATASET_FILE)
@@ -89,6 +96,7 @@ def open_run(run_dir: str, checkpoint: str | None = None, data: str | None = Non
         FileNotFoundError: not a run directory, or no checkpoint in it.
         ConfigError: its config.toml does not load.
     """
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
     from mpidl.train.config import load_config
 
@@ -107,6 +115,7 @@ def _config_dataset(config: Any) -> str | None:
     if config.data.path:
         return config.data.path
     if config.task in ("reviews", "gpt"):
+        # lazy: NumPy and the data stack load after --help (see the module's note)
         from mpidl.train.task import corpus_cache_dir
 
         return corpus_cache_dir(config)
@@ -121,6 +130,7 @@ def run_description(run: TrainedRun, data_dir: str | None = None) -> Any:
     Raises:
         DataError: a damaged dataset.json, or neither it nor the dataset is there.
     """
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.data import DataError, read_manifest
     from mpidl.data.description import DatasetDescription, read_description
 
@@ -144,12 +154,13 @@ def run_description(run: TrainedRun, data_dir: str | None = None) -> Any:
 def devices(config: Any, comm: Any) -> Any:
     """The array module of ``config.backend``, with this rank's BLAS threads and GPU set
     as ``mpidl train`` sets them. Returns ``xp``."""
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.backend import get_xp, limit_cpu_threads
 
     xp = get_xp(config.backend)
     limit_cpu_threads(comm.local_size)
     if config.backend == "cupy":
-        from hpc.gpu import bind
+        from hpc.gpu import bind  # lazy: only a GPU run binds a device
 
         bind(comm.local_rank)
     return xp
@@ -163,9 +174,9 @@ def load_model(run: TrainedRun, description: Any, xp: Any, doing: str) -> tuple[
         ConfigError: an unknown model, or a checkpoint of another model.
         CheckpointError, FileNotFoundError: the checkpoint does not load.
     """
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.train.checkpoint import CheckpointError, load_checkpoint
     from mpidl.train.model import build_model, load_model_state
-    from mpidl.train.model_keys import check_model
 
     check_model(run.config)
     model = build_model(run.config, description).to(xp)
@@ -180,6 +191,7 @@ def load_model(run: TrainedRun, description: Any, xp: Any, doing: str) -> tuple[
 
 def _test_split(data_dir: str, comm: Any, config: Any) -> tuple[Any, Any]:
     """The test split and the run's objective (what scoring it reads and computes)."""
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.data import DataError, ShardedDataset
     from mpidl.train.objective import objective_for
 
@@ -199,6 +211,7 @@ def _eval_description(run: TrainedRun, data_dir: str, test: Any) -> Any:
     runs, the train split beside ``test``, or ``test`` itself when that is gone. Checked
     to agree with ``test`` (features, vocabulary, classes): the model must read the test
     split as it read its training data. Not collective."""
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.data.format import MANIFEST_NAME
     from mpidl.data.splits import check_splits_agree
 
@@ -218,8 +231,6 @@ def _shown(value: float) -> str:
 def format_confusion(scores: Any, names: Sequence[str]) -> str:
     """The confusion matrix as a table: rows the true class, columns the predicted one,
     and each class's recall; or a line saying why it is not shown."""
-    from mpidl.train.log import format_table
-
     k = scores.num_classes
     if scores.confusion is None or k > MAX_SHOWN_CLASSES:
         return (f"confusion matrix: {k} classes, more than the {MAX_SHOWN_CLASSES} shown here "
@@ -234,6 +245,7 @@ def format_confusion(scores: Any, names: Sequence[str]) -> str:
 
 def _json(obj: dict[str, Any]) -> str:
     """Strict JSON, as metrics.jsonl: a score that is not finite (a diverged model) is null."""
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.train.metrics import jsonable
 
     return json.dumps(jsonable(obj), allow_nan=False)
@@ -260,8 +272,6 @@ def report(scores: Any, names: Sequence[str], state: Any, as_json: bool) -> str:
 
 def run_parser(prog: str, description: str, epilog: str) -> Any:
     """The argument parser of a command on a run: ``RUN_DIR`` and ``--checkpoint``."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a run directory written by `mpidl train`")
@@ -278,9 +288,8 @@ def eval_main(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(list(argv))
 
-    from mpidl.comm import world
+    # lazy: NumPy and the data stack load after --help (see the module's note)
     from mpidl.train.evaluation import evaluate, evaluation_loader
-    from mpidl.train.log import Logger
     from mpidl.train.objective import objective_for
     from mpidl.train.task import prepare_data
 

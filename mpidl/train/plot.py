@@ -26,12 +26,14 @@ from mpidl.train.metrics import read_metrics
 
 
 def _matplotlib():
-    try:  # here: matplotlib is an extra ([plot]), needed by `mpidl plot` alone
+    try:
+        # here: matplotlib is an extra ([plot]), needed by `mpidl plot` alone
         import matplotlib
     except ImportError:
         raise ImportError("mpidl plot needs matplotlib: install it with "
                           "`pip install 'mpidl[plot]'`") from None
     matplotlib.use("Agg")       # files only; no display on a compute node
+    # after use("Agg"): pyplot picks its backend when first imported
     import matplotlib.pyplot as plt
 
     return plt

@@ -54,12 +54,18 @@ from typing import Any, Sequence
 
 import numpy
 
+from hpc.argtypes import positive_int
+from mpidl.backend import as_numpy, to_device
+from mpidl.comm import split_counts, world
+from mpidl.train.inference import (EXIT_CONFIG, Refused, agreed, devices, load_model, open_run,
+                                   run_description, run_parser)
 from mpidl.train.predict_inputs import STDIN, read_inputs
 
-# mpidl's own modules are imported inside the functions that use them, as in
-# mpidl.train.inference: `mpidl predict --help` and a usage error answer before the data
-# stack (h5py) and the engine load. None of them imports this module: no cycle hides here.
-# (mpidl.train.predict_inputs loads its own the same way.)
+# The engine and the data stack are imported inside the functions that use them, each
+# marked "lazy", as in mpidl.train.inference: `mpidl predict --help` and a usage error
+# answer before the data stack (h5py) and the engine load. None of them imports this
+# module: no cycle hides here. (mpidl.train.predict_inputs loads its own the same way.)
+# The modules above add only NumPy.
 
 def format_line(index: int, probabilities: numpy.ndarray, label: int, names: Sequence[str],
                 as_json: bool) -> str:
@@ -91,9 +97,8 @@ def predict(model: Any, inputs: Any, comm: Any, xp: Any, batch: int,
         DataError: on every rank alike (each checks the same gathered scores), before a
             round is written, when an input's scores are not finite.
     """
+    # lazy: the engine and the data stack load after --help (see the module's note)
     from mpidl.autograd import no_grad
-    from mpidl.backend import as_numpy, to_device
-    from mpidl.comm import split_counts
     from mpidl.data import DataError
 
     n, per_round = len(inputs), batch * comm.size
@@ -118,6 +123,7 @@ def predict(model: Any, inputs: Any, comm: Any, xp: Any, batch: int,
 
 def _objective(run: Any, description: Any) -> Any:
     """The run's objective (classification or regression); a language model refused."""
+    # lazy: the engine and the data stack load after --help (see the module's note)
     from mpidl.data import DataError
     from mpidl.train.objective import LanguageModel, objective_for
 
@@ -132,9 +138,6 @@ def _objective(run: Any, description: Any) -> Any:
 
 def main(argv: Sequence[str]) -> int:
     """``mpidl predict RUN_DIR [INPUT] [--checkpoint PATH] [--json] [--batch N]``. Collective."""
-    from hpc.argtypes import positive_int
-    from mpidl.train.inference import run_parser
-
     parser = run_parser("mpidl predict", "Classify new inputs with a run's checkpoint.",
                         __doc__.split("Output (rank 0")[0])
     parser.add_argument("input", nargs="?", default=STDIN,
@@ -148,12 +151,10 @@ def main(argv: Sequence[str]) -> int:
     # Intermixed: `RUN_DIR --checkpoint=C INPUT` leaves INPUT to the optional positional.
     args = parser.parse_intermixed_args(list(argv))
 
+    # lazy: the engine and the data stack load after --help (see the module's note)
     from mpidl import functions as F
     from mpidl.autograd import no_grad
-    from mpidl.comm import world
     from mpidl.data.evaluate import predicted_classes
-    from mpidl.train.inference import (EXIT_CONFIG, Refused, agreed, devices, load_model,
-                                       open_run, run_description)
 
     comm, prog = world(), "mpidl predict"
     try:
@@ -166,6 +167,7 @@ def main(argv: Sequence[str]) -> int:
     except Refused:
         return EXIT_CONFIG
 
+    # lazy: the engine and the data stack load after --help (see the module's note)
     from mpidl.train.objective import Regression
 
     def lines(start: int, logits: numpy.ndarray) -> list[str]:

@@ -19,9 +19,11 @@ from typing import Any, Sequence
 
 import numpy
 
-# mpidl.data (and h5py) load inside the functions that read: `mpidl predict --help` and a
-# usage error answer before the data stack loads (mpidl.train.predict imports this module
-# at its top).
+from hpc.env import stdin_problem
+
+# mpidl.data (and h5py) load inside the functions that read, each marked "lazy":
+# `mpidl predict --help` and a usage error answer before the data stack loads
+# (mpidl.train.predict imports this module at its top).
 
 ARRAY_SUFFIXES = (".npz", ".h5", ".hdf5")
 STDIN = "-"
@@ -66,12 +68,11 @@ def _name(path: str) -> str:
 
 def _read_lines(path: str) -> list[str]:
     """The lines of ``path`` (``-``: standard input), without their line ends."""
+    # lazy: the data stack loads after --help (see the module's note)
     from mpidl.data import DataError
 
     try:
         if path == STDIN:
-            from hpc.env import stdin_problem
-
             problem = stdin_problem()
             if problem:
                 raise DataError(f"standard input does not reach rank 0: {problem}; pass the "
@@ -107,6 +108,7 @@ def _read_lines(path: str) -> list[str]:
 def read_text(path: str, description: Any, comm: Any) -> TextInputs:
     """Rank 0 reads the lines (standard input reaches rank 0 only) and every rank gets
     them. Collective; raises the same DataError on every rank."""
+    # lazy: the data stack loads after --help (see the module's note)
     from mpidl.data import DataError
 
     payload: Any = None
@@ -123,6 +125,7 @@ def read_text(path: str, description: Any, comm: Any) -> TextInputs:
 
 def _pick(names: Sequence[str], path: str) -> str:
     """The array of ``path`` that holds the rows: ``x``, or the only one."""
+    # lazy: the data stack loads after --help (see the module's note)
     from mpidl.data import DataError
 
     if "x" in names:
@@ -135,6 +138,7 @@ def _pick(names: Sequence[str], path: str) -> str:
 
 def _load_rows(path: str) -> tuple[str, numpy.ndarray]:
     """The name and values of the array of rows in the .npz or HDF5 file ``path``."""
+    # lazy: the data stack loads after --help (see the module's note)
     from mpidl.data import DataError, sources
 
     if path.lower().endswith(".npz"):
@@ -144,7 +148,7 @@ def _load_rows(path: str) -> tuple[str, numpy.ndarray]:
                             "predict reads one array of rows: save the rows to classify as x")
         name = _pick(list(splits["train"]), path)
         return name, splits["train"][name]
-    import h5py
+    import h5py  # lazy: only an HDF5 input needs it (and h5py is heavier than NumPy)
 
     try:
         with h5py.File(path, "r", locking=False) as f:
@@ -165,6 +169,7 @@ def read_rows(path: str, description: Any) -> ArrayInputs:
     """The rows to classify from an .npz or HDF5 file, checked against the run's input
     feature (shape, dtype, token ids in the vocabulary) and cast to its dtype. Not
     collective (every rank reads the file)."""
+    # lazy: the data stack loads after --help (see the module's note)
     from mpidl.data import DataError
     from mpidl.data.ranges import bad_rows, value_ranges
 
@@ -201,6 +206,7 @@ def _check_finite(path: str, name: str, rows: numpy.ndarray, cast: numpy.ndarray
                   dtype: numpy.dtype) -> None:
     """DataError naming the first row of ``cast`` (``rows`` as the model reads them)
     that holds NaN or an infinity: the model's scores for it would be NaN."""
+    # lazy: the data stack loads after --help (see the module's note)
     from mpidl.data import DataError
 
     bad = ~numpy.isfinite(cast.reshape(len(cast), -1)).all(axis=1)
