@@ -48,6 +48,7 @@ MICRO = "tests/unit/test_microbatches.py::"
 LAYOUTS = "tests/unit/test_layouts.py::"
 PIPE = "tests/unit/test_pipeline.py::"
 SCHED = "tests/unit/test_pipeline_schedule.py::"
+TRAIN_PIPE = "tests/unit/test_train_pipeline.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -1116,5 +1117,62 @@ MUTATIONS: list[Mutation] = [
         mutated="    return x.view(numpy.uint16) if is_float16(x) else x",
         why="a bfloat16 buffer goes to MPI, which has no type for it",
         tests=("tests/mpi/test_half_precision.py",),
+    ),
+    # -- mpidl train with pipeline stages and recomputation (train/*.py, #26) ---------------
+    Mutation(
+        name="train-pipeline-step-bypassed",
+        file="mpidl/train/step.py",
+        original="        if run.layout.pipeline is not None:\n            return self._pipelined(",
+        mutated="        if False:\n            return self._pipelined(",
+        why="the trainer's step runs the accumulation loop on a pipelined model",
+        tests=(TRAIN_PIPE + "test_a_pipelined_run_equals_single_rank_gradient_accumulation",),
+    ),
+    Mutation(
+        name="train-pipeline-counts-sequences",
+        file="mpidl/train/step.py",
+        original="        return loss, run.objective.targets(x, None), 0",
+        mutated="        return loss, len(x), 0",
+        why="a pipelined step counts its sequences, not their targets, under its loss sum",
+        tests=(TRAIN_PIPE + "test_a_pipelined_run_equals_single_rank_gradient_accumulation",),
+    ),
+    Mutation(
+        name="train-pipeline-clips-each-stage-alone",
+        file="mpidl/train/layout.py",
+        original="        if self.pipeline is not None:\n            return self.pipeline.clip_grad_norm_",
+        mutated="        if False:\n            return self.pipeline.clip_grad_norm_",
+        why="clipping takes each stage's norm for the model's (no sum over the stages)",
+        tests=(TRAIN_PIPE + "test_a_pipelined_run_equals_single_rank_gradient_accumulation",),
+    ),
+    Mutation(
+        name="train-pipeline-checkpoint-keeps-stage-names",
+        file="mpidl/train/checkpointer.py",
+        original="    return pipeline.module.parts[int(i)].full_name(rest)",
+        mutated="    return rest",
+        why="a stage writes its parts' own names: the stages' blocks.0 collide",
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others",),
+    ),
+    Mutation(
+        name="train-pipeline-generators-of-one-stage",
+        file="mpidl/train/checkpointing.py",
+        original="            ranks.setdefault(str(d), {}).update(s)",
+        mutated="            ranks[str(d)] = s",
+        why="a data rank's dropout generators are saved from one stage, the others lost",
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others",),
+    ),
+    Mutation(
+        name="train-pipeline-schedule-unchecked",
+        file="mpidl/train/layout.py",
+        original="        check_schedule(config.pipeline_schedule, p, m, v)",
+        mutated="        pass",
+        why="fewer microbatches than stages reach the engine instead of exit 2",
+        tests=(TRAIN_PIPE + "test_an_impossible_pipeline_layout_is_a_config_error_saying_what_works",),
+    ),
+    Mutation(
+        name="train-recompute-flag-ignored",
+        file="mpidl/train/build.py",
+        original="        set_recompute(model, config.recompute)",
+        mutated="        set_recompute(model, \"none\")",
+        why="--recompute never reaches the model's blocks",
+        tests=(TRAIN_PIPE + "test_the_recompute_key_sets_every_block",),
     ),
 ]

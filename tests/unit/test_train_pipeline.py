@@ -24,12 +24,13 @@ from mpidl.train.config import ConfigError, load_config
 from mpidl.train.layout import plan_layout
 from mpidl.train.signals import PreemptionFlag
 
-# 7 sequences a step (uneven over 2 data ranks and over 3 microbatches), dropout on, a
-# clipped norm (the gpt preset's 1.0): every part of the step is compared.
+# 7 sequences a step (uneven over 2 data ranks and over 3 microbatches), dropout on, the
+# norm clipped to 0.05 (the preset's 1.0 clipped nothing here: a stage-local norm went
+# unnoticed, mutation train-pipeline-clips-each-stage-alone): every part of the step.
 TINY = ["gpt", "--data.num-train=56", "--data.num-test=9", "--global-batch=7",
         "--steps=3", "--epochs=1", "--progress=never", "--keep-freed-memory=false",
         "--model.dtype=float64", "--model.layers=4", "--model.dim=16", "--model.dropout=0.1",
-        "--log-every=1", "--microbatches=3"]
+        "--log-every=1", "--microbatches=3", "--clip-grad-norm=0.05"]
 
 
 def train(tmp_path, ranks, run_dir, *args):
