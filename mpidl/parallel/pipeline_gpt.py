@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from mpidl import functions as F
+from mpidl import models
 from mpidl.autograd import Tensor
 from mpidl.comm.base import split_counts
 from mpidl.models.gpt import GPT
@@ -195,9 +196,7 @@ def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b"
     even as possible; ``layers`` is the GPT's own argument, the total). ``wrapper``: as
     :class:`~mpidl.parallel.pipeline.PipelineModel`.
     """
-    from mpidl.models import gpt
-
-    return pipeline_model(gpt(**gpt_kwargs), grid, microbatches=microbatches,
+    return pipeline_model(models.gpt(**gpt_kwargs), grid, microbatches=microbatches,
                           schedule=schedule, virtual_stages=virtual_stages,
                           part_layers=part_layers, sequence_parallel=sequence_parallel,
                           attention=attention, wrapper=wrapper)

@@ -105,3 +105,49 @@ def test_the_trainers_pieces_do_not_import_the_loop():
     for name in TRAINER_PIECES:
         if name != "trainer":
             assert "mpidl.train.trainer" not in train_imports(TRAIN / f"{name}.py"), name
+
+
+# Every module of train/ and parallel/ (#24): an import inside a function hides what a
+# module depends on, so one says why beside it (a cycle it breaks, a heavy or optional
+# import it defers), as a comment on its line or on the line above it or above the
+# imports directly before it ("# lazy: ... (see the module's note)").
+PACKAGES = (TRAIN, ROOT / "mpidl" / "parallel")
+
+
+def unexplained_function_imports(source: str) -> list[int]:
+    """Lines of the imports inside functions of ``source`` with no reason beside them."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    imports = {n for fn in ast.walk(tree)
+               if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+               for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    in_import = {i for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                 for i in range(n.lineno, n.end_lineno + 1)}
+    bad = []
+    for n in imports:
+        above = n.lineno - 1
+        while above in in_import:  # a group of imports shares the comment above it
+            above -= 1
+        own = any("#" in lines[i - 1] for i in range(n.lineno, n.end_lineno + 1))
+        if not own and not (above >= 1 and lines[above - 1].strip().startswith("#")):
+            bad.append(n.lineno)
+    return sorted(bad)
+
+
+def test_every_function_local_import_in_train_and_parallel_says_why():
+    bad = [f"{path.relative_to(ROOT)}:{line}" for package in PACKAGES
+           for path in sorted(package.glob("*.py"))
+           for line in unexplained_function_imports(path.read_text())]
+    assert not bad, ("imports inside functions without a reason beside them (move them to "
+                     "the top, or say which cycle or heavy import keeps them here): "
+                     + ", ".join(bad))
+
+
+def test_the_reason_finder_wants_a_comment_beside_each_group():
+    source = ("import os\n\n\n"
+              "def f():\n    import json\n\n\n"                          # 5: no reason
+              "def g():\n    # lazy: heavy\n    from x import (a,\n        b)\n"
+              "    import sys\n\n\n"                                       # grouped: fine
+              "def h():\n    import re  # here: optional\n    x = 1\n"
+              "    import csv\n")                                          # 18: alone again
+    assert unexplained_function_imports(source) == [5, 18]
