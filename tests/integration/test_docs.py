@@ -167,7 +167,7 @@ COVERED = {
                 "mpidl train --zero on the reviews task, and every stage on gpt"),
     r"mpiexec -n \d mpidl train gpt (--tensor-parallel \d|--sequence-parallel \w+|--sequence-parallel-size \d|--megatron-sequence-parallel| )+":
         Covered((IT + "test_gpt_model_parallel.py::test_every_layout_trains_the_single_rank_models_steps",)),
-    r"mpiexec -n \d mpidl train gpt --pipeline-parallel \d (--schedule \w+ |--microbatches \d+ |--recompute \w+ )+--steps \d+":
+    r"mpiexec -n \d mpidl train gpt --pipeline-parallel \d( --schedule \w+| --microbatches \d+| --recompute \w+| --tensor-parallel \d| --steps \d+)+":
         Covered((UNIT + "test_train_pipeline.py::test_a_pipelined_run_equals_single_rank_gradient_accumulation",
                  UNIT + "test_train_pipeline.py::test_recomputation_trains_bit_for_bit_as_keeping_the_activations"),
                 "the whole command on thread ranks, against the single-rank run"),
