@@ -1,14 +1,19 @@
-"""Run the whole test suite: the single-process tests once, the MPI tests at 1, 2 and 3 ranks.
+"""Run the whole test suite: the single-process tests once, the MPI tests at 1, 2 and 3 ranks,
+and the many-rank tier at 8 and 16.
 
 The single-process tests run as three launches, each with its own limit and report:
 tests/unit with tests/integration, tests/slurm (a local Slurm), and tests/cluster (virtual
 nodes in network namespaces); the last two skip with the reason where they cannot run
 (not root, packages missing).
 
+The many-rank tier (tests/many) runs as the MPI tests do, at 8 and 16 ranks on however many
+cores there are (oversubscribed); its watchdog test runs with the single-process tests.
+
 Usage (from the repository root, in the environment mpidl is installed in)::
 
     python tests/run.py                  # everything
     python tests/run.py --sizes 2        # only the MPI tests, at 2 ranks
+    python tests/run.py --many-sizes 16  # only the many-rank tier, at 16 ranks
     python tests/run.py --no-mpi         # only the single-process tests
     python tests/run.py -- -k sampler    # extra arguments go to every pytest
 
@@ -36,10 +41,11 @@ sys.path.insert(0, ROOT)  # so that `python tests/run.py` finds mpidl from a che
 
 # The single-process tiers, each its own launch with its own limit and report: a tier
 # that hangs or runs long is named, and the others still report.
-SINGLE = {"unit and integration": ["tests/unit", "tests/integration"],
+SINGLE = {"unit and integration": ["tests/unit", "tests/integration", "tests/many"],
           "Slurm": ["tests/slurm"],
           "virtual cluster": ["tests/cluster"]}
 MPI = ["tests/mpi"]
+MANY = ["tests/many"]
 
 
 def _counts(xml_path: str) -> dict[str, int]:
@@ -116,13 +122,14 @@ def run_single(name: str, paths: list[str], pytest_args: list[str], report_dir: 
     return (0 if code == 5 else code), _counts(xml)
 
 
-def run_mpi(size: int, pytest_args: list[str], report_dir: str, timeout: float) -> tuple[int, dict]:
+def run_mpi(size: int, pytest_args: list[str], report_dir: str, timeout: float,
+            paths: list[str] = MPI, name: str = "mpi") -> tuple[int, dict]:
     from mpidl.testing.launch import LaunchTimeout, mpiexec
 
-    sub = os.path.join(report_dir, f"mpi-{size}")
+    sub = os.path.join(report_dir, f"{name}-{size}")
     os.makedirs(sub, exist_ok=True)
-    args = [sys.executable, os.path.join(HERE, "run.py"), "--worker", sub, "--", *MPI, *pytest_args]
-    print(f"\n=== MPI tests on {size} rank{'s' if size > 1 else ''}", flush=True)
+    args = [sys.executable, os.path.join(HERE, "run.py"), "--worker", sub, "--", *paths, *pytest_args]
+    print(f"\n=== {' '.join(paths)} on {size} rank{'s' if size > 1 else ''}", flush=True)
     try:
         result = mpiexec(size, args, timeout=timeout, cwd=ROOT)
     except LaunchTimeout as e:
@@ -151,6 +158,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sizes", default=None,
                         help="MPI sizes to run tests/mpi at (default 1,2,3); given alone, "
                              "only the MPI tests run")
+    parser.add_argument("--many-sizes", default=None,
+                        help="sizes to run the many-rank tier (tests/many) at (default 8,16); "
+                             "given alone, only that tier runs")
     parser.add_argument("--no-mpi", action="store_true", help="skip the MPI tests")
     parser.add_argument("--no-single", action="store_true", help="skip the single-process tests")
     # Per launch: the unit and integration tiers took ~880 s on CI's 2-core machine
@@ -165,15 +175,21 @@ def main(argv: list[str]) -> int:
     installed_before = not installation_problems()
     with tempfile.TemporaryDirectory(prefix="mpidl-tests-") as report_dir:
         # `--sizes 2` asks for the MPI tests at 2 ranks, not for the whole suite too.
-        single = not args.no_single and args.sizes is None
+        single = not args.no_single and args.sizes is None and args.many_sizes is None
         runs = [] if not single else [
             (f"single-process, {name}", lambda name=name, paths=paths: run_single(
                 name, paths, args.pytest_args, report_dir, args.timeout))
             for name, paths in SINGLE.items()]
-        if not args.no_mpi:
+        if not args.no_mpi and args.many_sizes is None or args.sizes is not None:
             for n in (int(s) for s in (args.sizes or "1,2,3").split(",") if s):
                 runs.append((f"MPI at {n} ranks", lambda n=n: run_mpi(
                     n, args.pytest_args, report_dir, args.timeout)))
+        # The many-rank tier: 8 and 16 ranks took 121 s with a load of ~24 on 2 cores
+        # (2026-12-02; its watchdog test, in the single-process launch, 21 s).
+        if not args.no_mpi and args.sizes is None or args.many_sizes is not None:
+            for n in (int(s) for s in (args.many_sizes or "8,16").split(",") if s):
+                runs.append((f"many ranks: {n}", lambda n=n: run_mpi(
+                    n, args.pytest_args, report_dir, args.timeout, MANY, "many")))
         for name, run in runs:
             code, counts = run()
             if code != 0 and not counts["failed"]:

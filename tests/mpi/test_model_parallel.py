@@ -209,9 +209,10 @@ def test_vocab_parallel_hits_are_the_full_logits_argmax_hits_ties_included(comm)
     from mpidl.parallel.vocab import vocab_parallel_hits
 
     rng = numpy.random.default_rng(0)
-    vocab, n = 7, 40
+    vocab, n = max(7, comm.size), 40  # a column or more on every rank, at any size
     logits = rng.integers(0, 3, size=(n, vocab)).astype(numpy.float64)  # ties in most rows
     labels = rng.integers(0, vocab, size=n)
+    labels[1::4] = logits.argmax(axis=1)[1::4]  # hits at any vocabulary size
     labels[::5] = -1  # ignored
     counts = split_counts(vocab, comm.size)
     start = sum(counts[:comm.rank])
