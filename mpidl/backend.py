@@ -125,6 +125,18 @@ def precision_dtype(precision: str) -> numpy.dtype:
     return numpy.dtype(name)
 
 
+def dtype_name(dtype: Any) -> str:
+    """A name :func:`named_dtype` reads back: NumPy's ``dtype.str`` (byte order
+    included), or "bfloat16", whose ``str`` is an anonymous '<V2'."""
+    dtype = numpy.dtype(dtype)
+    return dtype.name if dtype.name == "bfloat16" else dtype.str
+
+
+def named_dtype(name: str) -> numpy.dtype:
+    """The dtype of a :func:`dtype_name` (bfloat16 imports ml_dtypes first)."""
+    return bfloat16() if name == "bfloat16" else numpy.dtype(name)
+
+
 def is_half(dtype: Any) -> bool:
     """Whether ``dtype`` is a 16-bit float: float16 or bfloat16."""
     dtype = numpy.dtype(dtype)

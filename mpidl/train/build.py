@@ -18,7 +18,7 @@ import numpy
 
 from hpc.gpu import bind
 from mpidl import optim
-from mpidl.backend import get_xp, limit_cpu_threads
+from mpidl.backend import get_xp, is_half, limit_cpu_threads, precision_dtype
 from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
 from mpidl.data.splits import check_splits_agree
 from mpidl.data.stats import majority
@@ -52,7 +52,8 @@ class Run:
         optimizer: over ``dp.parameters()`` (the model's, or this rank's ZeRO shards).
         loader: the training batches of this rank's share (its sampler: seed, epoch).
         eval_loader: every test sample once, in order.
-        loss_scale: a :class:`~mpidl.optim.DynamicLossScale` for float16 parameters,
+        loss_scale: a :class:`~mpidl.optim.DynamicLossScale` for float16 parameters
+            (``--precision fp16``, or ``--model.dtype=float16``; ``--loss-scale``),
             else None.
         total_steps: optimizer steps of the whole run (``epochs`` or ``steps``).
     """
@@ -155,6 +156,16 @@ def apply_recompute(config: Config, model: Any) -> None:
                           "a model with blocks (transformer, gpt)") from e
 
 
+def loss_scale_for(config: Config, params: Any) -> Any:
+    """A :class:`~mpidl.optim.DynamicLossScale` where float16 gradients need one (fp16
+    mixed precision, float16 parameters) or ``--loss-scale dynamic`` asks; else None
+    (bfloat16 has float32's range: Megatron scales it only when asked)."""
+    if config.loss_scale == "none":
+        return None
+    float16 = config.precision == "fp16" or any(p.data.dtype == numpy.float16 for p in params)
+    return optim.DynamicLossScale() if float16 or config.loss_scale == "dynamic" else None
+
+
 def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = None) -> Run:
     """The parts of a run of ``config`` on ``data_dir`` (with ``train/`` and ``test/``
     splits). Collective over ``comm`` (the dataset's checks, the grid's communicators).
@@ -177,6 +188,10 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     if note:
         log.info(note)
     model = build_model(config, train_set)
+    if config.precision != "fp32" and any(is_half(p.data.dtype) for p in model.parameters()):
+        raise ConfigError(f"--precision={config.precision} with 16-bit model parameters "
+                          "(--model.dtype): the first keeps fp32 master weights, the second "
+                          "trains the half parameters themselves; choose one")
     apply_recompute(config, model)
     # Where the model lives: whole on every rank, split over a tensor x sequence grid,
     # or in pipeline stages (mpidl.train.layout); an impossible layout is a ConfigError
@@ -194,6 +209,9 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     def wrap(module: Any, replicas: Any) -> Any:
         """The wrapper that averages ``module``'s gradients over ``replicas``."""
         options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
+        if config.precision != "fp32":  # half parameters, their gradients in fp32
+            module.half_(precision_dtype(config.precision))
+            options["grad_dtype"] = "float32"
         if config.zero:
             return ShardedDataParallel(module, replicas, stage=config.zero,
                                        keep_freed_memory=config.keep_freed_memory, **options)
@@ -213,6 +231,8 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
         dp = wrap(model, layout.replicas)  # gradients are averaged over the replicas
     # What the optimizer updates: the model's parameters, or this rank's shards.
     optimizer = build_optimizer(config, dp.parameters(), layout.tensor_norms(dp))
+    if config.precision != "fp32":
+        optimizer = optim.MasterWeights(optimizer)  # updates fp32 masters of the halves
     data = layout.data  # every rank of a tensor x sequence group reads the same
     sampler = DistributedSampler(len(train_set), config.global_batch, data.rank, data.size,
                                  seed=config.seed, shuffle=config.data.shuffle,
@@ -223,9 +243,7 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
                                     objective.features)
     steps = config.epochs * len(loader)
     total_steps = min(steps, config.steps) if config.steps else steps
-    # float16 parameters (--model.dtype=float16) train with a dynamic loss scale.
-    half = any(p.data.dtype == numpy.float16 for p in dp.parameters())
-    loss_scale = optim.DynamicLossScale() if half else None
+    loss_scale = loss_scale_for(config, dp.parameters())
     return Run(config=config, comm=comm, xp=xp, threads=threads, train_set=train_set,
                test_set=test_set, objective=objective, layout=layout, model=model, dp=dp,
                optimizer=optimizer, loader=loader, eval_loader=eval_loader,

@@ -25,6 +25,7 @@ import dataclasses
 import os
 from typing import Any
 
+from mpidl.backend import dtype_name
 from mpidl.comm.ledger import patience
 from mpidl.parallel import holdings as hold
 from mpidl.parallel import tensor, zero_state
@@ -92,7 +93,7 @@ class Checkpointer:
                 error = f"cannot write a checkpoint part into {directory}: {e}"
         with patience("the ranks write their checkpoint parts"):
             self.comm.check(error is None, str(error))
-        keys = {h.key: (h.shape, h.dtype.str) for h in mine}
+        keys = {h.key: (h.shape, dtype_name(h.dtype)) for h in mine}
         values = {r.key: r.read() for r in ints if r.owner}
         # Small: a row per piece (key, offsets, CRC), no arrays. Every rank gets every
         # table (the communicator has no gather); only rank 0 keeps them.

@@ -174,6 +174,12 @@ class Config:
     # Activation recomputation of transformer blocks: none, selective (the attention
     # scores and probabilities), full (each block keeps its input); mpidl.nn.recompute
     recompute: str = choices("none", "selective", "full", default="none")
+    # Mixed precision: fp16 or bf16 parameters and activations, fp32 master weights and
+    # optimizer state (sharded under ZeRO), gradients reduced in fp32
+    # (mpidl.optim.MasterWeights). loss_scale: auto is dynamic for fp16 (and for
+    # --model.dtype=float16 parameters), none for bf16 and fp32 (as Megatron)
+    precision: str = choices("fp32", "fp16", "bf16", default="fp32")
+    loss_scale: str = choices("auto", "dynamic", "none", default="auto")
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
     keep_freed_memory: bool = True           # glibc keeps freed memory (no page faults
     #                                          re-fetching each step's activations)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy
 
+from mpidl.backend import named_dtype
 from mpidl.parallel.holdings import Held, HeldInt, Key, overlap, whole
 from mpidl.train import checkpoint_file as ckpt
 from mpidl.train.checkpoint_file import CheckpointError
@@ -213,7 +214,7 @@ def load(source: Source, held: Iterable[Held], ints: Iterable[HeldInt] = (),
         if tuple(shape) != tuple(h.shape):
             raise ValueError(f"{h.key.path()} has shape {tuple(shape)} in checkpoint "
                              f"{source.path}, {tuple(h.shape)} in the model")
-        target = numpy.empty(h.count, dtype=numpy.dtype(dtype))
+        target = numpy.empty(h.count, dtype=named_dtype(dtype))
         covered = 0
         first, last = h.bounds
         for piece in source.pieces(h.key):
@@ -240,7 +241,7 @@ def assemble(source: Source, key: Key) -> numpy.ndarray:
     """The whole tensor ``key`` from its pieces (for a full checkpoint, or eval)."""
     shape, dtype = source.keys[key]
     size = int(numpy.prod(shape, dtype=numpy.int64))
-    out = numpy.empty(size, dtype=numpy.dtype(dtype))
+    out = numpy.empty(size, dtype=named_dtype(dtype))
     mine = whole((size,))
     covered = 0
     for piece in source.pieces(key):
