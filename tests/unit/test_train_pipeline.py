@@ -87,6 +87,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("ranks, layout", [
     (2, ["--pipeline-parallel=2"]),
     (4, ["--pipeline-parallel=2", "--tensor-parallel=2", "--megatron-sequence-parallel"]),
+    (4, ["--pipeline-parallel=2", "--sequence-parallel=ring"]),  # loss shares over s = 2
     (2, ["--pipeline-parallel=2", "--pipeline-schedule=interleaved", "--virtual-stages=2",
          "--microbatches=4"]),
     # Two data ranks draw dropout masks of their own: dropout off, against its reference.
