@@ -120,6 +120,16 @@ def test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others(r
     assert_same(state(tmp, "moves"), single_rank(tmp, off))
 
 
+def test_a_pipeline_checkpoint_under_zero_1_resumes_bit_for_bit(reference):
+    # Each stage's ZeRO blocks under the single-rank names; two data ranks, whose dropout
+    # generators are saved by data rank.
+    tmp, _ = reference
+    args = ["--pipeline-parallel=2", "--zero=1", "--schedule=gpipe"]
+    assert train(tmp, 4, "z-stop", *args, "--stop-at-step=2") == [0] * 4
+    assert train(tmp, 4, "z-stop", *args) == [0] * 4
+    assert_same(state(tmp, "z-stop"), once(tmp, 4, *args), exact=True)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--pipeline-parallel=4", "--microbatches=2"],
      "2 microbatches for 4 stages; use at least 4"),
