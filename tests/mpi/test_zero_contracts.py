@@ -327,3 +327,34 @@ def test_stage_3_reduces_in_one_order_when_a_rank_leaves_a_parameter_without_gra
         reference_step(ref_opt, every_ranks_loss(ref, comm.size, lambda r: r == 0))
         assert_same_as(comm, sdp, ref, f"step {step}")
     sdp.close()
+
+
+class StartedGathers:
+    """The replicas' communicator, counting the non-blocking allgathers started on it
+    (stage 3's prefetches); every call goes through to the real one."""
+
+    def __init__(self, comm):
+        self.comm, self.started = comm, 0
+
+    def iallgather(self, x):
+        self.started += 1
+        return self.comm.iallgather(x)
+
+
+def test_stage_3_prefetches_the_next_units_gather_in_forward_and_backward(comm):
+    # Three units (the blocks; the model holds nothing else). The first forward learns
+    # the order, so only its backward prefetches (units 1 and 0, behind 2 and 1); every
+    # later step prefetches the next unit in forward too: L - 1, then 2 (L - 1) a step.
+    # The numbers do not change without prefetching, only the overlap is lost.
+    sdp = ShardedDataParallel(Blocks(), comm, stage=3)
+    counted = sdp.gathers.comm = StartedGathers(comm)
+    opt = SGD(sdp.parameters(), lr=0.1)
+    started = []
+    for _ in range(3):
+        sdp.backward(F.sum(sdp(numpy.full((2, 4), comm.rank + 1.0), True)), global_count=2)
+        opt.step()
+        opt.zero_grad()
+        started.append(counted.started)
+    sdp.close()
+    assert_all_ranks(comm, started == [2, 6, 10],
+                     f"prefetches started after each of 3 steps: {started}, not [2, 6, 10]")

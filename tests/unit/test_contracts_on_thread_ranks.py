@@ -54,6 +54,7 @@ CASES = [
        {"stage": s}) for s in STAGES],
     (ZERO, "test_stage_3_reduces_in_one_order_when_a_rank_leaves_a_parameter_without_gradient",
      {}),
+    (ZERO, "test_stage_3_prefetches_the_next_units_gather_in_forward_and_backward", {}),
     ("test_zero", "test_each_stage_equals_data_parallel_with_sgd_momentum_and_clipping",
      {"stage": 2}),
     ("test_zero", "test_accumulating_over_micro_batches_equals_one_big_batch", {"stage": 3}),
