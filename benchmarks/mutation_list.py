@@ -49,6 +49,7 @@ LAYOUTS = "tests/unit/test_layouts.py::"
 PIPE = "tests/unit/test_pipeline.py::"
 SCHED = "tests/unit/test_pipeline_schedule.py::"
 TRAIN_PIPE = "tests/unit/test_train_pipeline.py::"
+PSHARD = "tests/unit/test_data_parallel_shard.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -1160,6 +1161,14 @@ MUTATIONS: list[Mutation] = [
         tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others",),
     ),
     Mutation(
+        name="train-pipeline-zero-blocks-not-refreshed",
+        file="mpidl/train/checkpointer.py",
+        original="        if self.zero:\n            zero_state.refresh_after_load(self.pipeline.wrapped)",
+        mutated="        if False:\n            zero_state.refresh_after_load(self.pipeline.wrapped)",
+        why="a resumed ZeRO stage trains on its parameters from before the load",
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_under_zero_1_resumes_bit_for_bit",),
+    ),
+    Mutation(
         name="train-pipeline-schedule-unchecked",
         file="mpidl/train/layout.py",
         original="        check_schedule(config.pipeline_schedule, p, m, v)",
@@ -1174,6 +1183,48 @@ MUTATIONS: list[Mutation] = [
         mutated="        set_recompute(model, \"none\")",
         why="--recompute never reaches the model's blocks",
         tests=(TRAIN_PIPE + "test_the_recompute_key_sets_every_block",),
+    ),
+    # -- parallel sharding (#28: mpidl/data/parallel.py, partition.py, the mergeable
+    # statistics of stats.py and text.py): what N ranks must merge to equal one process --
+    Mutation(
+        name="shard-parallel-vocab-of-one-rank",
+        file="mpidl/data/parallel.py",
+        original="    vocab = agreed(comm, text_mod.vocab_from_counts, total, vocab_size, min_freq)",
+        mutated="    vocab = agreed(comm, text_mod.vocab_from_counts, words, vocab_size, min_freq)",
+        why="each rank's vocabulary from its own texts' word counts, not the sum over ranks",
+        tests=(PSHARD + "test_two_and_three_ranks_write_one_process_dataset[csv]",),
+    ),
+    Mutation(
+        name="shard-csv-cut-inside-quotes",
+        file="mpidl/data/partition.py",
+        original="                          quoted and before_q % 2 == 1, quoted, size)",
+        mutated="                          False, quoted, size)",
+        why="a rank's CSV range starts at any newline, even one inside a quoted field",
+        tests=(PSHARD + "test_csv_spans_tile_the_file_at_record_boundaries",),
+    ),
+    Mutation(
+        name="stats-merge-drops-between-part-variance",
+        file="mpidl/data/stats.py",
+        original="        out[\"m2\"] += p[\"m2\"] + delta * delta * out[\"n\"] * p[\"n\"] / total",
+        mutated="        out[\"m2\"] += p[\"m2\"]",
+        why="merged parts' std leaves out the spread between the parts' means",
+        tests=(PSHARD + "test_two_and_three_ranks_write_one_process_dataset[npz]",),
+    ),
+    Mutation(
+        name="histogram-percentile-one-too-high",
+        file="mpidl/data/text.py",
+        original="    return int(numpy.searchsorted(numpy.cumsum(counts), need, side=\"left\"))",
+        mutated="    return int(numpy.searchsorted(numpy.cumsum(counts), need, side=\"right\"))",
+        why="a percentile from summed histograms one value past NumPy's inverted CDF",
+        tests=(PSHARD + "test_covering_counts_is_numpys_inverted_cdf_percentile",),
+    ),
+    Mutation(
+        name="shard-parallel-test-split-one-row-more",
+        file="mpidl/data/parallel.py",
+        original="    orders = {\"train\": _order(positions, positions < n - n_test, shuffle)}",
+        mutated="    orders = {\"train\": _order(positions, positions <= n - n_test, shuffle)}",
+        why="the ranks' train split takes a row of the test split too",
+        tests=(PSHARD + "test_two_and_three_ranks_write_one_process_dataset[npz]",),
     ),
     # -- ZeRO's gathers and their stage-3 schedule (mpidl/parallel/zero_gather.py, #24) -----
     Mutation(
