@@ -122,6 +122,14 @@ COVERED = {
     r"mpiexec -n 3 python -m pytest --with-mpi tests/mpi":
         Covered((UNIT + "test_run.py::test_a_run_in_this_environment_passes_the_installation_check",),
                 "tests/run.py launches this at 1, 2 and 3 ranks"),
+    r"mpiexec -n \d mpidl shard --from-csv IMDB\.csv .* data/imdb":
+        Covered(("tests/mpi/test_shard_mpi.py::test_every_input_kind_gives_one_process_dataset",
+                 UNIT + "test_data_parallel_shard.py::"
+                 "test_two_and_three_ranks_write_one_process_dataset"),
+                "the same dataset as one process, CSV, folder and npz, at 1-3 MPI and thread ranks"),
+    r"mpiexec -n \d mpidl shard --verify data/imdb":
+        Covered(("tests/mpi/test_shard_mpi.py::test_verify_on_every_rank_names_the_bad_shard",),
+                "one verdict on every rank, naming the flipped shard"),
     r"mpiexec -n \d mpidl train":
         Covered((IT + "test_train.py::test_default_job_reaches_its_accuracy",)),
     r"mpiexec -n \d mpidl train reviews-transformer --epochs=3":
