@@ -20,7 +20,9 @@ the rank waits in (the communicators' :mod:`~mpidl.comm.ledger`):
   exiting normally waits for the others at exit, as MPI_Finalize would.
 
 Waits on known long work of one rank (others waiting while rank 0 writes a checkpoint)
-are marked with :func:`mpidl.comm.ledger.patience` and exempt from the timeout.
+are marked with :func:`mpidl.comm.ledger.patience` and get :data:`PATIENCE` times the
+timeout: a node lost while the others wait there (its link cut while the ranks write a
+checkpoint) would otherwise hold them for ever, as it did (issue 32).
 
 The watchdog runs only where the job asks for it: every ``mpidl`` command enables it
 (:func:`enable`, before the world communicator is made), and ``MPIDL_TIMEOUT=SECONDS``
@@ -45,6 +47,8 @@ DEFAULT_TIMEOUT = 600.0  # seconds; PyTorch's NCCL watchdog default is 10 minute
 POLL = 0.25              # seconds between the thread's looks
 ANSWER = 5.0             # seconds a reporter waits for the other ranks' answers
 EXIT_GRACE = 5.0         # seconds a wait may outlast the exit of a rank it needs
+PATIENCE = 10            # timeouts a patient wait may last (ledger.patience): 100 min at
+                         # the default, for a checkpoint or a corpus written by one rank
 # The job's exit status after the watchdog aborts it: 124, as timeout(1) ends a command
 # that ran past its limit, so that a batch script can tell a hang from a divergence or
 # a traceback (both 1). Open MPI's mpiexec exits with the MPI_Abort code (measured).
@@ -196,9 +200,12 @@ class Watchdog:
                     return self._trouble(f"rank {r} has exited (status {self.exited[r][1]}) "
                                          f"while rank {self.rank} waits in {where}, which "
                                          "needs it", ledger.key, entry)
-            if not entry.patient and now - entry.start >= self.timeout:
+            limit = self.timeout * (PATIENCE if entry.patient else 1)
+            if now - entry.start >= limit:
+                allowed = (f"{PATIENCE} times the timeout, a patient wait ({entry.patient})"
+                           if entry.patient else "the timeout")
                 return self._trouble(f"rank {self.rank} has waited in {where} longer than "
-                                     f"the timeout ({self.timeout:g} s: MPIDL_TIMEOUT or the "
+                                     f"{allowed} ({limit:g} s: MPIDL_TIMEOUT or the "
                                      "trainer's 'timeout' key)", ledger.key, entry)
 
     def _trouble(self, reason: str, key: str, entry: Any) -> None:
