@@ -15,7 +15,8 @@ from typing import Any
 import numpy
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import compute_dtype, get_array_module, is_cupy, is_half
+from mpidl.backend import get_array_module, is_cupy
+from mpidl.functions.half import widened
 from mpidl.functions.math import sum_last_axis
 
 # -- erf ------------------------------------------------------------------------------
@@ -241,16 +242,15 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_TANH_C = 0.044715
 
 
+# 16-bit floats are computed in float32 and rounded once at the end (as PyTorch): in
+# float16, 1 + erf cancels near x = -3 (8% off) and x * x overflows past 256.
+@widened
 class GELU(Function):
     """GELU on cache-sized blocks (see ``_blocks``), exact (erf) or tanh-approximated."""
 
     def forward(self, x):
         xp = get_array_module(x)
-        # 16-bit floats are computed in float32 and rounded once at the end (as PyTorch):
-        # in float16, 1 + erf cancels near x = -3 (8% off) and x * x overflows past 256.
         out_dtype = x.dtype
-        if is_half(x.dtype):
-            x = x.astype(compute_dtype(x.dtype))
         xf = xp.ascontiguousarray(x).reshape(-1)
         y = xp.empty_like(xf)
         # Saved for backward: Phi(x) for the exact form, tanh(u) for the approximation.
