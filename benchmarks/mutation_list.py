@@ -1258,4 +1258,30 @@ MUTATIONS: list[Mutation] = [
             "the whole model gathered at once, the memory promise broken",
         tests=("tests/mpi/test_zero.py::test_bytes_per_step_match_the_theory",),
     ),
+    # -- mpidl launch after a lost node (hpc/launch.py, #32) ---------------------------------
+    Mutation(
+        name="launch-trusts-mpiexecs-zero-after-a-lost-daemon",
+        file="hpc/launch.py",
+        original="        if code != 0 or not self.lost:\n            return code",
+        mutated="        if True:\n            return code",
+        why="mpidl launch passes on Open MPI 5.0.11's exit 0 after it lost a node's daemon: "
+            "a job that lost a node reads as a success",
+        tests=("tests/unit/test_launch.py::test_a_job_that_lost_a_node_never_exits_0",),
+    ),
+    Mutation(
+        name="launch-sees-a-lost-daemon-only-on-the-last-line",
+        file="hpc/launch.py",
+        original="            self.lost = self.lost or LOST_DAEMON in line",
+        mutated="            self.lost = LOST_DAEMON in line",
+        why="the lost daemon is forgotten when mpiexec writes anything after it",
+        tests=("tests/unit/test_launch.py::test_a_job_that_lost_a_node_never_exits_0",),
+    ),
+    Mutation(
+        name="launch-a-lost-node-without-an-abort-exits-0",
+        file="hpc/launch.py",
+        original="        status = int(found.group(1)) if found else 1",
+        mutated="        status = int(found.group(1)) if found else 0",
+        why="a job that lost a node but had no MPI_Abort still reads as a success",
+        tests=("tests/unit/test_launch.py::test_a_job_that_lost_a_node_never_exits_0",),
+    ),
 ]
