@@ -146,7 +146,8 @@ def uninterrupted(cluster, tmp_path_factory, gpt_cache):
     return run
 
 
-@pytest.mark.parametrize("fault", ["link cut", "ranks killed"])
+# Only the cut (the ranks killed resume the same way, measured; ~40 s more a run)
+@pytest.mark.parametrize("fault", ["link cut"])
 def test_the_last_checkpoint_before_a_lost_node_resumes_bit_for_bit(
         cluster, tmp_path, gpt_cache, uninterrupted, fault):
     from test_gpt_model_parallel import parameters
