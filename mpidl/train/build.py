@@ -156,6 +156,20 @@ def apply_recompute(config: Config, model: Any) -> None:
                           "a model with blocks (transformer, gpt)") from e
 
 
+def check_precision(config: Config, plan: Any) -> None:
+    """ConfigError for ``--precision fp16|bf16`` on a split model: mixed precision runs
+    with data parallelism and ZeRO 1-3. The tensor, sequence and pipeline layouts
+    reduce and exchange 16-bit activations and tied gradients, which MPI cannot add in
+    bfloat16 (mpidl.comm.datatypes) and which their code does not widen yet."""
+    split = [f"--{name}" for name, on in (("tensor-parallel", plan.tensor > 1),
+                                            ("sequence-parallel", plan.sequence > 1),
+                                            ("pipeline-parallel", plan.pipeline > 1)) if on]
+    if config.precision != "fp32" and split:
+        raise ConfigError(f"--precision={config.precision} with {' and '.join(split)}: "
+                          "mixed precision runs with data parallelism and --zero 1-3 "
+                          "only; use --precision=fp32 on a split model")
+
+
 def loss_scale_for(config: Config, params: Any) -> Any:
     """A :class:`~mpidl.optim.DynamicLossScale` where float16 gradients need one (fp16
     mixed precision, float16 parameters) or ``--loss-scale dynamic`` asks; else None
@@ -199,6 +213,7 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     length = max(int(train_set.features["x"].shape[-1]) - 1, 1) if config.task == "gpt" else 1
     layout = Layout(plan_layout(config, comm.size, model, length), comm)
     check_microbatches(config, layout.data.size)
+    check_precision(config, layout.plan)
     if layout.grid is not None:
         objective = objective.split_over(layout.grid)
         log.info(f"model layout: {layout.plan.describe()}")

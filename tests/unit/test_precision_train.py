@@ -95,3 +95,17 @@ def test_a_loss_scale_overflow_skips_the_step_on_every_rank(data):
 def test_precision_with_float16_model_parameters_is_refused(data):
     with pytest.raises(ConfigError, match="choose one"):
         losses(data, "bf16", extra=["--model.dtype=float16"])
+
+
+def split_model(comm, data):
+    cache, directory = data
+    config = load_config("gpt", [*TINY, f"--data.cache-dir={cache}", "--precision=bf16",
+                                 "--tensor-parallel=2"])
+    with pytest.raises(ConfigError) as raised:
+        build_run(config, comm, directory)
+    return str(raised.value)
+
+
+def test_precision_on_a_split_model_is_refused_on_every_rank(data):
+    for message in run_ranks(2, split_model, data):
+        assert "--tensor-parallel" in message and "--zero 1-3" in message
