@@ -261,18 +261,17 @@ def _write(args: argparse.Namespace, comm: Any) -> dict[str, Manifest]:
         write_text = functools.partial(write_text_shards_parallel, comm)
         write_arrays = functools.partial(write_shards_parallel, comm)
     if args.from_csv and args.feature_cols:
-        if parallel:
-            raise DataError(f"{args.from_csv}: --feature-cols is read by one process only; "
-                            "run `mpidl shard` without mpiexec for a numeric CSV")
         targets = args.target_cols.split(",") if args.target_cols else []
-        arrays, names = sources.read_csv_arrays(
+        read = functools.partial(partition.read_csv_arrays_share, comm) if parallel \
+            else sources.read_csv_arrays
+        arrays, names = read(
             args.from_csv, args.feature_cols.split(","), targets, label_col=args.label_col,
             classes=classes, delimiter=_delimiter(args), header=not args.no_header)
         if names is None:  # regression: the target names (or numbers) are what predict prints
-            return write_shards(args.out_dir, arrays, test_fraction=args.test_fraction,
+            return write_arrays(args.out_dir, arrays, test_fraction=args.test_fraction,
                                 labels=None, source=args.from_csv,
                                 metadata={"targets": targets}, **common)
-        return write_shards(args.out_dir, arrays, test_fraction=args.test_fraction,
+        return write_arrays(args.out_dir, arrays, test_fraction=args.test_fraction,
                             labels="y", num_classes=len(names), source=args.from_csv,
                             metadata={"classes": names}, **common)
     if args.from_csv:

@@ -32,6 +32,7 @@ from mpidl.data import sources
 from mpidl.data.format import DataError
 from mpidl.data.parallel import agreed
 from mpidl.data.sources import Span
+from mpidl.data.text import default_classes
 
 _BLOCK = 16 << 20  # bytes read at a time
 
@@ -130,3 +131,24 @@ def read_folder_share(comm: Any, root: str, classes: list[str] | None = None
     texts = agreed(comm, lambda: {name: sources.read_texts(paths)
                                   for name, (paths, _) in mine.items()})
     return {name: (texts[name], labels) for name, (_, labels) in mine.items()}, found
+
+
+def read_csv_arrays_share(comm: Any, path: str, feature_cols: Sequence[str | int],
+                          target_cols: Sequence[str | int] = (), *,
+                          label_col: str | int | None = None,
+                          classes: Sequence[str] | None = None, delimiter: str | None = None,
+                          header: bool = True) -> tuple[dict[str, Any], list[str] | None]:
+    """This rank's rows of :func:`mpidl.data.sources.read_csv_arrays`: its span's
+    numbers, and labels as ids of the class names every rank agrees on (given, or the
+    sorted union of every rank's labels). Collective; errors raised on every rank."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    span = csv_span(comm, path, quoted=True)
+    arrays, labels = agreed(comm, sources.read_csv_columns, path, feature_cols, target_cols,
+                            label_col=label_col, delimiter=delimiter, header=header, span=span)
+    if labels is None:
+        return arrays, None
+    if classes is None:
+        seen = comm.allgather_obj(set(labels.labels))
+        classes = default_classes(set().union(*seen))
+    return agreed(comm, sources.encode_csv_labels, path, arrays, labels, classes)

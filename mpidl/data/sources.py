@@ -198,15 +198,36 @@ def read_csv_arrays(path: str, feature_cols: Sequence[str | int],
         DataError: a column that is not there, a field that is not a number, or a label
             not among ``classes`` (naming the file, the line and the column).
     """
-    from mpidl.data.text import encode_labels
+    arrays, labels = read_csv_columns(path, feature_cols, target_cols, label_col=label_col,
+                                      delimiter=delimiter, header=header, encoding=encoding)
+    if labels is None:
+        return arrays, None
+    return encode_csv_labels(path, arrays, labels, classes)
 
+
+class CsvLabels(NamedTuple):
+    """The label strings of a CSV file's rows, their line numbers and the column."""
+
+    labels: list[str]
+    lines: list[int]
+    column: str | int
+
+
+def read_csv_columns(path: str, feature_cols: Sequence[str | int],
+                     target_cols: Sequence[str | int] = (), *,
+                     label_col: str | int | None = None, delimiter: str | None = None,
+                     header: bool = True, encoding: str = "utf-8", span: Span | None = None
+                     ) -> tuple[dict[str, numpy.ndarray], CsvLabels | None]:
+    """:func:`read_csv_arrays` before the labels become ids (the ranks of a parallel
+    write agree on the class names first): ``{"x": ...}`` (and ``"y"`` for targets),
+    and the labels, or None. ``span``: only those records (:func:`read_csv`)."""
     if bool(target_cols) == (label_col is not None):
         raise ValueError("read_csv_arrays: give either target_cols or label_col")
-    names, rows = _read_rows(path, delimiter, header, "minimal", encoding)
+    names, rows = _read_rows(path, delimiter, header, "minimal", encoding, span=span)
     fi = [_column(names, c, path, "feature column") for c in feature_cols]
     ti = [_column(names, c, path, "target column") for c in target_cols]
     li = None if label_col is None else _column(names, label_col, path, "label column")
-    if not rows:
+    if not rows and span is None:
         raise DataError(f"{path}: no records")
 
     def numbers(cols: list[int], what: str) -> numpy.ndarray:
@@ -225,16 +246,26 @@ def read_csv_arrays(path: str, feature_cols: Sequence[str | int],
     if li is None:
         y = numbers(ti, "target column")
         return {"x": x, "y": y[:, 0] if len(ti) == 1 else y}, None
-    labels = [row[li].strip() for _, row in rows]
+    return {"x": x}, CsvLabels([row[li].strip() for _, row in rows],
+                               [line for line, _ in rows],
+                               names[li] if names is not None else li)
+
+
+def encode_csv_labels(path: str, arrays: dict[str, numpy.ndarray], labels: CsvLabels,
+                      classes: Sequence[str] | None) -> tuple[dict[str, numpy.ndarray],
+                                                                list[str]]:
+    """``arrays`` with ``y``: the ids of ``labels`` among ``classes`` (default: the sorted
+    labels); DataError naming the line of a label that is not one of ``classes``."""
+    from mpidl.data.text import encode_labels
+
     if classes is not None:
         known = set(classes)
-        for (line, _), label in zip(rows, labels):
+        for line, label in zip(labels.lines, labels.labels):
             if label not in known:
-                col = names[li] if names is not None else li
-                raise DataError(f"{path}:{line}: label column {col!r} holds {label!r}, not one "
-                                f"of the classes {list(classes)} (--classes)")
-    ids, found = encode_labels(labels, classes)
-    return {"x": x, "y": ids}, found
+                raise DataError(f"{path}:{line}: label column {labels.column!r} holds {label!r}, "
+                                f"not one of the classes {list(classes)} (--classes)")
+    ids, found = encode_labels(labels.labels, classes)
+    return {**arrays, "y": ids}, found
 
 
 def _class_dirs(root: str) -> list[str]:

@@ -127,7 +127,8 @@ def sharding_inputs(root: str | os.PathLike, sentences: str | os.PathLike,
     ``csv``: a quoted CSV in which every 7th text holds a newline, a comma and doubled
     quotes (a cut at a newline inside quotes would split a record); ``folder``: the
     ``train/{pos,neg}``, ``test/{pos,neg}`` layout; ``npz``: 157 rows of 5 float32
-    features of different scales (one NaN) and 4 classes.
+    features of different scales (one NaN) and 4 classes; ``table``: a numeric CSV of
+    131 rows, 2 feature columns and a class-name column.
     """
     import csv
 
@@ -155,9 +156,17 @@ def sharding_inputs(root: str | os.PathLike, sentences: str | os.PathLike,
     x[3, 2] = numpy.nan
     numpy.savez(os.path.join(root, "arrays.npz"), x=x,
                 y=rng.integers(0, 4, 157).astype(numpy.int64))
+    with open(os.path.join(root, "table.csv"), "w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f, lineterminator="\n")
+        out.writerow(["a", "b", "kind"])
+        for i in range(131):
+            out.writerow([f"{rng.normal():.6g}", f"{1000 * rng.normal():.6g}",
+                          ["red", "green", "blue"][int(rng.integers(0, 3))]])
     return {
         "csv": ["--from-csv", os.path.join(root, "reviews.csv"), "--text-col", "text",
                 "--label-col", "label", "--test-fraction", "0.2"],
         "folder": ["--from-folder", os.path.join(root, "folder")],
         "npz": ["--from-npz", os.path.join(root, "arrays.npz"), "--test-fraction", "0.25"],
+        "table": ["--from-csv", os.path.join(root, "table.csv"), "--feature-cols", "a,b",
+                  "--label-col", "kind"],
     }
