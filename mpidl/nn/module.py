@@ -321,7 +321,12 @@ class Module:
             raise ValueError(f"half_({dtype}): use float16 or bfloat16")
         for p in self.parameters():
             if p.data.dtype.kind == "f" or is_half(p.data.dtype):
-                p.data = p.data.astype(dtype)
+                try:
+                    p.data = p.data.astype(dtype)
+                except (TypeError, ValueError) as e:  # CuPy before 14: no bfloat16
+                    raise TypeError(f"half_({dtype.name}): {type(p.data).__module__} arrays "
+                                    f"cannot hold {dtype.name} ({e}); bfloat16 on the GPU "
+                                    "needs CuPy 14 or later") from e
                 p.grad = None
         return self
 
