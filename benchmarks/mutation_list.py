@@ -1032,8 +1032,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         name="layout-norms-forget-the-tensor-group",
         file="mpidl/train/layout.py",
-        original="        return whole_tensor_norms(wrapper.parameters(), tensor)",
-        mutated="        return whole_tensor_norms(wrapper.parameters(), None)",
+        original="return wrapper.tensor_norms(None if self.grid is None else self.grid.tensor)",
+        mutated="return wrapper.tensor_norms(None)",
         why="mpidl train gives LAMB shard norms on a tensor-parallel grid",
         tests=("tests/unit/test_layerwise_layouts.py",),
     ),

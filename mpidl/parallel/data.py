@@ -47,8 +47,10 @@ from mpidl.backend import get_array_module
 from mpidl.comm.base import Communicator
 from mpidl.nn import Embedding, EmbeddingBag
 from mpidl.optim import clip_grad_norm_
+from mpidl.optim.layerwise import TensorNorms
 from mpidl.parallel import agreement
 from mpidl.parallel.buckets import Bucket, build_buckets
+from mpidl.parallel.layerwise import whole_tensor_norms
 from mpidl.parallel.sparse import SparseTables
 from mpidl.parallel.syncbn import convert_sync_batchnorm
 from mpidl.parallel import compression as wire
@@ -246,6 +248,12 @@ class DataParallel:
         """Clip the averaged gradients to a global 2-norm of ``max_norm``; returns the
         norm before. Not collective: every rank holds the same gradients already."""
         return clip_grad_norm_(self.parameters(), max_norm)
+
+    def tensor_norms(self, tensor: Communicator | None = None) -> TensorNorms:
+        """Where the model's tensors are among :meth:`parameters`, for LARS and LAMB:
+        each a whole tensor, or with ``tensor`` a tensor-parallel shard whose norm adds
+        up over that group (:mod:`mpidl.parallel.layerwise`). Not collective."""
+        return whole_tensor_norms(self.parameters(), tensor)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -48,6 +48,11 @@ class Wrapper(Protocol):
     def clip_grad_norm_(self, max_norm: float) -> Any:
         """Clip the averaged gradient to a global 2-norm; returns the norm before."""
 
+    def tensor_norms(self, tensor: Any = None) -> Any:
+        """Where the model's tensors are among :meth:`parameters`
+        (:class:`~mpidl.optim.TensorNorms`, for LARS and LAMB); ``tensor``: the
+        tensor-parallel group its split parameters span."""
+
     def state_bytes(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds now: ``{"parameters", "gradients", "optimizer"}``."""
 

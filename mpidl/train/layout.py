@@ -44,7 +44,6 @@ from mpidl.parallel import ParallelGPT, PipelineModel, ProcessGrid
 from mpidl.parallel.pipeline_gpt import pipeline_model
 from mpidl.parallel.pipeline_schedule import check_layout as check_schedule
 from mpidl.optim.layerwise import TensorNorms
-from mpidl.parallel.layerwise import whole_tensor_norms
 from mpidl.parallel.tensor import clip_grad_norm_ as clip_tensor_parallel_grad_norm_
 from mpidl.parallel.sequence import ulysses_heads_fit
 from mpidl.train.config import Config, ConfigError
@@ -248,10 +247,7 @@ class Layout:
         """Where the model's tensors are among ``wrapper.parameters()``, for LARS and
         LAMB (:mod:`mpidl.parallel.layerwise`): ZeRO's shards, or the model's own
         parameters, tensor-parallel shards adding up over the tensor group."""
-        tensor = None if self.grid is None else self.grid.tensor
-        if self.plan.zero:
-            return wrapper.tensor_norms(tensor)
-        return whole_tensor_norms(wrapper.parameters(), tensor)
+        return wrapper.tensor_norms(None if self.grid is None else self.grid.tensor)
 
     def free(self) -> None:
         if self.grid is not None:
