@@ -109,3 +109,38 @@ def split_model(comm, data):
 def test_precision_on_a_split_model_is_refused_on_every_rank(data):
     for message in run_ranks(2, split_model, data):
         assert "--tensor-parallel" in message and "--zero 1-3" in message
+
+
+def test_a_bf16_run_resumes_bit_for_bit_with_its_masters(data, tmp_path):
+    """Stopped at step 3 and resumed: the half parameters and the fp32 masters (stored
+    as optimizer state) are those of the run that did not stop."""
+    import os
+    import signal
+
+    from mpidl.train import latest_checkpoint, load_checkpoint
+    from mpidl.train.command import main
+
+    cache, _ = data
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        def train(run, *extra):
+            return main(["gpt", *TINY, f"--data.cache-dir={cache}", "--steps=6",
+                         "--precision=bf16", "--checkpoint-epochs=false",
+                         f"--run-dir={tmp_path / run}", *extra])
+        assert train("whole") == 0
+        assert train("split", "--stop-at-step=3") == 0
+        assert train("split") == 0
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    whole, split = (load_checkpoint(latest_checkpoint(os.path.join(tmp_path / r, "checkpoints")))
+                    for r in ("whole", "split"))
+    assert whole.step == split.step == 6
+    masters = [k for k in whole.optimizer if k.endswith(".master")]
+    assert masters and all(whole.optimizer[k].dtype == numpy.float32 for k in masters)
+    for name in whole.model:
+        assert whole.model[name].dtype.name == "bfloat16", name
+        assert numpy.array_equal(whole.model[name].view(numpy.uint16),
+                                 split.model[name].view(numpy.uint16)), name
+    for key in masters:
+        assert numpy.array_equal(whole.optimizer[key], split.optimizer[key]), key
