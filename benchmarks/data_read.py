@@ -46,28 +46,48 @@ import numpy  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpidl.comm import world  # noqa: E402
-from mpidl.data import DataLoader, DistributedSampler, ShardedDataset, write_split  # noqa: E402
+from mpidl.data import DataLoader, DistributedSampler, ShardedDataset  # noqa: E402
+from mpidl.data.format import write_manifest  # noqa: E402
 from mpidl.data.sampler import DEFAULT_BLOCK_SIZE  # noqa: E402
+from mpidl.data.writer import _storage, make_manifest, write_rows  # noqa: E402
 
 FEATURES = 784
 SLAB = 8192  # rows per raw read_direct call
 
 
 def make_dataset(comm: Any, args: argparse.Namespace) -> str:
+    """Write the dataset once (rank 0), shard by shard, so that one larger than memory
+    can be generated (``--samples``); rank 0 records the write's time and size in
+    ``args.written``."""
     path = os.path.join(args.dir, "train")
+    args.written = None
     if comm.rank == 0 and not os.path.isfile(os.path.join(path, "manifest.json")):
         rng = numpy.random.default_rng(0)
-        x = numpy.empty((args.samples, FEATURES), dtype=numpy.float32)
-        for a in range(0, args.samples, 65536):  # MNIST-like: about 80% zeros, values k/255
-            block = rng.integers(0, 256, size=(min(65536, args.samples - a), FEATURES)).astype(
-                numpy.float32
-            )
-            block[block < 205] = 0
-            x[a : a + len(block)] = block / 255
-        y = rng.integers(0, 10, size=args.samples)
-        write_split(
-            path, {"x": x, "y": y}, rows_per_shard=args.rows_per_shard, labels="y", num_classes=10
-        )
+        per = args.rows_per_shard
+        storage = _storage(None if args.compression == "none" else args.compression, None)
+        one = {"x": numpy.empty((0, FEATURES), numpy.float32), "y": numpy.empty(0, numpy.int64)}
+        new = path + ".new"
+        os.makedirs(new)
+        shards, seconds = [], 0.0
+        for i, a in enumerate(range(0, args.samples, per)):
+            n = min(per, args.samples - a)
+            x = rng.integers(0, 256, size=(n, FEATURES), dtype=numpy.uint8)  # MNIST-like:
+            x = numpy.where(x < 205, 0, x).astype(numpy.float32) / 255  # ~80% zeros, k/255
+            y = rng.integers(0, 10, size=n)
+            t0 = time.perf_counter()  # the write alone (HDF5, sha256), not the generation
+            shards += write_rows(new, {"x": x, "y": y}, storage, per, split="train",
+                                 dataset_id="bench", first_shard=i,
+                                 num_shards=-(-args.samples // per), first_sample=a,
+                                 writer={})
+            seconds += time.perf_counter() - t0
+        write_manifest(new, make_manifest(one, shards, storage, split="train",
+                                          dataset_id="bench", labels="y", num_classes=10,
+                                          metadata={}, writer={}))
+        os.rename(new, path)
+        args.written = {"compression": args.compression, "rows_per_shard": per,
+                        "shards": len(shards), "disk_MB": sum(s.bytes for s in shards) / 1e6,
+                        "data_MB": args.samples * (FEATURES * 4 + 8) / 1e6,
+                        "write_s": seconds}
     comm.barrier()
     return path
 
@@ -110,6 +130,19 @@ def raw_read(comm: Any, ds: ShardedDataset, files: list[Any], slab: int = SLAB) 
     return nbytes
 
 
+def dd_read(comm: Any, ds: ShardedDataset) -> int:
+    """The disk's own sequential speed: ``dd`` of this rank's shards (``r, r + size, ...``,
+    whole files, 16 MiB blocks) to /dev/null; bytes read."""
+    import subprocess
+
+    nbytes = 0
+    for i in range(comm.rank, len(ds.manifest.shards), comm.size):
+        subprocess.run(["dd", f"if={ds.shard_path(i)}", "of=/dev/null", "bs=16M"],
+                       check=True, capture_output=True)
+        nbytes += ds.manifest.shards[i].bytes
+    return nbytes
+
+
 def open_shards(ds: ShardedDataset) -> None:
     """Open (and check) every shard of ``ds`` by reading one row of each."""
     for first, stop in zip(ds.offsets[:-1].tolist(), ds.offsets[1:].tolist()):
@@ -135,7 +168,7 @@ def make_sampler(
 def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[str, Any]:
     sampler = make_sampler(comm, ds, args, seed=0)
     loader = DataLoader(ds, sampler, prefetch=args.prefetch)
-    raw, small, ours = [], [], []
+    raw, small, ours, disk = [], [], [], []
     # Both sides open their files once, outside the timings, as a training run does
     # (the same settings as the dataset's: HDF5 shares a file opened twice alike).
     # --cold closes and reopens them around dropping the page cache.
@@ -149,9 +182,14 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
     open_shards(ds)
     try:
         for rep in range(args.repeats):
-            for fn, into in ((lambda: raw_read(comm, ds, files), raw),
-                             (lambda: raw_read(comm, ds, files, args.batch), small),
-                             (lambda: loader_read(loader, rep), ours)):
+            passes = [(lambda: raw_read(comm, ds, files), raw),
+                      (lambda: raw_read(comm, ds, files, args.batch), small),
+                      (lambda: loader_read(loader, rep), ours)]
+            if args.dd:
+                passes.insert(0, (lambda: dd_read(comm, ds), disk))
+            if args.skip_small_reads:
+                passes = [p for p in passes if p[1] is not small]
+            for fn, into in passes:
                 if args.cold:
                     ds.close()
                     for f in files:
@@ -164,7 +202,9 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
     finally:
         for f in files:
             f.close()
-    r, b, o = statistics.median(raw), statistics.median(small), statistics.median(ours)
+    r, o = statistics.median(raw), statistics.median(ours)
+    b = statistics.median(small) if small else float("nan")
+    d = statistics.median(disk) if disk else float("nan")
     return {
         "bench": "read",
         "ranks": comm.size,
@@ -177,9 +217,12 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
         "raw_batch_rows_GBps": round(b, 3),
         "loader_GBps": round(o, 3),
         "ratio": round(o / r, 3),
+        "dd_GBps": round(d, 3),
+        "loader_over_dd": round(o / d, 3),
         "raw_all": raw,
         "raw_batch_rows_all": small,
         "loader_all": ours,
+        "dd_all": disk,
     }
 
 
@@ -270,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         "--samples", type=int, default=100_000, help="samples in the dataset (100000: 314 MB)"
     )
     p.add_argument("--rows-per-shard", type=int, default=25_000)
+    p.add_argument("--compression", choices=("none", "lzf", "gzip"), default="none",
+                   help="shard storage: contiguous (none) or chunked and compressed (the "
+                   "write is timed and sized only when the script writes the dataset)")
     p.add_argument("--dir", help="dataset directory (default: a temporary one, removed after)")
     p.add_argument("--batch", type=int, default=128, help="samples per rank per step (mlp: 128)")
     p.add_argument("--shuffle", choices=("block", "full", "none"), default="block")
@@ -279,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cold", action="store_true", help="drop the files' page cache before each pass"
     )
+    p.add_argument("--dd", action="store_true", help="also time `dd` of the shard files: the "
+                   "disk's sequential speed (with --cold, past the page cache)")
+    p.add_argument("--skip-small-reads", action="store_true",
+                   help="leave out the raw batch-sized reads (context only; a pass less)")
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--simulate", action="store_true", help="GEMM workload instead of mpidl's mlp")
@@ -301,12 +351,20 @@ def main(argv: list[str] | None = None) -> int:
             for prefetch in dict.fromkeys((args.prefetch, 0)):
                 results.append(bench_train(comm, ds, args, prefetch))
         if comm.rank == 0:
+            w = args.written
+            if w:
+                print(f"| write | {w['compression']} | {w['shards']} shards of "
+                      f"{w['rows_per_shard']} rows | {w['disk_MB']:.0f} MB on disk for "
+                      f"{w['data_MB']:.0f} MB of data ({w['data_MB'] / w['disk_MB']:.2f}x) | "
+                      f"{w['write_s']:.1f} s, {w['data_MB'] / 1e3 / w['write_s']:.2f} GB/s |")
             r = results[0]
             print(
                 f"| read | {r['ranks']} | {r['shuffle']} (block {r['block_size']}, prefetch "
                 f"{r['prefetch']}) | raw h5py {r['raw_GBps']} GB/s ({r['raw_batch_rows_GBps']} in "
                 f"{r['batch_per_rank']}-row reads) | loader {r['loader_GBps']} GB/s "
                 f"| ratio {r['ratio']} |"
+                + (f" dd {r['dd_GBps']} GB/s | loader / dd {r['loader_over_dd']} |"
+                   if args.dd else "")
             )
             for t in results[1:]:
                 print(
@@ -316,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{100 * t['wait_share_max_rank']:.2f}% |"
                 )
             if args.json:
-                for res in results:
+                for res in results + ([{"bench": "write", **w}] if w else []):
                     print(json.dumps(res))
     finally:
         ds.close() if "ds" in locals() else None
