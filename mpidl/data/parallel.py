@@ -156,6 +156,9 @@ def write_shards_parallel(
     """
 
     label = "y" if labels == "auto" else labels
+    # What every rank must pass alike (the collective contract), compared below.
+    options = repr((os.path.abspath(out_dir), test_arrays is None, test_fraction, seed,
+                    shuffle, labels, num_classes, rows_per_shard, compression, overwrite))
 
     def local() -> tuple:
         if not 0.0 <= test_fraction < 1.0:
@@ -168,13 +171,20 @@ def write_shards_parallel(
         tops = [int(a[label].max()) for a in (arrays, test_arrays or {})
                 if label in a and len(a[label]) and a[label].dtype.kind in "iu"]
         return n, m, _signature(arrays), test_arrays and _signature(test_arrays), \
-            max(tops, default=-1)
+            max(tops, default=-1), options
 
     arrays = {k: numpy.asarray(v) for k, v in arrays.items()}
     if test_arrays is not None:
         test_arrays = {k: numpy.asarray(v) for k, v in test_arrays.items()}
     parts = comm.allgather_obj(agreed(comm, local))
     # Every rank decides from the same gathered values: the same error on all, or none.
+    differ = [r for r, p in enumerate(parts) if p[5] != parts[0][5]]
+    if differ:
+        raise ValueError(f"write_shards_parallel: rank {differ[0]} was called with "
+                         f"{parts[differ[0]][5]}, rank 0 with {parts[0][5]} (out_dir, a "
+                         "given test split, test_fraction, seed, shuffle, labels, num_classes, "
+                         "rows_per_shard, compression, overwrite): every rank must pass the "
+                         "same")
     features = [p[2] for p in parts]
     if any(f != features[0] for f in features):
         raise DataError(f"{source}: the ranks' shares have different features {features}; "

@@ -16,6 +16,7 @@ import pytest
 
 from mpidl.data import read_manifest
 from mpidl.data.command import main as shard_main
+from mpidl.data.parallel import write_shards_parallel
 from mpidl.data.partition import csv_span
 from mpidl.data.sources import read_csv
 from mpidl.data.text import covering, covering_counts
@@ -82,3 +83,16 @@ def test_covering_counts_is_numpys_inverted_cdf_percentile():
         lengths = rng.integers(0, 40, n)
         for q in (0, 1, 50, 90, 95, 99, 100):
             assert covering_counts(numpy.bincount(lengths), q) == covering(lengths, q)
+
+
+def test_ranks_called_with_different_options_are_told_so_on_every_rank(tmp_path):
+    def write(comm):
+        x = numpy.arange(10 * comm.rank, 10 * comm.rank + 10, dtype=numpy.float32)[:, None]
+        try:
+            write_shards_parallel(comm, str(tmp_path / "d"), {"x": x}, seed=comm.rank)
+        except ValueError as e:
+            return str(e)
+
+    messages = run_ranks(3, write)
+    assert len(set(messages)) == 1 and "rank 1 was called with" in messages[0], messages
+    assert not (tmp_path / "d").exists()
