@@ -144,3 +144,19 @@ def test_a_bf16_run_resumes_bit_for_bit_with_its_masters(data, tmp_path):
                                  split.model[name].view(numpy.uint16)), name
     for key in masters:
         assert numpy.array_equal(whole.optimizer[key], split.optimizer[key]), key
+
+
+def test_fp16_gets_the_dynamic_loss_scale_and_bf16_only_when_asked():
+    from mpidl.nn.module import Parameter
+    from mpidl.optim import DynamicLossScale
+    from mpidl.train.build import loss_scale_for
+
+    def scale(*args, params=()):
+        return loss_scale_for(load_config("gpt", list(args)), list(params))
+
+    assert isinstance(scale("--precision=fp16"), DynamicLossScale)
+    assert scale("--precision=bf16") is None and scale("--precision=fp32") is None
+    assert isinstance(scale("--precision=bf16", "--loss-scale=dynamic"), DynamicLossScale)
+    assert scale("--precision=fp16", "--loss-scale=none") is None
+    half = Parameter(numpy.zeros(2, dtype=numpy.float16))  # --model.dtype=float16
+    assert isinstance(scale(params=[half]), DynamicLossScale)
