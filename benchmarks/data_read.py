@@ -49,7 +49,7 @@ from mpidl.comm import world  # noqa: E402
 from mpidl.data import DataLoader, DistributedSampler, ShardedDataset  # noqa: E402
 from mpidl.data.format import write_manifest  # noqa: E402
 from mpidl.data.sampler import DEFAULT_BLOCK_SIZE  # noqa: E402
-from mpidl.data.writer import _storage, make_manifest, write_rows  # noqa: E402
+from mpidl.data.shard_writer import make_manifest, storage_settings, write_rows  # noqa: E402
 
 FEATURES = 784
 SLAB = 8192  # rows per raw read_direct call
@@ -64,7 +64,7 @@ def make_dataset(comm: Any, args: argparse.Namespace) -> str:
     if comm.rank == 0 and not os.path.isfile(os.path.join(path, "manifest.json")):
         rng = numpy.random.default_rng(0)
         per = args.rows_per_shard
-        storage = _storage(None if args.compression == "none" else args.compression, None)
+        storage = storage_settings(None if args.compression == "none" else args.compression, None)
         one = {"x": numpy.empty((0, FEATURES), numpy.float32), "y": numpy.empty(0, numpy.int64)}
         new = path + ".new"
         os.makedirs(new)

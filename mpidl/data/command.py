@@ -8,6 +8,8 @@ Examples::
     mpidl shard --from-npz mnist.npz data/mnist           # x_train, y_train, x_test, y_test
     mpidl shard --from-h5 big.h5 --features x,y --compression gzip data/big
     mpidl shard --verify data/imdb                        # every checksum, shape and label
+    mpiexec -n 8 mpidl shard --from-csv IMDB.csv ...      # 8 ranks convert, one dataset
+    mpiexec -n 8 mpidl shard --verify data/imdb           # each rank checks 1/8 of the shards
 
 Text is cut or padded to ``--length`` tokens per sample: by default (``auto``) the
 smallest multiple of 8 that 99% of the training texts fit in, at most 512

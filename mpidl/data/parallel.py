@@ -48,17 +48,15 @@ from mpidl.data import stats as stats_mod
 from mpidl.data import text as text_mod
 from mpidl.data.format import DataError, Manifest, write_manifest
 from mpidl.data.publish import StorageError, install, old_files, stage, storage_error
-from mpidl.data.writer import (
-    _check_arrays,
-    _check_labels,
-    _check_options,
-    _writer_info,
+from mpidl.data.shard_writer import (
+    check_options,
     created_now,
     make_manifest,
     shard_rows,
-    text_metadata,
     write_rows,
+    writer_info,
 )
+from mpidl.data.writer import _check_arrays, _check_labels, text_metadata
 
 
 def agreed(comm: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -163,7 +161,7 @@ def write_shards_parallel(
     def local() -> tuple:
         if not 0.0 <= test_fraction < 1.0:
             raise ValueError(f"test_fraction {test_fraction} must be in [0, 1)")
-        _check_options(rows_per_shard, compression)
+        check_options(rows_per_shard, compression)
         n = _check_arrays(arrays, source)
         m = None
         if test_arrays is not None:
@@ -240,7 +238,7 @@ def _publish(comm: Any, out_dir: str, splits: Mapping[str, Mapping[str, numpy.nd
              labels: str | None, num_classes: int | None, rows_per_shard: int | None,
              compression: str | None, overwrite: bool) -> dict[str, Manifest]:
     """Every rank writes its rows of ``splits``; rank 0 the manifests, then the move."""
-    storage = _check_options(rows_per_shard, compression)
+    storage = check_options(rows_per_shard, compression)
     counts = comm.allgather_obj({s: len(next(iter(a.values()))) for s, a in splits.items()})
 
     def prepare() -> Any:
@@ -250,7 +248,7 @@ def _publish(comm: Any, out_dir: str, splits: Mapping[str, Mapping[str, numpy.nd
         new = stage(out_dir)
         for name in splits:
             os.makedirs(os.path.join(new, name))
-        return old, new, uuid.uuid4().hex, _writer_info()
+        return old, new, uuid.uuid4().hex, writer_info()
 
     old, new, dataset_id, writer = comm.bcast_obj(agreed(comm, prepare))
     plan = {}

@@ -1,4 +1,7 @@
-"""Each rank's share of a CSV file: a byte range cut at record boundaries.
+"""Each rank's share of an input of ``mpiexec -n P mpidl shard``: a CSV file's byte
+range cut at record boundaries (texts, or numeric columns), a contiguous share of a text
+folder's files (:func:`read_folder_share`); arrays of ``.npz`` and HDF5 files are cut
+by rows where they are read (``part`` of :func:`mpidl.data.sources.load_npz`, ``load_h5``).
 
 ``mpiexec -n P mpidl shard --from-csv FILE`` gives rank ``r`` bytes
 ``[r S / P, (r + 1) S / P)`` of the ``S``-byte file, moved forward to the next record

@@ -372,18 +372,18 @@ def test_a_forced_rewrite_keeps_files_that_are_not_the_datasets(tmp_path):
 def test_a_full_disk_names_the_file_the_cause_and_the_fix(tmp_path, monkeypatch):
     import errno
 
-    from mpidl.data import writer
+    from mpidl.data import shard_writer
 
-    write_file = writer._write_file
+    write_file = shard_writer.write_file
 
     def fill_the_disk(path, arrays, storage, attrs):  # the second shard finds the disk full
         if path.endswith("shard-00001.h5"):
             with open(path, "wb") as f:
                 f.write(b"\0" * 100)
-            raise writer.write_error(OSError(errno.ENOSPC, "Can't write data"), path)
+            raise shard_writer.write_error(OSError(errno.ENOSPC, "Can't write data"), path)
         write_file(path, arrays, storage, attrs)
 
-    monkeypatch.setattr(writer, "_write_file", fill_the_disk)
+    monkeypatch.setattr(shard_writer, "write_file", fill_the_disk)
     data = tmp_path / "d"
     with pytest.raises(DataError) as info:
         write_shards(data, {"x": numpy.zeros((30, 2))}, rows_per_shard=10)
