@@ -128,7 +128,9 @@ def sharding_inputs(root: str | os.PathLike, sentences: str | os.PathLike,
     quotes (a cut at a newline inside quotes would split a record); ``folder``: the
     ``train/{pos,neg}``, ``test/{pos,neg}`` layout; ``npz``: 157 rows of 5 float32
     features of different scales (one NaN) and 4 classes; ``table``: a numeric CSV of
-    131 rows, 2 feature columns and a class-name column.
+    131 rows, 2 feature columns and a class-name column; ``h5``: an HDF5 file with given
+    ``train`` (97 rows) and ``test`` (41) groups of float64 ``(3, 2)`` samples and int32
+    labels.
     """
     import csv
 
@@ -156,6 +158,12 @@ def sharding_inputs(root: str | os.PathLike, sentences: str | os.PathLike,
     x[3, 2] = numpy.nan
     numpy.savez(os.path.join(root, "arrays.npz"), x=x,
                 y=rng.integers(0, 4, 157).astype(numpy.int64))
+    import h5py
+
+    with h5py.File(os.path.join(root, "arrays.h5"), "w") as f:  # given train and test splits
+        for split, n in (("train", 97), ("test", 41)):
+            f[f"{split}/x"] = rng.normal(size=(n, 3, 2)).astype(numpy.float64)
+            f[f"{split}/y"] = rng.integers(0, 3, n).astype(numpy.int32)
     with open(os.path.join(root, "table.csv"), "w", newline="", encoding="utf-8") as f:
         out = csv.writer(f, lineterminator="\n")
         out.writerow(["a", "b", "kind"])
@@ -169,4 +177,5 @@ def sharding_inputs(root: str | os.PathLike, sentences: str | os.PathLike,
         "npz": ["--from-npz", os.path.join(root, "arrays.npz"), "--test-fraction", "0.25"],
         "table": ["--from-csv", os.path.join(root, "table.csv"), "--feature-cols", "a,b",
                   "--label-col", "kind"],
+        "h5": ["--from-h5", os.path.join(root, "arrays.h5")],
     }

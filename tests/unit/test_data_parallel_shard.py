@@ -38,7 +38,7 @@ def inputs(tmp_path_factory):
     return root, sharding_inputs(root, SENTENCES)
 
 
-@pytest.mark.parametrize("case", ["csv", "folder", "npz", "table"])
+@pytest.mark.parametrize("case", ["csv", "folder", "npz", "table", "h5"])
 def test_two_and_three_ranks_write_one_process_dataset(tmp_path, inputs, case):
     argv = inputs[1][case] + ["--rows-per-shard", "23", "--seed", "5"]
     assert shard_on(1, argv + [str(tmp_path / "one")]) == [0]
