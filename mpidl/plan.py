@@ -55,6 +55,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from mpidl.modes import state_bytes_per_param
+from mpidl.plan_noise import run_noise_scale
 
 HOUR = 3600.0
 BACKWARD_SHARE = 2.0 / 3.0  # of a step's compute: what overlapped buckets can hide behind
@@ -322,7 +323,8 @@ def measure_compute(config: Any, data_dir: str, batches: Sequence[int], repeats:
 
 
 def compute_from_run(run_dir: str) -> tuple[Callable[[int], float], float, dict]:
-    """A run's measured compute per sample (and input wait) from its ``metrics.jsonl``."""
+    """A run's measured compute per sample (and input wait) from its ``metrics.jsonl``,
+    and its gradient noise scale where it measured one (:mod:`mpidl.plan_noise`)."""
     from mpidl.train.config import load_config
     from mpidl.train.metrics import read_metrics
 
@@ -337,7 +339,9 @@ def compute_from_run(run_dir: str) -> tuple[Callable[[int], float], float, dict]
     input_s = sum(r.get("time_input", 0.0) for r in tail) / len(tail)
     ranks = _run_ranks(run_dir)
     b = per_rank_batch(config.global_batch, ranks)
-    return (lambda batch: compute * batch / b), input_s, {"ranks": ranks, "config": config}
+    noise = run_noise_scale(read_metrics(os.path.join(run_dir, "metrics.jsonl")))
+    return (lambda batch: compute * batch / b), input_s, {"ranks": ranks, "config": config,
+                                                          "per_rank": b, "noise_scale": noise}
 
 
 def _run_ranks(run_dir: str) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from hpc.argtypes import nonnegative_float, output_file, positive_float, positive_int
 from mpidl import plan, plan_layouts
 from mpidl.plan import Prediction, Workload
+from mpidl.plan_noise import critical_ranks, format_noise, noise_rows
 
 
 def rank_counts(text: str) -> list[int]:
@@ -217,6 +218,9 @@ def _plan(argv: Sequence[str]) -> int:
               f"{memory / 1e9:.3g} GB per rank (activations not counted), "
               "communication per step\n" + format_modes(mode_rows))
     print(f"\nverdict: {line}")
+    noise = run["noise_scale"] if run else None
+    if noise is not None:
+        print("\n" + format_noise(noise, run["per_rank"], ranks))
     notes += plan.caveats(rows)
     for note in notes:
         print(f"note: {note}")
@@ -228,6 +232,10 @@ def _plan(argv: Sequence[str]) -> int:
                "rows": [r.as_dict() for r in rows], "modes": [m.as_dict() for m in mode_rows],
                "memory_per_rank": memory, "verdict": line, "caveats": notes,
                "best_ranks": best.ranks}
+        if noise is not None:
+            doc["noise_scale"] = {"value": noise, "per_rank_batch": run["per_rank"],
+                                  "critical_ranks": critical_ranks(noise, run["per_rank"]),
+                                  "rows": noise_rows(noise, run["per_rank"], ranks)}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, allow_nan=False)
     if args.plot:

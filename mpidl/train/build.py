@@ -29,6 +29,7 @@ from mpidl.train.evaluation import evaluation_loader
 from mpidl.train.layout import Layout, plan_layout
 from mpidl.train.log import Logger
 from mpidl.train.model import build_model, seed_dropout_per_rank, unscaled_note
+from mpidl.train.noise import LocalGradients
 from mpidl.train.objective import Objective, objective_for
 
 
@@ -56,6 +57,8 @@ class Run:
             (``--precision fp16``, or ``--model.dtype=float16``; ``--loss-scale``),
             else None.
         total_steps: optimizer steps of the whole run (``epochs`` or ``steps``).
+        local_grads: this rank's gradient norm before averaging, for the gradient noise
+            scale (:mod:`mpidl.train.noise`), or None where it is not measured.
     """
 
     config: Config
@@ -73,6 +76,7 @@ class Run:
     eval_loader: DataLoader
     loss_scale: Any
     total_steps: int
+    local_grads: LocalGradients | None = None
 
     def close(self) -> None:
         """Stop the wrapper's communication (its transport threads). Not collective."""
@@ -239,10 +243,15 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
         # wrapper is that one: its parameters are this stage's.
         model = layout.split_model(model.to(xp), wrap)
         dp = model.wrapped
+        local_grads = None
     else:
         model = layout.split_model(model).to(xp)
         if config.sync_batchnorm and layout.replicas.size > 1:
             convert_sync_batchnorm(model, layout.replicas)  # no-op without batch norm layers
+        # Before the wrapper's hooks (hooks run in registration order): the local
+        # gradients are read before their bucket is sent.
+        local_grads = LocalGradients(model.parameters()) if measures_noise(config, layout) \
+            else None
         dp = wrap(model, layout.replicas)  # gradients are averaged over the replicas
     # What the optimizer updates: the model's parameters, or this rank's shards.
     optimizer = build_optimizer(config, dp.parameters(), layout.tensor_norms(dp))
@@ -262,8 +271,17 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     return Run(config=config, comm=comm, xp=xp, threads=threads, train_set=train_set,
                test_set=test_set, objective=objective, layout=layout, model=model, dp=dp,
                optimizer=optimizer, loader=loader, eval_loader=eval_loader,
-               loss_scale=loss_scale, total_steps=total_steps)
+               loss_scale=loss_scale, total_steps=total_steps, local_grads=local_grads)
+
+
+def measures_noise(config: Config, layout: Layout) -> bool:
+    """Whether the run measures the gradient noise scale: data parallelism or ZeRO of a
+    whole model over several ranks, one microbatch a step (each rank's gradient is then
+    one small-batch estimate; a split model's or an accumulation's local gradient is
+    not, and is not measured)."""
+    return layout.grid is None and layout.replicas.size > 1 and config.microbatches == 1
 
 
 __all__ = ["Run", "apply_recompute", "build_run", "build_optimizer", "check_microbatches",
+           "measures_noise",
            "check_splits", "warn_if_one_class_dominates"]

@@ -30,11 +30,12 @@ class NoiseScale:
     """Smoothed estimates of ``tr(Sigma)``, ``|G|^2`` and their ratio ``B_simple``.
 
     Args:
-        decay: the moving averages' weight of the past per update (0.9: about the last
-            ten steps).
+        decay: the moving averages' weight of the past per update (0.99: about the last
+            hundred steps; with 0.9 the estimate of ``|G|^2``, small once the loss
+            flattens, went negative in the second half of a reviews epoch).
     """
 
-    def __init__(self, decay: float = 0.9) -> None:
+    def __init__(self, decay: float = 0.99) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay={decay} must be in [0, 1)")
         self.decay = decay

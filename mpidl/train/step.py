@@ -45,10 +45,12 @@ from typing import Any, Callable
 import numpy
 
 from mpidl.comm import split_counts
-from mpidl.optim import grads_finite, params_finite, unscale_, warmup_cosine, warmup_linear
+from mpidl.optim import (grad_norm, grads_finite, params_finite, unscale_, warmup_cosine,
+                         warmup_linear)
 from mpidl.train.build import Run
 from mpidl.train.config import Config
 from mpidl.train.log import Logger
+from mpidl.train.noise import NoiseScale
 
 
 class Diverged(RuntimeError):
@@ -111,6 +113,8 @@ class TrainStep:
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
         self.pipeline_times = (0.0, 0.0)  # the last pipelined step's wait and wall seconds
+        self.noise = NoiseScale()  # the gradient noise scale, where the run measures it
+        self._counts = (0, 0)      # the last step's global and local target counts
 
     def __call__(self, x: Any, y: Any, n: int, step: int, flag: Any = None) -> StepResult:
         """Train on this rank's share ``x``, ``y`` (None for a language model) of a
@@ -154,8 +158,11 @@ class TrainStep:
         self.nonfinite_in_a_row = 0
         if loss_scale is not None:
             unscale_(params, loss_scale)
-        if run.config.clip_grad_norm:
-            run.layout.clip_grad_norm_(run.dp, run.config.clip_grad_norm)  # global norm
+        norm = None
+        if run.config.clip_grad_norm:  # the global norm, before clipping
+            norm = run.layout.clip_grad_norm_(run.dp, run.config.clip_grad_norm)
+        if run.local_grads is not None:
+            self._measure_noise(params, scale, norm)
         run.optimizer.lr = learning_rate(run.config, step, run.total_steps)
         run.optimizer.step()
         run.optimizer.zero_grad()
@@ -169,7 +176,11 @@ class TrainStep:
         m = run.config.microbatches
         # The global count first: every microbatch's backward is seeded 1/count, so the
         # loss is divided once, by the whole batch's count (Megatron divides by m).
-        count = run.objective.global_count(run.comm, n, run.objective.targets(x, y))
+        if run.local_grads is not None:
+            run.local_grads.take()  # a skipped step's norms are not this step's
+        local = run.objective.targets(x, y)
+        count = run.objective.global_count(run.comm, n, local)
+        self._counts = (count, local)
         if run.layout.pipeline is not None:
             return self._pipelined(x, count, scale)
         loss_sum: Any = 0
@@ -213,6 +224,22 @@ class TrainStep:
                 self.timer.add("comm", run.dp.comm_wait_seconds, start=run.dp.comm_wait_start)
         loss = run.xp.asarray(loss_sum, dtype=numpy.float64)
         return loss, run.objective.targets(x, None), 0
+
+    def _measure_noise(self, params: list, scale: float, norm: Any) -> None:
+        """One step of the gradient noise scale (:mod:`mpidl.train.noise`): this rank's
+        mean gradient from its hooks, the averaged one from ``params`` (``norm``: its
+        2-norm when clipping computed it). Collective over the replicas: one allreduce
+        of three numbers (and ZeRO's norm of the shards when not clipping)."""
+        run = self.run
+        count, local = self._counts
+        # The local gradient was seeded scale / count: scale and global mean, undone.
+        small = run.local_grads.take() * (count / (scale * local)) ** 2 if local else 0.0
+        sums = numpy.array([small, 1.0 / local if local else 0.0, 1.0 if local else 0.0])
+        run.layout.replicas.allreduce_(sums)
+        if norm is None:
+            norm = run.dp.grad_norm() if run.config.zero else grad_norm(params)
+        if sums[2]:
+            self.noise.update(sums[0] / sums[2], sums[1] / sums[2], float(norm) ** 2, count)
 
     def _nonfinite_step(self, finite_here: bool, step: int) -> None:
         """Handle a step skipped for a non-finite loss or gradient. Collective.

@@ -320,6 +320,8 @@ class Trainer:
                       lr=self.optimizer.lr, samples_per_s=rate.rate, **times)
         record.update(self._state_bytes())
         record.update(self._pipeline_fields())
+        if self.train_step.noise.value is not None:  # smoothed B_simple (mpidl.train.noise)
+            record["noise_scale"] = self.train_step.noise.value
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps  # non-finite steps so far in all
         if self.loss_scale is not None:
