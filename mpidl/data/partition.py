@@ -100,13 +100,19 @@ def csv_span(comm: Any, path: str, quoted: bool) -> Span:
     return Span(start, end, before_n + extra)
 
 
+def _exists(path: str) -> None:
+    # Checked by every rank and agreed on: a file that only some nodes see (a node-local
+    # path) must stop every rank, not leave the others waiting in a collective.
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+
+
 def read_csv_share(comm: Any, path: str, text_col: str | int, label_col: str | int, *,
                    delimiter: str | None = None, header: bool = True,
                    quoting: str | None = None) -> tuple[list[str], list[str]]:
     """This rank's texts and labels of a CSV file (:func:`mpidl.data.sources.read_csv` of
     its :func:`csv_span`). Collective; an error on one rank is raised on every rank."""
-    if not os.path.isfile(path):  # the same answer on every rank of a shared filesystem
-        raise DataError(f"{path}: no such file")
+    agreed(comm, _exists, path)
     _, quoting = sources.csv_dialect(path, delimiter, quoting)
     span = csv_span(comm, path, quoted=quoting == "minimal")
     return agreed(comm, sources.read_csv, path, text_col, label_col, delimiter=delimiter,
@@ -144,8 +150,7 @@ def read_csv_arrays_share(comm: Any, path: str, feature_cols: Sequence[str | int
     """This rank's rows of :func:`mpidl.data.sources.read_csv_arrays`: its span's
     numbers, and labels as ids of the class names every rank agrees on (given, or the
     sorted union of every rank's labels). Collective; errors raised on every rank."""
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file")
+    agreed(comm, _exists, path)
     span = csv_span(comm, path, quoted=True)
     arrays, labels = agreed(comm, sources.read_csv_columns, path, feature_cols, target_cols,
                             label_col=label_col, delimiter=delimiter, header=header, span=span)
