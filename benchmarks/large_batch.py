@@ -29,7 +29,7 @@ BASE = 64
 
 
 def cases(multiples: Sequence[int], optimizers: Sequence[str],
-          no_warmup: bool = True) -> list[dict]:
+          no_warmup: bool = True, base: int = BASE) -> list[dict]:
     """One case per optimizer (``name`` or ``name:rule``: its learning rate and rule are
     mpidl's defaults unless a rule is named) and batch multiple, with warm-up (5% of the
     steps) and, with ``no_warmup``, without it."""
@@ -38,7 +38,8 @@ def cases(multiples: Sequence[int], optimizers: Sequence[str],
         optimizer, _, rule = spec.partition(":")
         label = spec if len(optimizers) > 1 else ""
         for m in multiples:
-            case = {"optimizer": optimizer, "rule": rule or None, "batch": BASE * m}
+            case = {"optimizer": optimizer, "rule": rule or None, "batch": base * m,
+                    "base": base}
             out.append({**case, "name": f"{label} {m}x, warm-up".strip(), "warmup": 0.05})
             if m > 1 and no_warmup:
                 out.append({**case, "name": f"{label} {m}x, no warm-up".strip(),
@@ -55,7 +56,7 @@ def train(case: dict, ranks: int, epochs: int, out: str, extra: Sequence[str]) -
     rule = [f"--lr-scaling={case['rule']}"] if case["rule"] else []
     cmd = mpiexec_command(ranks, [
         sys.executable, "-m", "mpidl", "train", f"--epochs={epochs}",
-        f"--global-batch={case['batch']}", f"--base-batch={BASE}",
+        f"--global-batch={case['batch']}", f"--base-batch={case.get('base', BASE)}",
         f"--optimizer={case['optimizer']}", *rule,
         f"--warmup-fraction={case['warmup']}", "--progress=never", "--resume=never",
         f"--run-dir={run_dir}", *extra])
@@ -98,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "learning rate and rule for the optimizer unless RULE is named)")
     p.add_argument("--no-warmup-variants", action="store_true",
                    help="only the runs with warm-up")
+    p.add_argument("--base", type=int, default=BASE,
+                   help="the baseline global batch (the optimizers' rates are set for "
+                        "64: give --lr after -- when it differs)")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--out", default="runs/large-batch")
@@ -106,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = {}
     for case in cases([int(m) for m in args.multiples.split(",")],
-                      args.optimizers.split(","), not args.no_warmup_variants):
+                      args.optimizers.split(","), not args.no_warmup_variants,
+                      args.base):
         results[case["name"]] = train(case, args.ranks, args.epochs, args.out, extra)
         last = results[case["name"]][-1]
         accuracies = " ".join(f"{e['accuracy']:.3f}" for e in results[case["name"]])
