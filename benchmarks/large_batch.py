@@ -9,6 +9,13 @@ plots it against epochs and against optimizer steps::
 
     .venv/bin/python benchmarks/large_batch.py --epochs 6 --ranks 2 --plot large_batch.png
 
+``--optimizers adamw,lamb,lars`` compares optimizers instead, each with mpidl's
+defaults for it (rate, scaling rule, decay; ``NAME:RULE`` forces a rule), ``--base``
+sets the baseline batch (a small real dataset: ``--base 16 -- --data=DIR``)::
+
+    .venv/bin/python benchmarks/large_batch.py --optimizers adamw,lamb,lars \
+        --multiples 1,32,128 --no-warmup-variants --json lb.json
+
 Reading the plot: at the same epochs, a larger batch takes fewer steps; where its
 accuracy matches the baseline's, the larger batch (more ranks) would pay; where it
 falls behind, the ranks buy speed per step but not accuracy per epoch.
