@@ -184,8 +184,9 @@ def main(argv: list[str]) -> int:
             for n in (int(s) for s in (args.sizes or "1,2,3").split(",") if s):
                 runs.append((f"MPI at {n} ranks", lambda n=n: run_mpi(
                     n, args.pytest_args, report_dir, args.timeout)))
-        # The many-rank tier: 8 and 16 ranks took 121 s with a load of ~24 on 2 cores
-        # (2026-12-02; its watchdog test, in the single-process launch, 21 s).
+        # The many-rank tier, 2 cores (2026-12-02): 8 and 16 ranks 52 s (pytest 13 + 22 s),
+        # its watchdog test in the single-process launch 17 s, at a load of ~2-9; 121 s
+        # and 21 s with other jobs loading the machine to ~24. 32 ranks took 114 s.
         if not args.no_mpi and args.sizes is None or args.many_sizes is not None:
             for n in (int(s) for s in (args.many_sizes or "8,16").split(",") if s):
                 runs.append((f"many ranks: {n}", lambda n=n: run_mpi(
