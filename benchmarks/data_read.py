@@ -69,11 +69,20 @@ def make_dataset(comm: Any, args: argparse.Namespace) -> str:
         new = path + ".new"
         os.makedirs(new)
         shards, seconds = [], 0.0
+        # One shard's rows are drawn; shard i holds them rolled by i rows (labels shifted
+        # by i): drawing 50 GB of random values would take the 2 cores most of an hour.
+        x0 = rng.integers(0, 256, size=(min(per, args.samples), FEATURES), dtype=numpy.uint8)
+        x0 = numpy.where(x0 < 205, 0, x0).astype(numpy.float32) / 255  # MNIST-like: ~80% 0
+        y0 = rng.integers(0, 10, size=len(x0))
         for i, a in enumerate(range(0, args.samples, per)):
             n = min(per, args.samples - a)
-            x = rng.integers(0, 256, size=(n, FEATURES), dtype=numpy.uint8)  # MNIST-like:
-            x = numpy.where(x < 205, 0, x).astype(numpy.float32) / 255  # ~80% zeros, k/255
-            y = rng.integers(0, 10, size=n)
+            x, y = numpy.roll(x0, i, axis=0)[:n], (numpy.roll(y0, i)[:n] + i) % 10
+            free = shutil.disk_usage(new).free
+            if free - x.nbytes - y.nbytes < args.min_free_gb * 1e9:
+                shutil.rmtree(new)
+                raise SystemExit(f"data_read: {new}: writing shard {i} would leave less than "
+                                 f"{args.min_free_gb} GB free ({free / 1e9:.1f} GB now): "
+                                 "removed the partial dataset; use fewer --samples")
             t0 = time.perf_counter()  # the write alone (HDF5, sha256), not the generation
             shards += write_rows(new, {"x": x, "y": y}, storage, per, split="train",
                                  dataset_id="bench", first_shard=i,
@@ -167,7 +176,7 @@ def make_sampler(
 
 def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[str, Any]:
     sampler = make_sampler(comm, ds, args, seed=0)
-    loader = DataLoader(ds, sampler, prefetch=args.prefetch)
+    loader = DataLoader(ds, sampler, prefetch=args.prefetch, readahead=args.readahead)
     raw, small, ours, disk = [], [], [], []
     # Both sides open their files once, outside the timings, as a training run does
     # (the same settings as the dataset's: HDF5 shares a file opened twice alike).
@@ -212,6 +221,7 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
         "block_size": args.block_size,
         "batch_per_rank": args.batch,
         "prefetch": args.prefetch,
+        "readahead": loader.readahead,
         "cold": args.cold,
         "raw_GBps": round(r, 3),
         "raw_batch_rows_GBps": round(b, 3),
@@ -272,7 +282,7 @@ def bench_train(
 ) -> dict[str, Any]:
     step, kind = mlp_step(args.simulate)
     sampler = make_sampler(comm, ds, args, seed=1)
-    loader = DataLoader(ds, sampler, prefetch=prefetch)
+    loader = DataLoader(ds, sampler, prefetch=prefetch, readahead=args.readahead)
     loader.set_epoch(0)
     if args.cold:
         drop_cache(ds)
@@ -317,10 +327,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="shard storage: contiguous (none) or chunked and compressed (the "
                    "write is timed and sized only when the script writes the dataset)")
     p.add_argument("--dir", help="dataset directory (default: a temporary one, removed after)")
+    p.add_argument("--min-free-gb", type=float, default=20.0,
+                   help="stop writing (and remove the partial dataset) before the disk's "
+                   "free space would fall below this (20)")
     p.add_argument("--batch", type=int, default=128, help="samples per rank per step (mlp: 128)")
     p.add_argument("--shuffle", choices=("block", "full", "none"), default="block")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--readahead", type=int, default=0,
+                   help="steps whose reads the loader advises ahead (posix_fadvise; 0: off)")
     p.add_argument("--repeats", type=int, default=3, help="read passes; the median is reported")
     p.add_argument(
         "--cold", action="store_true", help="drop the files' page cache before each pass"
@@ -360,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             r = results[0]
             print(
                 f"| read | {r['ranks']} | {r['shuffle']} (block {r['block_size']}, prefetch "
-                f"{r['prefetch']}) | raw h5py {r['raw_GBps']} GB/s ({r['raw_batch_rows_GBps']} in "
+                f"{r['prefetch']}, readahead {r['readahead']}{', cold' if r['cold'] else ''}) | raw h5py {r['raw_GBps']} GB/s ({r['raw_batch_rows_GBps']} in "
                 f"{r['batch_per_rank']}-row reads) | loader {r['loader_GBps']} GB/s "
                 f"| ratio {r['ratio']} |"
                 + (f" dd {r['dd_GBps']} GB/s | loader / dd {r['loader_over_dd']} |"

@@ -294,22 +294,7 @@ class ShardedDataset(DatasetDescription):
             feats.append(self.features[name])
         pairs = runs if isinstance(runs, list) else \
             numpy.asarray(runs, numpy.int64).reshape(-1, 2).tolist()
-        bounds = self._bounds
-        # shard -> [(first row in the shard, rows, position in the batch)]
-        pieces: dict[int, list[tuple[int, int, int]]] = {}
-        pos = 0
-        for start, stop in pairs:
-            if start < 0 or stop > bounds[-1] or stop < start:
-                raise IndexError(f"run [{start}, {stop}) is outside [0, {bounds[-1]}) or reversed")
-            while start < stop:
-                shard = bisect.bisect_right(bounds, start) - 1
-                end = min(stop, bounds[shard + 1])
-                rows = pieces.get(shard)
-                if rows is None:
-                    rows = pieces[shard] = []
-                rows.append((start - bounds[shard], end - start, pos))
-                pos += end - start
-                start = end
+        pieces, pos = self._pieces(pairs)
         if out is not None:
             for f, a in zip(feats, out):
                 if a.shape != (pos, *f.shape) or a.dtype != f.dtype or not a.flags.c_contiguous:
@@ -348,6 +333,43 @@ class ShardedDataset(DatasetDescription):
                     if f.name in self.ranges:
                         self._check_batch_range(f.name, a, pieces)
         return arrays
+
+    def _pieces(self, pairs: list[list[int]]) -> tuple[dict[int, list[tuple[int, int, int]]],
+                                                       int]:
+        """The runs ``pairs`` cut at shard bounds: shard -> [(first row in the shard, rows,
+        position in the batch)], and the batch's rows."""
+        bounds = self._bounds
+        pieces: dict[int, list[tuple[int, int, int]]] = {}
+        pos = 0
+        for start, stop in pairs:
+            if start < 0 or stop > bounds[-1] or stop < start:
+                raise IndexError(f"run [{start}, {stop}) is outside [0, {bounds[-1]}) or reversed")
+            while start < stop:
+                shard = bisect.bisect_right(bounds, start) - 1
+                end = min(stop, bounds[shard + 1])
+                rows = pieces.get(shard)
+                if rows is None:
+                    rows = pieces[shard] = []
+                rows.append((start - bounds[shard], end - start, pos))
+                pos += end - start
+                start = end
+        return pieces, pos
+
+    def will_read(self, features: Sequence[str], runs: list[list[int]]) -> None:
+        """Advise the kernel that ``runs`` of ``features`` are read next (see
+        :meth:`ShardFile.advise <mpidl.data.shard.ShardFile.advise>`): their pages are
+        fetched from disk in the background, many at once, instead of one fault at a time
+        when the copy reaches them. Features served from memory are left out."""
+        disk = [self.features[f] for f in features
+                if self.features[f].row_bytes and not self._cacheable(self.features[f])]
+        if not disk or not runs:
+            return
+        pieces, _ = self._pieces(runs)
+        with self._lock:
+            for shard, rows in pieces.items():
+                handle = self._handle(shard)
+                for f in disk:
+                    handle.advise(f.name, rows, f.row_bytes)
 
     def _check_batch_range(
         self, name: str, values: numpy.ndarray, pieces: dict[int, list[tuple[int, int, int]]]

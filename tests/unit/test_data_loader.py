@@ -242,3 +242,36 @@ def test_exact_accuracy_counts(comm):
     assert acc.compute(comm) == pytest.approx(0.6)
     acc.reset()
     assert numpy.isnan(acc.compute())
+
+
+def test_readahead_advises_every_row_it_reads_and_changes_no_batch(dataset_dir, monkeypatch):
+    advised = []
+    real = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        advised.append((fd, offset, length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    ds = ShardedDataset(dataset_dir, cache_bytes=0)
+    batches = {}
+    for readahead in (0, 3):
+        sampler = DistributedSampler(len(ds), 12, 0, 1, seed=2, shuffle="block", block_size=4)
+        loader = DataLoader(ds, sampler, prefetch=0, readahead=readahead)
+        loader.set_epoch(1)
+        batches[readahead] = [b.x.copy() for b in loader]
+        if readahead == 0:
+            assert advised == []  # off by default
+    for a, b in zip(batches[0], batches[3]):
+        numpy.testing.assert_array_equal(a, b)
+    # the advised byte ranges of x, as sample ids: every sample of the epoch
+    shards = {h.fd: (i, h.offsets["x"]) for i, h in ds._open.items()}
+    ids = set()
+    for fd, offset, length in advised:
+        shard, start = shards[fd]
+        rows = ds.manifest.shards[shard].rows
+        if start <= offset < start + 8 * rows:  # x's bytes, not y's that follow them
+            first = int(ds.offsets[shard]) + (offset - start) // 8
+            ids.update(range(first, first + length // 8))
+    assert ids == set(range(N))
+    ds.close()
