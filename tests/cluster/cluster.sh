@@ -56,7 +56,7 @@ die() { echo "cluster.sh: $*" >&2; exit 2; }
 source "$here/slurm.sh"
 
 usage() {
-    sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
 }
 
@@ -216,8 +216,8 @@ down() {
         esac
     done < <(tac "$dir/made")
     # A namespace's links go a moment after the namespace (the kernel frees it later).
-    local left try
-    for try in $(seq 1 25); do
+    local left
+    for _ in $(seq 1 25); do
         left=""
         while read -r kind name; do
             case $kind in
@@ -344,6 +344,9 @@ status() {
     while read -r name ns addr veth; do
         echo "$name $addr netns=$ns link=$(ip -br link show "$veth" 2>/dev/null | awk '{print $2}') processes=$(ip netns pids "$ns" 2>/dev/null | wc -l)"
     done <"$dir/nodes"
+    if [[ -s $(slurm_dir)/slurm.conf ]]; then
+        echo "slurm: $(SLURM_CONF=$(slurm_dir)/slurm.conf sinfo -h -N -o '%N=%t' 2>&1 | sort -u | xargs)"
+    fi
 }
 
 # link NODE up|down: the node's bridge port, as if its cable were pulled or put back.

@@ -22,6 +22,9 @@
 #                              subnet's last number: the tests' cluster and one brought
 #                              up by hand do not meet, nor tests/slurm's 16817]
 
+# here, root, dir, prefix, subnet, record, die, need_up: cluster.sh's, which sources this.
+# shellcheck disable=SC2154
+true
 # shellcheck source=../slurm/common.sh
 source "$here/../slurm/common.sh"
 
