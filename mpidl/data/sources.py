@@ -128,8 +128,10 @@ def load_npz(path: str, part: tuple[int, int] | None = None
     """Arrays of an ``.npz`` file, as ``{"train": {...}}`` or, when every key ends in
     ``_train`` or ``_test`` (``x_train, y_train, x_test, y_test``), as both splits.
 
-    With ``part = (rank, size)``, only that rank's contiguous share of each array's rows
-    (each array is still decompressed whole: an ``.npz`` member cannot be read by rows).
+    With ``part = (rank, size)``, only that rank's contiguous share of each array's rows:
+    read by rows from an uncompressed archive (``numpy.savez``: each member is an
+    ``.npy`` stored as is, so its rows are at a known byte offset), decompressed whole
+    and cut from a compressed one (``numpy.savez_compressed``).
     """
     import zipfile
 
@@ -143,10 +145,7 @@ def load_npz(path: str, part: tuple[int, int] | None = None
                         "x=..., y=...)")
     try:
         with numpy.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-            if part is not None:
-                arrays = {k: v[_share(len(v), part)] if v.ndim else v
-                          for k, v in arrays.items()}
+            arrays = {k: _npz_rows(z, k, part) for k in z.files}
     except ValueError as e:
         if "pickle" not in str(e):
             raise DataError(f"{path}: not a readable .npz file ({e})") from e
@@ -156,6 +155,35 @@ def load_npz(path: str, part: tuple[int, int] | None = None
     except (OSError, zipfile.BadZipFile) as e:
         raise DataError(f"{path}: not a readable .npz file ({e})") from e
     return _by_split(arrays, path)
+
+
+def _npz_rows(z: Any, key: str, part: tuple[int, int] | None) -> numpy.ndarray:
+    """Array ``key`` of the open ``.npz`` ``z`` (``numpy.load``'s), or ``part``'s rows
+    of it: read alone where the member is stored uncompressed as a C-ordered ``.npy``
+    of numbers, else cut from the whole array."""
+    import zipfile
+
+    def cut(a: numpy.ndarray) -> numpy.ndarray:
+        return a[_share(len(a), part)] if part is not None and a.ndim else a
+
+    member = key + ".npy"
+    if part is None or z.zip.getinfo(member).compress_type != zipfile.ZIP_STORED:
+        return cut(z[key])
+    fmt = numpy.lib.format
+    with z.zip.open(member) as f:
+        version = fmt.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            return cut(z[key])
+        read_header = fmt.read_array_header_1_0 if version == (1, 0) \
+            else fmt.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        if fortran or not shape or dtype.hasobject:  # NumPy's own load raises for objects
+            return cut(z[key])
+        rows = _share(shape[0], part)
+        row_bytes = dtype.itemsize * int(numpy.prod(shape[1:], dtype=numpy.int64))
+        f.seek(f.tell() + rows.start * row_bytes)
+        data = f.read((rows.stop - rows.start) * row_bytes)
+    return numpy.frombuffer(data, dtype).reshape(rows.stop - rows.start, *shape[1:])
 
 
 def _by_split(arrays: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,7 @@ from mpidl.data import read_manifest
 from mpidl.data.command import main as shard_main
 from mpidl.data.parallel import write_shards_parallel
 from mpidl.data.partition import csv_span
-from mpidl.data.sources import read_csv
+from mpidl.data.sources import load_npz, read_csv
 from mpidl.data.text import covering, covering_counts
 from mpidl.testing import run_ranks
 from mpidl.testing.datasets import dataset_differences, sharding_inputs
@@ -96,3 +96,16 @@ def test_ranks_called_with_different_options_are_told_so_on_every_rank(tmp_path)
     messages = run_ranks(3, write)
     assert len(set(messages)) == 1 and "rank 1 was called with" in messages[0], messages
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("save", [numpy.savez, numpy.savez_compressed])
+def test_npz_shares_read_by_rows_tile_each_array(tmp_path, save):
+    rng = numpy.random.default_rng(0)
+    arrays = {"x": rng.normal(size=(101, 3, 2)).astype(numpy.float32), "y": numpy.arange(101),
+              "f": numpy.asfortranarray(rng.normal(size=(101, 4))), "s": numpy.array(5.0)}
+    save(tmp_path / "a.npz", **arrays)  # savez: stored members, read by rows
+    for size in (1, 2, 3, 7):
+        parts = [load_npz(str(tmp_path / "a.npz"), (r, size))["train"] for r in range(size)]
+        for k in ("x", "y", "f"):
+            numpy.testing.assert_array_equal(numpy.concatenate([p[k] for p in parts]), arrays[k])
+        assert all(float(p["s"]) == 5.0 for p in parts)
