@@ -109,3 +109,20 @@ def test_npz_shares_read_by_rows_tile_each_array(tmp_path, save):
         for k in ("x", "y", "f"):
             numpy.testing.assert_array_equal(numpy.concatenate([p[k] for p in parts]), arrays[k])
         assert all(float(p["s"]) == 5.0 for p in parts)
+
+
+def test_a_record_longer_than_a_share_leaves_ranks_empty_and_the_dataset_whole(tmp_path):
+    # one quoted review of ~40 KB with newlines among 30 short ones: at 4 ranks the cuts
+    # of two ranks fall inside it, so they find no record boundary and get nothing
+    path = tmp_path / "long.csv"
+    long = "\n".join(f"line {i}, with a comma and \"\"quotes\"\"" for i in range(1000))
+    rows = [f"short review {i},{'pos' if i % 2 else 'neg'}" for i in range(30)]
+    path.write_text("text,label\n" + "\n".join(rows[:3]) + f'\n"{long}",pos\n'
+                    + "\n".join(rows[3:]) + "\n")
+    spans = run_ranks(4, lambda comm: csv_span(comm, str(path), quoted=True))
+    assert [s.end - s.start == 0 for s in spans].count(True) >= 1, spans
+    argv = ["--from-csv", str(path), "--text-col", "text", "--label-col", "label",
+            "--rows-per-shard", "4"]
+    assert shard_on(1, argv + [str(tmp_path / "one")]) == [0]
+    assert shard_on(4, argv + [str(tmp_path / "four")]) == [0] * 4
+    assert dataset_differences(tmp_path / "four", tmp_path / "one") == []
