@@ -26,19 +26,13 @@ from pathlib import Path
 import numpy
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "mpi"), str(HERE.parent / "integration")]
-
-import test_sampler_mpi  # noqa: E402  (tests/mpi's bodies, called here at other sizes)
-import test_zero  # noqa: E402
-
-from mpidl.comm.single import SingleCommunicator  # noqa: E402
-from mpidl.data import ShardedDataset  # noqa: E402
-from mpidl.parallel import ShardedDataParallel  # noqa: E402
-from mpidl.testing import assert_all_ranks  # noqa: E402
-from mpidl.train import checkpoint as ckpt  # noqa: E402
-from mpidl.train.checkpointer import choose_checkpointer  # noqa: E402
-from mpidl.train.evaluation import evaluate, evaluation_loader  # noqa: E402
+from mpidl.comm.single import SingleCommunicator
+from mpidl.data import ShardedDataset
+from mpidl.parallel import ShardedDataParallel
+from mpidl.testing import assert_all_ranks
+from mpidl.train import checkpoint as ckpt
+from mpidl.train.checkpointer import choose_checkpointer
+from mpidl.train.evaluation import evaluate, evaluation_loader
 
 MANY = 8  # below this, tests/mpi's sizes
 
@@ -55,9 +49,17 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120),
               pytest.mark.skipif(world_size() < MANY, reason=f"the many-rank tier runs at "
                                  f"{MANY} ranks or more (tests/run.py)")]
 
+if world_size() >= MANY:
+    # tests/mpi's bodies, called here at other sizes; only where they run: the
+    # single-process launch, which collects this file too, has tests/unit modules of
+    # the same names (test_sharded_checkpoint).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
+
 
 @pytest.mark.parametrize("mode", ["block", "full"])
 def test_the_sampler_gives_every_sample_once_and_the_single_rank_batches(comm, mode):
+    import test_sampler_mpi
+
     # fewer samples than ranks, a step of fewer than the ranks, blocks, a larger set
     for n, g, block in [(7, 4, 2), (101, 8, 3), (257, 16, 5), (1000, 64, 32)]:
         test_sampler_mpi.test_ranks_together_see_every_sample_once(comm, mode, n, g, block)
@@ -67,6 +69,8 @@ def test_the_sampler_gives_every_sample_once_and_the_single_rank_batches(comm, m
 @pytest.mark.parametrize("kind,stage", [("mlp", 1), ("mlp", 2), ("mlp", 3), ("gpt", 3)])
 def test_zero_equals_the_single_rank_model_with_ranks_of_empty_batches(comm, kind, stage):
     """13 samples a step: at 16 ranks three train on none."""
+    import test_zero
+
     test_zero.test_each_stage_equals_the_single_rank_model(comm, stage, kind)
 
 
