@@ -334,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shuffle", choices=("block", "full", "none"), default="block")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--prefetch", type=int, default=2)
-    p.add_argument("--readahead", type=int, default=0,
-                   help="steps whose reads the loader advises ahead (posix_fadvise; 0: off)")
+    p.add_argument("--readahead", type=int, help="steps whose reads the loader advises "
+                   "ahead (posix_fadvise; 0: off; default: the loader's, 16 for a split larger "
+                   "than half the memory, else 0)")
     p.add_argument("--repeats", type=int, default=3, help="read passes; the median is reported")
     p.add_argument(
         "--cold", action="store_true", help="drop the files' page cache before each pass"

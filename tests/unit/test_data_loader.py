@@ -255,13 +255,17 @@ def test_readahead_advises_every_row_it_reads_and_changes_no_batch(dataset_dir, 
     monkeypatch.setattr(os, "posix_fadvise", record)
     ds = ShardedDataset(dataset_dir, cache_bytes=0)
     batches = {}
+    assert DataLoader(ds, DistributedSampler(len(ds), 12, 0, 1)).readahead == 0  # fits memory
+    with monkeypatch.context() as m:  # a machine of 100 bytes: the split cannot stay cached
+        m.setattr(os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else 100)
+        assert DataLoader(ds, DistributedSampler(len(ds), 12, 0, 1)).readahead == 16
     for readahead in (0, 3):
         sampler = DistributedSampler(len(ds), 12, 0, 1, seed=2, shuffle="block", block_size=4)
         loader = DataLoader(ds, sampler, prefetch=0, readahead=readahead)
         loader.set_epoch(1)
         batches[readahead] = [b.x.copy() for b in loader]
         if readahead == 0:
-            assert advised == []  # off by default
+            assert advised == []
     for a, b in zip(batches[0], batches[3]):
         numpy.testing.assert_array_equal(a, b)
     # the advised byte ranges of x, as sample ids: every sample of the epoch
