@@ -121,12 +121,16 @@ def timed(comm: Any, fn: Callable[[], int]) -> tuple[float, int]:
     return float(out[0]), int(total[0])
 
 
-def raw_read(comm: Any, ds: ShardedDataset, files: list[Any], slab: int = SLAB) -> int:
+def raw_read(comm: Any, ds: ShardedDataset, files: list[Any], slab: int = SLAB,
+             limit: float = float("inf")) -> int:
     """This rank's contiguous 1/size share of every shard, x and y, in ``slab``-row reads
-    from the already open h5py ``files`` (one per shard)."""
+    from the already open h5py ``files`` (one per shard); shards stop once ``limit``
+    bytes are read."""
     nbytes = 0
     buffers: dict[str, numpy.ndarray] = {}
     for shard, f in zip(ds.manifest.shards, files):
+        if nbytes >= limit:
+            break
         lo = shard.rows * comm.rank // comm.size
         hi = shard.rows * (comm.rank + 1) // comm.size
         for name in ("x", "y"):
@@ -139,13 +143,15 @@ def raw_read(comm: Any, ds: ShardedDataset, files: list[Any], slab: int = SLAB) 
     return nbytes
 
 
-def dd_read(comm: Any, ds: ShardedDataset) -> int:
+def dd_read(comm: Any, ds: ShardedDataset, limit: float = float("inf")) -> int:
     """The disk's own sequential speed: ``dd`` of this rank's shards (``r, r + size, ...``,
-    whole files, 16 MiB blocks) to /dev/null; bytes read."""
+    whole files, 16 MiB blocks) to /dev/null, until ``limit`` bytes; bytes read."""
     import subprocess
 
     nbytes = 0
     for i in range(comm.rank, len(ds.manifest.shards), comm.size):
+        if nbytes >= limit:
+            break
         subprocess.run(["dd", f"if={ds.shard_path(i)}", "of=/dev/null", "bs=16M"],
                        check=True, capture_output=True)
         nbytes += ds.manifest.shards[i].bytes
@@ -158,11 +164,14 @@ def open_shards(ds: ShardedDataset) -> None:
         ds.read_runs("x", [[first, min(first + 1, stop)]])
 
 
-def loader_read(loader: DataLoader, epoch: int) -> int:
+def loader_read(loader: DataLoader, epoch: int, limit: float = float("inf")) -> int:
+    """One epoch of this rank's batches, or its first ``limit`` bytes; bytes read."""
     loader.set_epoch(epoch)
     nbytes = 0
     for x, y, _ in loader:
         nbytes += x.nbytes + y.nbytes
+        if nbytes >= limit:
+            break
     return nbytes
 
 
@@ -191,11 +200,12 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
     open_shards(ds)
     try:
         for rep in range(args.repeats):
-            passes = [(lambda: raw_read(comm, ds, files), raw),
-                      (lambda: raw_read(comm, ds, files, args.batch), small),
-                      (lambda: loader_read(loader, rep), ours)]
+            limit = args.pass_gb * 1e9 / comm.size if args.pass_gb else float("inf")
+            passes = [(lambda: raw_read(comm, ds, files, limit=limit), raw),
+                      (lambda: raw_read(comm, ds, files, args.batch, limit), small),
+                      (lambda: loader_read(loader, rep, limit), ours)]
             if args.dd:
-                passes.insert(0, (lambda: dd_read(comm, ds), disk))
+                passes.insert(0, (lambda: dd_read(comm, ds, limit), disk))
             if args.skip_small_reads:
                 passes = [p for p in passes if p[1] is not small]
             for fn, into in passes:
@@ -343,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dd", action="store_true", help="also time `dd` of the shard files: the "
                    "disk's sequential speed (with --cold, past the page cache)")
+    p.add_argument("--pass-gb", type=float, help="read at most this many GB per pass (all "
+                   "ranks together): a sample of a split too large to read whole")
     p.add_argument("--skip-small-reads", action="store_true",
                    help="leave out the raw batch-sized reads (context only; a pass less)")
     p.add_argument("--train-steps", type=int, default=150)
