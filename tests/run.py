@@ -1,10 +1,10 @@
 """Run the whole test suite: the single-process tests once, the MPI tests at 1, 2 and 3 ranks,
 and the many-rank tier at 8 and 16.
 
-The single-process tests run as three launches, each with its own limit and report:
-tests/unit with tests/integration, tests/slurm (a local Slurm), and tests/cluster (virtual
-nodes in network namespaces); the last two skip with the reason where they cannot run
-(not root, packages missing).
+The single-process tests run as four launches, each with its own limit and report:
+tests/unit (in parallel, one pytest-xdist worker per core), tests/integration,
+tests/slurm (a local Slurm), and tests/cluster (virtual nodes in network namespaces); the
+last two skip with the reason where they cannot run (not root, packages missing).
 
 The many-rank tier (tests/many) runs as the MPI tests do, at 8 and 16 ranks on however many
 cores there are (oversubscribed); its watchdog test runs with the single-process tests.
@@ -29,6 +29,7 @@ script next to this Python does not work. The last line sums up all runs:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -41,9 +42,16 @@ sys.path.insert(0, ROOT)  # so that `python tests/run.py` finds mpidl from a che
 
 # The single-process tiers, each its own launch with its own limit and report: a tier
 # that hangs or runs long is named, and the others still report.
-SINGLE = {"unit and integration": ["tests/unit", "tests/integration", "tests/many"],
+SINGLE = {"unit": ["tests/unit"],
+          "integration": ["tests/integration", "tests/many"],
           "Slurm": ["tests/slurm"],
           "virtual cluster": ["tests/cluster"]}
+# tests/unit runs in as many pytest-xdist workers as there are cores (at most 4): its
+# tests share no process-wide state and start no MPI job, and on 2 cores they took
+# 180 s in 2 workers against 764 s in one (2026-12-02, both with other jobs loading
+# the machine). The other tiers launch mpiexec jobs, Slurm or virtual nodes that want
+# the cores (or the ports) to themselves, and run one test at a time.
+PARALLEL = {"unit"}
 MPI = ["tests/mpi"]
 MANY = ["tests/many"]
 
@@ -108,10 +116,20 @@ def worker(report_dir: str, pytest_args: list[str]) -> int:
     return int(pytest.main(["--with-mpi", f"--junitxml={xml}", *pytest_args]))
 
 
+def workers(name: str) -> list[str]:
+    """pytest-xdist's arguments for a tier that runs its tests in parallel ([] where it
+    does not, or where pytest-xdist is not installed, or on one core)."""
+    n = min(os.cpu_count() or 1, 4)
+    if name not in PARALLEL or n < 2 or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(n)]
+
+
 def run_single(name: str, paths: list[str], pytest_args: list[str], report_dir: str,
                timeout: float) -> tuple[int, dict]:
     xml = os.path.join(report_dir, f"single-{name.replace(' ', '-')}.xml")
-    cmd = [sys.executable, "-m", "pytest", *paths, f"--junitxml={xml}", *pytest_args]
+    cmd = [sys.executable, "-m", "pytest", *paths, *workers(name), f"--junitxml={xml}",
+           *pytest_args]
     print(f"\n=== single-process tests, {name}: {' '.join(cmd[3:])}", flush=True)
     try:
         code = subprocess.run(cmd, cwd=ROOT, timeout=timeout).returncode
