@@ -70,6 +70,19 @@ def _load_manifest(path: str, comm: Any) -> Manifest:
     return parse_manifest(payload[1], path, os.path.join(path, "manifest.json"))
 
 
+def _default_max_open(shards: int) -> int:
+    """Every shard, up to a quarter of the file-descriptor limit, at least 128."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 128
+    if limit == getattr(resource, "RLIM_INFINITY", -1):
+        return max(128, shards)
+    return max(128, min(shards, limit // 4))
+
+
 class ShardedDataset(DatasetDescription):
     """One split (a directory with ``manifest.json``) of a sharded dataset.
 
@@ -90,6 +103,11 @@ class ShardedDataset(DatasetDescription):
             manifest and broadcasts it, each rank checks a ``1/size`` share of the shards,
             and every rank raises the same ``DataError`` (or none).
         max_open: the most shard files kept open at once (least recently used closed).
+            Default: every shard, up to a quarter of the process's file-descriptor limit
+            (each open shard holds two descriptors), at least 128. Block-shuffled reads
+            visit every shard every few steps: on a 207-shard split read past the page
+            cache, 128 open shards (the old default) reopened a shard on most reads,
+            0.083-0.094 GB/s, against 0.282-0.286 with all open (1 rank, 2 runs each).
         cache_bytes: a feature whose whole size is at most this (labels, typically: 16 MiB
             is 2 million int64 labels) is read whole on first use and kept in memory.
 
@@ -105,17 +123,19 @@ class ShardedDataset(DatasetDescription):
         verify: str = "size",
         locking: bool | str | None = False,
         comm: Any = None,
-        max_open: int = 128,
+        max_open: int | None = None,
         cache_bytes: int = 16 << 20,
     ):
         if verify not in VERIFY_LEVELS:
             raise ValueError(f"verify {verify!r} is not one of {VERIFY_LEVELS}")
         self.path = os.path.join(path, split) if split else path
         self.locking = locking
-        self.max_open = max(1, int(max_open))
+        self.max_open = max(1, int(max_open)) if max_open is not None else 0
         self.cache_bytes = int(cache_bytes)
         self._memory: dict[str, numpy.ndarray] = {}
         self.manifest = _load_manifest(self.path, comm)
+        if not self.max_open:
+            self.max_open = _default_max_open(len(self.manifest.shards))
         self.features: dict[str, Feature] = self.manifest.features
         self.ranges = value_ranges(self.manifest)  # labels, token ids: checked on every read
         self.offsets = numpy.concatenate(

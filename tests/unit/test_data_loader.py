@@ -279,3 +279,15 @@ def test_readahead_advises_every_row_it_reads_and_changes_no_batch(dataset_dir, 
             ids.update(range(first, first + length // 8))
     assert ids == set(range(N))
     ds.close()
+
+
+def test_every_shard_stays_open_by_default_within_the_descriptor_limit(tmp_path, monkeypatch):
+    import resource
+
+    write_split(str(tmp_path / "d"), {"x": numpy.zeros((150, 1), numpy.float32)},
+                rows_per_shard=1)  # 150 shards: more than the old default of 128
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (20000, 20000))
+    assert ShardedDataset(str(tmp_path / "d")).max_open == 150
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (400, 400))
+    assert ShardedDataset(str(tmp_path / "d")).max_open == 128  # a quarter of 400, or 128
+    assert ShardedDataset(str(tmp_path / "d"), max_open=2).max_open == 2
