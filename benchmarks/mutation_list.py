@@ -1158,7 +1158,8 @@ MUTATIONS: list[Mutation] = [
         original="    return pipeline.module.parts[int(i)].full_name(rest)",
         mutated="    return rest",
         why="a stage writes its parts' own names: the stages' blocks.0 collide",
-        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others",),
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit",
+               TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_other_layouts"),
     ),
     Mutation(
         name="train-pipeline-generators-of-one-stage",
@@ -1166,7 +1167,8 @@ MUTATIONS: list[Mutation] = [
         original="            ranks.setdefault(str(d), {}).update(s)",
         mutated="            ranks[str(d)] = s",
         why="a data rank's dropout generators are saved from one stage, the others lost",
-        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit_and_at_others",),
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit",
+               TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_other_layouts"),
     ),
     Mutation(
         name="train-pipeline-zero-blocks-not-refreshed",
@@ -1174,7 +1176,7 @@ MUTATIONS: list[Mutation] = [
         original="        if self.zero:\n            zero_state.refresh_after_load(self.pipeline.wrapped)",
         mutated="        if False:\n            zero_state.refresh_after_load(self.pipeline.wrapped)",
         why="a resumed ZeRO stage trains on its parameters from before the load",
-        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_under_zero_1_resumes_bit_for_bit",),
+        tests=(TRAIN_PIPE + "test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit",),
     ),
     Mutation(
         name="train-pipeline-schedule-unchecked",
