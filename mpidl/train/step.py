@@ -57,6 +57,15 @@ class Diverged(RuntimeError):
     """The run cannot go on: too many non-finite steps in a row, or non-finite parameters."""
 
 
+def scaled_dtype(params: Any) -> str:
+    """The dtype name a skipped step's message gives: the parameters' 16-bit dtype (the
+    backward that overflowed ran in it; their gradients may be kept in float32), else
+    the first parameter's dtype (``--loss-scale=dynamic`` at fp32)."""
+    names = [p.data.dtype.name for p in params]
+    halves = [n for n in names if n in ("float16", "bfloat16")]
+    return (halves or names or ["float32"])[0]
+
+
 def learning_rate(config: Config, step: int, total: int) -> float:
     """The scheduled learning rate of optimizer step ``step`` (0-based) of ``total``."""
     base = config.scaled_lr()
@@ -142,11 +151,12 @@ class TrainStep:
             flag.is_set, not finite, not loss_finite)
         if loss_scale is not None:
             if nonfinite and not bad_loss and not loss_scale.at_minimum:
-                # Scaled float16 gradients overflowed: routine, not divergence.
+                # Scaled 16-bit gradients overflowed: routine, not divergence.
                 loss_scale.update(False)
                 run.optimizer.zero_grad()
                 self.skipped_steps += 1
-                self.log.info(f"step {step + 1}: float16 gradients overflowed at loss "
+                self.log.info(f"step {step + 1}: {scaled_dtype(params)} gradients "
+                              f"overflowed at loss "
                               f"scale {scale:g}; step skipped, scale now "
                               f"{loss_scale.scale:g}")
                 return StepResult(0, 0, 0, preempted)

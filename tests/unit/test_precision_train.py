@@ -92,6 +92,27 @@ def test_a_loss_scale_overflow_skips_the_step_on_every_rank(data):
         assert taken and moved  # the next step trains
 
 
+def test_a_skipped_bf16_step_names_bfloat16(data):
+    """``--precision bf16 --loss-scale=dynamic``: the skip message names the dtype the
+    backward ran in (it said float16 whatever the dtype)."""
+    import io
+
+    cache, directory = data
+    config = load_config("gpt", [*TINY, f"--data.cache-dir={cache}", "--steps=1",
+                                 "--precision=bf16", "--loss-scale=dynamic"])
+    run = build_run(config, SingleCommunicator(), directory)
+    said = io.StringIO()
+    step = TrainStep(run, Logger(stream=said))
+    run.loss_scale.scale = 2.0 ** 140  # past bfloat16's (and float32's) largest value
+    run.loader.set_epoch(0)
+    x, n = next(iter(run.loader))
+    try:
+        assert step(x, None, n, 0).counted == 0 and step.skipped_steps == 1
+    finally:
+        run.close()
+    assert "step 1: bfloat16 gradients overflowed at loss scale" in said.getvalue()
+
+
 def test_precision_with_float16_model_parameters_is_refused(data):
     with pytest.raises(ConfigError, match="choose one"):
         losses(data, "bf16", extra=["--model.dtype=float16"])
