@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from hpc.argtypes import positive_int
 from mpidl import layouts, plan
+from mpidl.parallel.pipeline_schedule import flags_problem as schedule_flags_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,10 +68,8 @@ def flags_problem(args: argparse.Namespace) -> str | None:
     if args.virtual_stages is not None and args.pipeline_schedule not in ("interleaved", None):
         return (f"--virtual-stages={args.virtual_stages}: model chunks per rank are the "
                 "interleaved schedule's; add --pipeline-schedule interleaved")
-    if args.pipeline_schedule == "interleaved" and args.virtual_stages == 1:
-        return ("--virtual-stages=1 is plain 1F1B: interleaving needs 2 or more chunks per "
-                "rank (or --pipeline-schedule 1f1b)")
-    return None
+    # The rule mpidl train refuses with too (--virtual-stages=1 with interleaved).
+    return schedule_flags_problem(args.pipeline_schedule, args.virtual_stages)
 
 
 def from_config(args: argparse.Namespace, config: Any) -> None:

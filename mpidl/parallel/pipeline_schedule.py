@@ -103,6 +103,23 @@ def check_layout(name: str, p: int, m: int, v: int = 1) -> None:
                          f"{m - m % p or p} or {m + p - m % p}")
 
 
+def flags_problem(schedule: str | None, virtual: int | None) -> str | None:
+    """What is wrong with the user's ``--pipeline-schedule`` and ``--virtual-stages``
+    together (None: nothing; None for either: not given), the one rule ``mpidl train``
+    and ``mpidl plan --layouts`` both refuse with (exit 2).
+
+    ``interleaved`` with one chunk per stage is exactly 1F1B (the same actions:
+    :func:`interleaved` at ``v = 1``), so a run that asks for it asked for something it
+    would not get: the bubble it was after is ``(p - 1) / (v m)`` at ``v >= 2``. The
+    engine's own :func:`schedule` still takes it (tests compare the two).
+    """
+    if schedule == "interleaved" and virtual == 1:
+        return ("--virtual-stages=1 is plain 1F1B: --pipeline-schedule=interleaved needs 2 "
+                "or more model chunks per stage; use --virtual-stages=2 or more, or "
+                "--pipeline-schedule=1f1b")
+    return None
+
+
 def gpipe(p: int, m: int) -> list[list[Action]]:
     """Every rank: all forwards, then all backwards, in microbatch order."""
     return [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]

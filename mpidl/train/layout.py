@@ -43,6 +43,7 @@ from mpidl.models.gpt import GPT
 from mpidl.parallel import ParallelGPT, PipelineModel, ProcessGrid
 from mpidl.parallel.pipeline_gpt import pipeline_model
 from mpidl.parallel.pipeline_schedule import check_layout as check_schedule
+from mpidl.parallel.pipeline_schedule import flags_problem as schedule_flags_problem
 from mpidl.optim.layerwise import TensorNorms
 from mpidl.parallel.tensor import clip_grad_norm_ as clip_tensor_parallel_grad_norm_
 from mpidl.parallel.sequence import ulysses_heads_fit
@@ -178,6 +179,9 @@ def _check_pipeline(config: Config, ranks: int, model: Any) -> int:
                           f"this job (stages x tensor x sequence x data = ranks): use one of "
                           f"{_list([d for d in _divisors(ranks) if d > 1])}, or another "
                           "rank count")
+    problem = schedule_flags_problem(config.pipeline_schedule, v)
+    if problem:
+        raise ConfigError(f"{problem} (--pipeline-parallel={p})")
     try:
         check_schedule(config.pipeline_schedule, p, m, v)
     except ValueError as e:

@@ -142,6 +142,9 @@ def test_a_pipeline_checkpoint_resumes_at_its_layout_bit_for_bit(reference):
      "use --zero=1 or --zero=2 per stage"),
     (["--virtual-stages=2"], "model chunks interleave over pipeline stages; add "
                              "--pipeline-parallel=2"),
+    # The rule mpidl plan --layouts refuses with too (test_plan_command).
+    (["--pipeline-parallel=2", "--pipeline-schedule=interleaved", "--microbatches=2"],
+     "--virtual-stages=1 is plain 1F1B: --pipeline-schedule=interleaved needs 2 or more"),
 ])
 def test_an_impossible_pipeline_layout_is_a_config_error_saying_what_works(args, words):
     config = load_config("gpt", ["--model.layers=4", "--global-batch=8", *args])
