@@ -25,9 +25,11 @@ sendrecv ring exchange (rank r sends to r+1 and receives from r-1, as ring atten
 passes its blocks).
 
 The fit ``t(bytes) = alpha + bytes / beta`` (:func:`fit_alpha_beta`) gives the latency
-alpha and the asymptotic bandwidth beta; ``--save-profile NAME`` stores each op's fit
-as a network profile for ``mpidl plan`` (:mod:`hpc.costmodel`), and ``--plot FILE``
-draws time and bus bandwidth against message size (needs matplotlib: the [plot] extra).
+alpha and the asymptotic bandwidth beta; ``--save-profile NAME`` stores each op's fit,
+and the measured times it was fitted to (the planner interpolates them: one line fits
+a shaped TCP link badly), as a network profile for ``mpidl plan`` (:mod:`hpc.costmodel`),
+and ``--plot FILE`` draws time and bus bandwidth against message size (needs
+matplotlib: the [plot] extra).
 
 Needs mpi4py and NumPy (CuPy for ``--device cupy``); ``hpc`` never imports ``mpidl``.
 """
@@ -488,6 +490,7 @@ def _outputs(args: argparse.Namespace, sweeps: dict[str, list[Result]], library:
         first = next(iter(sweeps.values()))[0]
         path = costmodel.save_network_profile(
             args.save_profile, fits, ranks=first.ranks, nodes=first.nodes,
+            curves={op: [(r.nbytes, r.seconds) for r in res] for op, res in sweeps.items()},
             source=f"measured with `mpidl bench` ({library}, {args.dtype}, {args.device} "
                    f"buffers, {first.ranks} ranks on {first.nodes} node(s)), "
                    f"{time.strftime('%Y-%m-%d %H:%M')}")

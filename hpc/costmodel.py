@@ -16,6 +16,16 @@ The bandwidth here is NCCL-tests' *bus bandwidth*, which is why ``mpidl bench``'
 busbw of a measured collective is directly the link's: a fit ``t = a + n / b`` measured
 at ``p`` ranks gives ``bandwidth = b * factor(op, p)`` and ``alpha = a / steps(op, p)``.
 
+A single line fits a real network badly. Measured on the virtual cluster's 1 Gbit/s
+links (tests/cluster, htb): an allreduce between two nodes moved 0.005 GB/s at 4 KB,
+0.024 at 64 KB, 0.016 at 256 KB (Open MPI's TCP rendezvous) and 0.05-0.07 from 4 MB
+on, so the one alpha-beta fit (215 us + 0.049 GB/s) is 2-3x off across the 64 KB-1 MB
+sizes a gradient bucket has. A measured profile therefore also keeps the times it
+measured (``sizes``, ``time_us`` at ``ranks``): :meth:`Link.time` interpolates them
+(log-log, piecewise linear) and carries the result to another rank count by the
+alpha-beta model's ratio, exact at the measured rank count; outside the measured sizes
+the alpha-beta line continues from the nearest end.
+
 Profiles are TOML files: ``hpc/profiles/network/*.toml`` and ``hpc/profiles/device/*.toml``
 ship common ones, each naming the source of its numbers; ``mpidl bench
 --save-profile NAME`` writes a measured one into ``$MPIDL_PROFILE_DIR/network`` (default
@@ -23,6 +33,7 @@ ship common ones, each naming the source of its numbers; ``mpidl bench
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import sys
@@ -73,16 +84,44 @@ def volume(op: str, ranks: int) -> float:
 
 @dataclass(frozen=True)
 class Link:
-    """One collective's link parameters: latency (s) and bus bandwidth (bytes/s)."""
+    """One collective's link parameters: latency (s) and bus bandwidth (bytes/s), and
+    optionally the measured curve behind them: ``points`` of (bytes, seconds) of the
+    collective itself at ``ranks`` ranks (a saved ``mpidl bench`` sweep)."""
 
     alpha: float
     bandwidth: float
+    points: tuple[tuple[float, float], ...] = ()
+    ranks: int = 0
+
+    def line(self, op: str, nbytes: float, ranks: int) -> float:
+        """The alpha-beta model alone (0 on one rank or nothing to send)."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        return steps(op, ranks) * self.alpha + volume(op, ranks) * nbytes / self.bandwidth
 
     def time(self, op: str, nbytes: float, ranks: int) -> float:
         """Seconds of ``op`` on ``nbytes`` over ``ranks`` (0 on one rank)."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
-        return steps(op, ranks) * self.alpha + volume(op, ranks) * nbytes / self.bandwidth
+        if len(self.points) < 2 or self.ranks < 2:
+            return self.line(op, nbytes, ranks)
+        # The measured curve at the measured rank count, then the line's ratio between
+        # the rank counts (1 where they are equal). Beyond the measured sizes the line's
+        # shape continues from the nearest measured point.
+        sizes = [n for n, _ in self.points]
+        lo, hi = self.points[0], self.points[-1]
+        if nbytes <= lo[0]:
+            measured = lo[1] * self.line(op, nbytes, self.ranks) / self.line(op, lo[0], self.ranks)
+        elif nbytes >= hi[0]:
+            measured = hi[1] * self.line(op, nbytes, self.ranks) / self.line(op, hi[0], self.ranks)
+        else:
+            i = bisect.bisect_right(sizes, nbytes)
+            (n0, t0), (n1, t1) = self.points[i - 1], self.points[i]
+            w = math.log(nbytes / n0) / math.log(n1 / n0)
+            measured = math.exp((1 - w) * math.log(t0) + w * math.log(t1))
+        if ranks == self.ranks:
+            return measured
+        return measured * self.line(op, nbytes, ranks) / self.line(op, nbytes, self.ranks)
 
 
 @dataclass
@@ -185,7 +224,8 @@ def load_network(name: str) -> NetworkProfile:
 
     Format: ``name``, ``source`` (where the numbers come from), and one table per
     collective or ``[default]``, each with ``alpha_us`` and ``bandwidth_GBps`` (bus
-    bandwidth, 1e9 bytes/s).
+    bandwidth, 1e9 bytes/s), and optionally the measured curve: ``sizes`` (bytes) and
+    ``time_us``, measured at the profile's ``ranks``.
     """
     data, path = _read("network", name)
     if not isinstance(data.get("source"), str) or not data["source"].strip():
@@ -199,11 +239,39 @@ def load_network(name: str) -> NetworkProfile:
                                    f"{', '.join(COLLECTIVES)} or default")
             where = f"network profile {path} [{op}]"
             links[op] = Link(_number(table, "alpha_us", where, positive=False) * 1e-6,
-                             _number(table, "bandwidth_GBps", where) * 1e9)
+                             _number(table, "bandwidth_GBps", where) * 1e9,
+                             _points(table, where), _measured_ranks(data, table, where))
     if not links:
         raise ProfileError(f"network profile {path} has no [default] or per-collective table")
     return NetworkProfile(str(data.get("name", path.stem)), data["source"], links, str(path),
                           str(data.get("notes", "")))
+
+
+def _points(table: Mapping, where: str) -> tuple[tuple[float, float], ...]:
+    """A table's measured curve: ``sizes`` (bytes, increasing) and ``time_us``, or ()."""
+    if "sizes" not in table and "time_us" not in table:
+        return ()
+    sizes, times = table.get("sizes"), table.get("time_us")
+    ok = (isinstance(sizes, list) and isinstance(times, list) and len(sizes) == len(times) >= 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                  and math.isfinite(v) for v in sizes + times)
+          and all(a < b for a, b in zip(sizes, sizes[1:])))
+    if not ok:
+        raise ProfileError(f"{where}: sizes = {sizes!r} and time_us = {times!r} must be lists "
+                           "of one length (at least 2) of positive numbers, sizes increasing; "
+                           "measure them again with `mpidl bench --save-profile NAME`")
+    return tuple((float(n), float(t) * 1e-6) for n, t in zip(sizes, times))
+
+
+def _measured_ranks(data: Mapping, table: Mapping, where: str) -> int:
+    """The rank count a table's curve was measured at (the profile's ``ranks``)."""
+    if "sizes" not in table:
+        return 0
+    ranks = data.get("ranks")
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 2:
+        raise ProfileError(f"{where}: a measured curve needs the profile's ranks = N (>= 2, "
+                           f"the ranks it was measured at); found ranks = {ranks!r}")
+    return ranks
 
 
 def load_device(name: str) -> DeviceProfile:
@@ -238,8 +306,11 @@ def check_profile_name(name: str) -> str:
 
 
 def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: int,
-                         source: str) -> Path:
-    """Write the fits of ``mpidl bench`` (op -> AlphaBeta) as network profile ``name``."""
+                         source: str,
+                         curves: Mapping[str, Sequence[tuple[float, float]]] | None = None
+                         ) -> Path:
+    """Write the fits of ``mpidl bench`` (op -> AlphaBeta) as network profile ``name``,
+    with each op's measured (bytes, seconds) where ``curves`` has them."""
     check_profile_name(name)
     lines = [f"# Measured by `mpidl bench --save-profile {name}`; read by `mpidl plan "
              f"--network {name}`.", f"name = {_toml(name)}", f"source = {_toml(source)}",
@@ -250,7 +321,12 @@ def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: 
         link = link_from_fit(op, fit.alpha, fit.beta, ranks)
         bandwidth = link.bandwidth / 1e9 if math.isfinite(link.bandwidth) else 1e6
         lines += [f"[{op}]", f"alpha_us = {link.alpha * 1e6:.6g}",
-                  f"bandwidth_GBps = {bandwidth:.6g}", ""]
+                  f"bandwidth_GBps = {bandwidth:.6g}"]
+        curve = sorted((curves or {}).get(op, ()))
+        if len(curve) >= 2 and ranks >= 2:
+            lines += [f"sizes = [{', '.join(str(int(n)) for n, _ in curve)}]",
+                      f"time_us = [{', '.join(f'{t * 1e6:.6g}' for _, t in curve)}]"]
+        lines.append("")
     from hpc.files import write_text
 
     path = profile_dir() / "network" / f"{name}.toml"

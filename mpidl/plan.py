@@ -21,11 +21,14 @@ The model (strong scaling: the config's global batch, split over the ranks):
   by the device's sustained rate; ``--step-time S`` takes the 1-rank step at batch G as
   given and scales it as ``b / G``; ``--from-run`` uses a run's measured compute.
 - **Communication**: the dense gradient (float32, or 16 bits with compression) in
-  ``bucket_mb`` buckets, each one allreduce priced by the alpha-beta model of
-  :mod:`hpc.costmodel` on ``--network`` between nodes (``--node-network`` within
-  one: ``shm``, a profile measured here, by default). With overlap (the default
-  across nodes) the buckets travel while backward (2/3 of compute) runs: only what
-  outlasts it is exposed. Embedding tables are counted dense: an upper bound where
+  ``bucket_mb`` buckets, each one allreduce priced by :mod:`hpc.costmodel` on
+  ``--network`` between nodes (``--node-network`` within one: ``shm``, a profile
+  measured here, by default): a measured profile's own curve of time against message
+  size where it has one, else its alpha-beta line. With overlap (the default across
+  nodes) the buckets travel while backward (2/3 of compute) runs; the share of it they
+  actually hide behind is a measured default or a run's (``--from-run``), and the
+  fixed cost of a distributed step comes from a probe (``mpiexec -n 2 mpidl plan``):
+  :mod:`mpidl.plan_step`. Embedding tables are counted dense: an upper bound where
   DataParallel sends touched rows only.
 - **Memory** per rank: parameters, gradients and optimizer state (AdamW: two more
   copies, SGD with momentum one), in float32.
@@ -56,9 +59,9 @@ from typing import Any, Callable, Sequence
 
 from mpidl.modes import state_bytes_per_param
 from mpidl.plan_noise import run_noise_scale
+from mpidl.plan_step import StepCosts, exposed_comm, shared_compute
 
 HOUR = 3600.0
-BACKWARD_SHARE = 2.0 / 3.0  # of a step's compute: what overlapped buckets can hide behind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Prediction:
     exposed_comm_s: float
     input_s: float
     step_s: float
+    fixed_s: float
     samples_per_s: float
     speedup: float
     efficiency: float
@@ -136,7 +140,8 @@ def comm_seconds(work: Workload, ranks: int, nodes: int, network: Any, node_link
 
 def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int],
             network: Any, node_link: Any, ranks_per_node: int = 1, input_s: float = 0.0,
-            queue_hours: float = 0.0, setup_hours: float = 0.0) -> list[Prediction]:
+            queue_hours: float = 0.0, setup_hours: float = 0.0,
+            costs: StepCosts = StepCosts()) -> list[Prediction]:
     """The table for each rank count in ``ranks``.
 
     Args:
@@ -149,6 +154,8 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
         input_s: input wait per step (0: the prefetch hides it).
         queue_hours: hours each distributed run waits in the queue (not the 1-rank run).
         setup_hours: one-off hours to set the distributed runs up.
+        costs: the overlap achieved, the fixed cost of a distributed step and shared
+            cores (:class:`mpidl.plan_step.StepCosts`).
     """
     counts = sorted(set(ranks) | {1})
     check_rank_counts(counts, work.global_batch)
@@ -156,14 +163,15 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
     for r in counts:
         nodes = -(-r // max(1, ranks_per_node))
         b = per_rank_batch(work.global_batch, r)
-        c = compute(b)
+        c = shared_compute(compute(b), r, costs.cores)
         comm = comm_seconds(work, r, nodes, network, node_link)
         overlap = work.overlap if work.overlap is not None else nodes > 1
-        exposed = max(comm - BACKWARD_SHARE * c, 0.0) if overlap else comm
-        step = c + exposed + input_s
+        exposed = exposed_comm(comm, c, overlap, costs.overlap_share)
+        fixed = costs.fixed_s if r > 1 else 0.0
+        step = c + exposed + fixed + input_s
         rows.append(Prediction(
             ranks=r, nodes=nodes, per_rank_batch=b, compute_s=c, comm_s=comm,
-            exposed_comm_s=exposed, input_s=input_s, step_s=step,
+            exposed_comm_s=exposed, input_s=input_s, step_s=step, fixed_s=fixed,
             samples_per_s=work.global_batch / step, speedup=0.0, efficiency=0.0,
             train_hours=work.steps * step / HOUR,
             memory_bytes=int(work.params * state_bytes_per_param("data", r, work.state_copies))))
@@ -208,16 +216,17 @@ def verdict(rows: list[Prediction], setup_hours: float, queue_hours: float) -> s
 SHORT_STEP_S = 5e-3
 
 
-def caveats(rows: list[Prediction]) -> list[str]:
-    """What the reader of the table should know about its precision (may be empty)."""
-    short = [r.ranks for r in rows if r.ranks > 1 and r.step_s < SHORT_STEP_S]
+def caveats(rows: list[Prediction], probed: bool = False) -> list[str]:
+    """What the reader of the table should know about its precision (may be empty);
+    nothing about short steps once a probe measured the fixed cost (``probed``)."""
+    short = [r.ranks for r in rows if r.ranks > 1 and r.step_s < SHORT_STEP_S and not probed]
     if not short:
         return []
     return [f"the step at {', '.join(map(str, short))} ranks is under "
             f"{SHORT_STEP_S * 1e3:g} ms: per-step overheads this prediction leaves out (the "
             "ranks' skew, a sparse gradient's exchange) dominate there, so it is optimistic "
-            "(measured: a 1 ms step predicted 1.2x faster at 2 ranks ran 0.8-1.0x); measure "
-            "with a short run at those ranks and plan --from-run it"]
+            "(measured: a 1 ms step predicted 1.2x faster at 2 ranks ran 0.8-1.0x); probe "
+            "them: run the plan under mpiexec -n 2 (or more)"]
 
 
 def _hours(h: float) -> str:
@@ -229,13 +238,13 @@ def _hours(h: float) -> str:
 def format_table(rows: list[Prediction]) -> str:
     """The human-readable table (milliseconds per step, hours to train)."""
     head = (f"{'ranks':>5} {'nodes':>5} {'batch/rank':>10} {'compute ms':>10} "
-            f"{'comm ms':>8} {'exposed ms':>10} {'step ms':>8} {'samples/s':>10} "
+            f"{'comm ms':>8} {'exposed ms':>10} {'fixed ms':>8} {'step ms':>8} {'samples/s':>10} "
             f"{'speedup':>7} {'eff':>5} {'train h':>8} {'state MB':>8}")
     lines = [head]
     for r in rows:
         lines.append(f"{r.ranks:5d} {r.nodes:5d} {r.per_rank_batch:10d} "
                      f"{r.compute_s * 1e3:10.2f} {r.comm_s * 1e3:8.2f} "
-                     f"{r.exposed_comm_s * 1e3:10.2f} {r.step_s * 1e3:8.2f} "
+                     f"{r.exposed_comm_s * 1e3:10.2f} {r.fixed_s * 1e3:8.2f} {r.step_s * 1e3:8.2f} "
                      f"{r.samples_per_s:10.0f} {r.speedup:7.2f} {r.efficiency:5.2f} "
                      f"{r.train_hours:8.3f} {r.memory_bytes / 1e6:8.1f}")
     return "\n".join(lines)
@@ -337,11 +346,13 @@ def compute_from_run(run_dir: str) -> tuple[Callable[[int], float], float, dict]
     tail = records[len(records) // 2:]  # after warm-up
     compute = sum(r["time_compute"] for r in tail) / len(tail)
     input_s = sum(r.get("time_input", 0.0) for r in tail) / len(tail)
+    waited = statistics.median(r.get("time_comm", 0.0) for r in tail)
     ranks = _run_ranks(run_dir)
     b = per_rank_batch(config.global_batch, ranks)
     noise = run_noise_scale(read_metrics(os.path.join(run_dir, "metrics.jsonl")))
-    return (lambda batch: compute * batch / b), input_s, {"ranks": ranks, "config": config,
-                                                          "per_rank": b, "noise_scale": noise}
+    return (lambda batch: compute * batch / b), input_s, {
+        "ranks": ranks, "config": config, "per_rank": b, "noise_scale": noise,
+        "compute_s": compute, "comm_wait_s": waited}
 
 
 def _run_ranks(run_dir: str) -> int:

@@ -8,6 +8,7 @@ configuration, the rank counts against its global batch, the profiles. A bad one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -19,6 +20,8 @@ from hpc.argtypes import nonnegative_float, output_file, positive_float, positiv
 from mpidl import plan, plan_layouts
 from mpidl.plan import Prediction, Workload
 from mpidl.plan_noise import critical_ranks, format_noise, noise_rows
+from mpidl.plan_probe import Probe
+from mpidl.plan_step import (StepCosts, achieved_overlap_share, exposed_comm, fixed_cost)
 
 
 def rank_counts(text: str) -> list[int]:
@@ -56,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                      "the global batch, measured elsewhere")
     src.add_argument("--from-run", metavar="RUN_DIR", help="a run directory: its measured "
                      "compute and input times and its config")
+    p.add_argument("--cores", type=positive_int, help="cores all the ranks share (an "
+                   "oversubscribed node, a virtual cluster on one machine): compute grows "
+                   "by ranks / cores beyond them (default: a core per rank)")
     p.add_argument("--memory-gb", type=positive_float, help="memory per rank for the largest "
                    "model that fits (default: the device profile's, else this machine's "
                    "memory over --ranks-per-node)")
@@ -75,8 +81,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """``mpidl plan [PRESET|CONFIG] [OPTIONS] [--key=value ...]``.
 
-    Planning is one process's work; under a launcher rank 0 plans and prints while the
-    others wait, and every rank exits with its status (argparse's 2 included).
+    Planning is one process's work; under a launcher every rank first takes part in the
+    probe of a distributed step (:mod:`mpidl.plan_probe`, when compute is measured
+    here), then rank 0 plans and prints while the others wait, and every rank exits
+    with its status (argparse's 2 included).
     """
     from hpc.env import detect
 
@@ -86,14 +94,71 @@ def main(argv: Sequence[str]) -> int:
     from mpidl.comm.ledger import patience
 
     comm = world()
+    probe = _probe(argv, comm)
     code = None
     if comm.rank == 0:
         try:
-            code = _plan(argv)
+            code = _plan(argv, probe)
         except SystemExit as e:  # argparse: --help (0) or a bad argument (2)
             code = e.code if isinstance(e.code, int) else 2
     with patience("rank 0 plans"):
         return comm.bcast_obj(code)
+
+
+def _probe(argv: Sequence[str], comm: Any) -> Probe | None:
+    """The probe's result on every rank, or None on every rank where there is nothing to
+    probe (compute not measured here, --layouts) or the command line is bad (rank 0's
+    plan then reports it). Collective; the command line and the configuration are the
+    same on every rank, so every rank decides alike before the first collective."""
+    import contextlib
+    import io
+
+    from mpidl.data import DataError
+    from mpidl.plan_probe import probe_step
+    from mpidl.train.config import ConfigError, load_config, split_args
+    from mpidl.train.log import Logger
+    from mpidl.train.task import prepare_data
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args, rest = _parser().parse_known_args(list(argv))
+        if args.layouts or args.from_run or args.device or args.step_time is not None:
+            return None
+        preset, overrides = split_args(rest)
+        config = load_config(preset, overrides)
+        check_layout(config)
+    except (SystemExit, ConfigError, ValueError, OSError):
+        return None
+    try:
+        data_dir = prepare_data(config, comm, Logger())  # raises on every rank or none
+    except (DataError, OSError, ValueError):
+        return None
+    return probe_step(comm, config, data_dir)
+
+
+def _step_costs(args: argparse.Namespace, work: Workload, compute: Any, network: Any,
+                node_link: Any, run: dict | None, probe: Probe | None) -> StepCosts:
+    """The overlap share (a multi-rank run's achieved, else the default) and the fixed
+    cost (from the probe, else 0) for the table (:mod:`mpidl.plan_step`)."""
+    base = StepCosts(cores=args.cores)
+    share, share_from = base.overlap_share, base.overlap_from
+    if run is not None and run["ranks"] > 1:
+        nodes = -(-run["ranks"] // args.ranks_per_node)
+        if (work.overlap if work.overlap is not None else nodes > 1):
+            comm = plan.comm_seconds(work, run["ranks"], nodes, network, node_link)
+            share = achieved_overlap_share(comm, run["comm_wait_s"], run["compute_s"])
+            share_from = (f"achieved by the run at {run['ranks']} ranks: waited "
+                          f"{run['comm_wait_s'] * 1e3:.3g} of {comm * 1e3:.3g} ms priced")
+    fixed, fixed_from = base.fixed_s, base.fixed_from
+    if probe is not None:
+        c = compute(probe.per_rank_batch)
+        overlap = work.overlap if work.overlap is not None else probe.nodes > 1
+        comm = plan.comm_seconds(work, probe.ranks, probe.nodes, network, node_link)
+        fixed = fixed_cost(probe.step_s, c, exposed_comm(comm, c, overlap, share))
+        fixed_from = (f"probed: {probe.steps} steps at {probe.ranks} ranks on {probe.nodes} "
+                      f"node(s) took {probe.step_s * 1e3:.3g} ms, compute {c * 1e3:.3g}")
+    return dataclasses.replace(base, overlap_share=share, overlap_from=share_from,
+                               fixed_s=fixed, fixed_from=fixed_from)
 
 
 LAYOUT_KEYS = (("tensor_parallel", 1), ("sequence_parallel", "none"),
@@ -134,7 +199,7 @@ def _stand_in_note(profiles: Sequence[Any], ops: Sequence[str]) -> list[str]:
     return notes
 
 
-def _plan(argv: Sequence[str]) -> int:
+def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
     from hpc import costmodel
 
     from mpidl.data import DataError, ShardedDataset
@@ -179,6 +244,7 @@ def _plan(argv: Sequence[str]) -> int:
     work = plan.workload(config, model, samples, epochs)
     ranks = args.ranks
     batches = [plan.per_rank_batch(work.global_batch, r) for r in sorted(set(ranks) | {1})]
+    batches += [probe.per_rank_batch] if probe is not None else []
     if args.from_run:
         basis = f"compute measured by the run {args.from_run} ({run['ranks']} ranks)"
     elif device is not None:
@@ -200,8 +266,9 @@ def _plan(argv: Sequence[str]) -> int:
         def compute(b: int) -> float:
             return measured[b]
         basis = "compute measured here (1 process, 1 BLAS thread per rank)"
+    costs = _step_costs(args, work, compute, network, node_link, run, probe)
     rows = plan.predict(work, compute, ranks, network, node_link, args.ranks_per_node,
-                        input_s, args.queue_hours, args.setup_hours)
+                        input_s, args.queue_hours, args.setup_hours, costs)
     line = plan.verdict(rows, args.setup_hours, args.queue_hours)
     memory = _memory_per_rank(args, device)
     mode_rows = _modes(args, config, model, dataset, work, ranks, network, node_link, memory)
@@ -209,7 +276,10 @@ def _plan(argv: Sequence[str]) -> int:
           f"({work.grad_bytes / 1e6:.1f} MB of gradient per step), {samples:,} samples x "
           f"{work.epochs:g} epochs at global batch {work.global_batch} = {work.steps:,} steps\n"
           f"network: {network.name} between nodes, {node_link.name} within "
-          f"({args.ranks_per_node} rank(s) per node); {basis}\n")
+          f"({args.ranks_per_node} rank(s) per node); {basis}\n"
+          f"overlap hides {costs.overlap_share:.2f} of backward ({costs.overlap_from}); "
+          f"fixed cost {costs.fixed_s * 1e3:.3g} ms per distributed step ({costs.fixed_from})"
+          + (f"; {args.cores} cores shared by all ranks" if args.cores else "") + "\n")
     print(plan.format_table(rows))
     if mode_rows:
         from mpidl.modes import format_modes
@@ -221,7 +291,7 @@ def _plan(argv: Sequence[str]) -> int:
     noise = run["noise_scale"] if run else None
     if noise is not None:
         print("\n" + format_noise(noise, run["per_rank"], ranks))
-    notes += plan.caveats(rows)
+    notes += plan.caveats(rows, probed=probe is not None)
     for note in notes:
         print(f"note: {note}")
     best = max(rows, key=lambda r: r.speedup)
@@ -231,6 +301,8 @@ def _plan(argv: Sequence[str]) -> int:
                "network": network.name, "node_network": node_link.name, "basis": basis,
                "rows": [r.as_dict() for r in rows], "modes": [m.as_dict() for m in mode_rows],
                "memory_per_rank": memory, "verdict": line, "caveats": notes,
+               "overlap_share": costs.overlap_share, "overlap_from": costs.overlap_from,
+               "fixed_s": costs.fixed_s, "fixed_from": costs.fixed_from, "cores": args.cores,
                "best_ranks": best.ranks}
         if noise is not None:
             doc["noise_scale"] = {"value": noise, "per_rank_batch": run["per_rank"],

@@ -57,10 +57,12 @@ def test_plan_writes_its_table_plot_and_batch_script(tmp_path, cache, n):
     assert [r["ranks"] for r in doc["rows"]] == [1, 2, 4]
     for row in doc["rows"]:
         assert row["step_s"] == pytest.approx(row["compute_s"] + row["exposed_comm_s"]
-                                              + row["input_s"])
+                                              + row["fixed_s"] + row["input_s"])
         # The compute is measured here, on a machine whose load varies: how efficient
         # the ranks come out is a timing (1.51 under load), not a property to assert.
         assert row["train_hours"] > 0 and row["efficiency"] > 0
+    # Under mpiexec -n 2 the ranks probe a distributed step first (mpidl/plan_probe.py).
+    assert ("probed: 30 steps at 2 ranks on 1 node(s)" in doc["fixed_from"]) == (n == 2)
     assert doc["verdict"] in result.stdout and _is_png(png)
     # the modes at 2 and 4 ranks: ZeRO 3's state is the data-parallel state over the ranks
     modes = {(m["ranks"], m["mode"]): m for m in doc["modes"]}
