@@ -48,6 +48,7 @@ from mpidl.data.format import DataError, Manifest, read_manifest
 from mpidl.data.hdf5 import ShardedDataset, verify_dataset
 from mpidl.data.loader import DataLoader
 from mpidl.data.sampler import DistributedSampler
+from mpidl.data.shard import raise_open_file_limit
 from mpidl.data.text import build_vocab, encode, encode_labels, tokenize
 from mpidl.data.writer import write_shards, write_split, write_text_shards
 
@@ -57,6 +58,7 @@ __all__ = [
     "read_manifest",
     "ShardedDataset",
     "verify_dataset",
+    "raise_open_file_limit",
     "DistributedSampler",
     "DataLoader",
     "ExactAccuracy",

@@ -45,7 +45,7 @@ from mpidl.data.description import DatasetDescription
 from mpidl.data.format import DataError, Feature, Manifest, parse_manifest, read_manifest
 from mpidl.data.ranges import bad_rows, out_of_range, value_ranges
 from mpidl.data.sampler import coalesce_runs
-from mpidl.data.shard import ShardFile, verify_checksum
+from mpidl.data.shard import ShardFile, ShardLayout, verify_checksum
 from mpidl.data.splits import check_splits_agree
 
 VERIFY_LEVELS = ("none", "size", "sha256")
@@ -71,7 +71,8 @@ def _load_manifest(path: str, comm: Any) -> Manifest:
 
 
 def _default_max_open(shards: int) -> int:
-    """Every shard, up to a quarter of the file-descriptor limit, at least 128."""
+    """Every shard, up to half the file-descriptor limit (an open shard holds one), at
+    least 128."""
     try:
         import resource
 
@@ -80,7 +81,7 @@ def _default_max_open(shards: int) -> int:
         return 128
     if limit == getattr(resource, "RLIM_INFINITY", -1):
         return max(128, shards)
-    return max(128, min(shards, limit // 4))
+    return max(128, min(shards, limit // 2))
 
 
 class ShardedDataset(DatasetDescription):
@@ -103,11 +104,15 @@ class ShardedDataset(DatasetDescription):
             manifest and broadcasts it, each rank checks a ``1/size`` share of the shards,
             and every rank raises the same ``DataError`` (or none).
         max_open: the most shard files kept open at once (least recently used closed).
-            Default: every shard, up to a quarter of the process's file-descriptor limit
-            (each open shard holds two descriptors), at least 128. Block-shuffled reads
-            visit every shard every few steps: on a 207-shard split read past the page
-            cache, 128 open shards (the old default) reopened a shard on most reads,
-            0.083-0.094 GB/s, against 0.282-0.286 with all open (1 rank, 2 runs each).
+            Default: every shard, up to half the process's file-descriptor limit (an
+            open shard of contiguous data holds one descriptor, its map's), at least
+            128. Block-shuffled reads visit every shard every few steps: on a 207-shard
+            split read past the page cache, 128 open shards reopened a shard on most
+            reads, 0.083-0.094 GB/s, against 0.282-0.286 with all open (1 rank, 2 runs
+            each; a reopen then went through HDF5). A shard checked once is reopened
+            without HDF5 (:class:`~mpidl.data.shard.ShardLayout`). Past the limit, the
+            job may raise its soft limit up to the hard one
+            (:func:`~mpidl.data.raise_open_file_limit`); the library never does.
         cache_bytes: a feature whose whole size is at most this (labels, typically: 16 MiB
             is 2 million int64 labels) is read whole on first use and kept in memory.
 
@@ -143,6 +148,7 @@ class ShardedDataset(DatasetDescription):
         ).astype(numpy.int64)
         self._bounds = self.offsets.tolist()  # Python ints: bisect per run beats numpy calls
         self._open: collections.OrderedDict[int, ShardFile] = collections.OrderedDict()
+        self._layouts: dict[int, ShardLayout] = {}  # checked once: reopened without HDF5
         self._lock = threading.RLock()
         self._pid = os.getpid()
         if verify != "none":
@@ -165,10 +171,11 @@ class ShardedDataset(DatasetDescription):
         return f"ShardedDataset({self.path!r}, {len(self)} samples, {shards} shards, {feats})"
 
     # -- opening and checking -----------------------------------------------------------
-    def _open_shard(self, index: int) -> ShardFile:
-        return ShardFile(
-            self.shard_path(index), self.manifest.shards[index], self.manifest, self.locking
-        )
+    def _open_shard(self, index: int, keep_hdf5: bool = False) -> ShardFile:
+        h = ShardFile(self.shard_path(index), self.manifest.shards[index], self.manifest,
+                      self.locking, layout=self._layouts.get(index), keep_hdf5=keep_hdf5)
+        self._layouts[index] = h.layout
+        return h
 
     def _handle(self, index: int) -> ShardFile:
         with self._lock:
@@ -216,7 +223,7 @@ class ShardedDataset(DatasetDescription):
         path, shard = self.shard_path(index), self.manifest.shards[index]
         if level == "sha256" and os.path.isfile(path) and os.path.getsize(path) == shard.bytes:
             verify_checksum(path, shard)
-        h = self._open_shard(index)
+        h = self._open_shard(index, keep_hdf5=True)
         try:
             # Values of a feature small enough to cache are checked here, where the
             # check is collective: the first batch would read all of them anyway.

@@ -66,7 +66,7 @@ from typing import Any, Iterator, Sequence
 import numpy
 
 from mpidl.data.hdf5 import ShardedDataset
-from mpidl.data.sampler import DistributedSampler
+from mpidl.data.sampler import DistributedSampler, coalesce_runs
 
 _NAP_MIN_S, _NAP_MAX_S = 1e-4, 0.05  # bounds of the reader's nap while the queue is full
 # Batches an epoch reads in the loop before deciding whether the thread pays. It pays
@@ -78,17 +78,42 @@ _PROBE_STEPS = 16
 # Steps whose runs are planned together: up to _PLAN_STEPS, and about _PLAN_RUNS runs
 # (Python lists of ~130 bytes a run) whatever the batch and block sizes.
 _PLAN_STEPS, _PLAN_RUNS = 256, 1 << 14
-# Steps ahead whose runs the kernel is asked to fetch (``readahead``), by default only
-# for a split larger than half the machine's memory. Measured on a 51.9 GB split (2.1x
-# this machine's 24 GiB; 1 rank, block shuffle, 2 GB of cold batches each):
-# copied out of the map without advice, 0.037 GB/s, the disk reading 22.8x the bytes
-# used (each page fault of a random 200 KB run reads a large window around it, evicted
-# before use); advised 16 steps ahead, 0.50 GB/s and no extra bytes (preadv: 0.24
-# without advice, 0.55 with); `dd` 0.68, a raw sequential h5py read 0.30 GB/s. The mlp's
-# input stall on it: 5.8% of the step without, 0.22% with. On data in the page cache
-# the advice costs (the kernel walks the cached pages): loader/raw 0.46-0.70 with it,
-# 0.78-1.0 without (3 runs each, load 6), hence only for data that cannot stay cached.
-_READAHEAD_STEPS = 16
+# Read-ahead past the page cache (``readahead``), by default only for a split larger
+# than half the machine's memory. The kernel is kept fetching the runs of the next one
+# to two groups of steps, each group's runs merged and sorted into file order
+# (``posix_fadvise``/``madvise`` WILLNEED). A group covers at least one of the sampler's
+# windows (with windows, 16 random chunks of consecutive samples: the advice is then a
+# few long sequential reads) and at most _READAHEAD_BYTES of this rank's batches.
+# Measured on a 51.9 GB split (2.1x this machine's 24 GiB; 1 rank, block shuffle, 2 GB
+# of cold batches each): copied out of the map without advice, 0.037 GB/s, the disk
+# reading 22.8x the bytes used (each page fault of a random 200 KB run reads a large
+# window around it, evicted before use); each step's runs advised 16 steps ahead, 0.50
+# GB/s and no extra bytes; `dd` 0.68. The mlp's input stall: 5.8% of the step without
+# advice, 0.22% with. Windows and advice by groups: benchmarks/README.md "Out of
+# cache". On data in the page cache the advice costs (the kernel walks the cached
+# pages): loader/raw 0.46-0.70 with it, 0.78-1.0 without (3 runs each, load 6), hence
+# only for data that cannot stay cached.
+_READAHEAD_MIN_STEPS = 16
+_READAHEAD_BYTES = 128 << 20
+
+
+def merge_in_file_order(runs: list[list[int]]) -> list[list[int]]:
+    """``[start, stop)`` runs sorted by start, touching ones merged (one read each)."""
+    if not runs:
+        return []
+    a = numpy.asarray(runs, dtype=numpy.int64)
+    a = a[numpy.argsort(a[:, 0], kind="stable")]
+    return coalesce_runs(a[:, 0], a[:, 1]).tolist()
+
+
+def _default_readahead(dataset: ShardedDataset, sampler: DistributedSampler,
+                       features: Sequence[str]) -> int:
+    """Steps per read-ahead group: one of the sampler's windows (at least
+    _READAHEAD_MIN_STEPS), at most _READAHEAD_BYTES of this rank's batches."""
+    row = sum(dataset.features[f].row_bytes for f in features)
+    share = max(1, -(-sampler.global_batch // sampler.size))
+    cover = -(-max(sampler.window, 1) // sampler.global_batch)
+    return max(1, min(max(_READAHEAD_MIN_STEPS, cover), _READAHEAD_BYTES // max(1, row * share)))
 
 
 def _larger_than_memory(dataset: ShardedDataset) -> bool:
@@ -112,11 +137,13 @@ class DataLoader:
         xp: the array module of the yielded arrays (default NumPy).
         prefetch: batches read ahead by the background thread, once the loop has shown
             work to overlap with (see above); 0 always reads in the loop itself.
-        readahead: steps ahead whose samples the kernel is asked to fetch into the page
-            cache (``posix_fadvise(WILLNEED)``, one system call per run) while earlier
-            batches are read; 0 never. Default (None): 16 for a split larger than half
-            the machine's memory (13x faster reads past the page cache, see above), else
-            0 (on cached data the advice costs a third of the read speed).
+        readahead: steps per group of read-ahead advice: the kernel is asked to fetch
+            the samples of the next one to two groups of steps into the page cache
+            (``WILLNEED``, one call per merged run, in file order) while earlier batches
+            are read; 0 never. Default (None), for a split larger than half the
+            machine's memory: enough steps to cover one of the sampler's windows (at
+            least 16), at most 128 MiB of this rank's batches; else 0 (on cached data
+            the advice costs a third of the read speed).
 
     Attributes:
         wait_s: seconds the loop spent waiting for input, for the thread or for its own
@@ -151,7 +178,8 @@ class DataLoader:
         self.xp = numpy if xp is None else xp
         self.prefetch = int(prefetch)
         if readahead is None:
-            readahead = _READAHEAD_STEPS if _larger_than_memory(dataset) else 0
+            readahead = _default_readahead(dataset, sampler, features) \
+                if _larger_than_memory(dataset) else 0
         if readahead < 0:
             raise ValueError(f"readahead {readahead} must be >= 0")
         self.readahead = int(readahead)
@@ -169,6 +197,7 @@ class DataLoader:
         else:
             self._window = 1
         self._plan: tuple[int, int, list[list[list[int]]]] = (-1, 0, [])
+        self._advised = (-1, 0)  # (epoch, the first step not advised yet)
 
     def __len__(self) -> int:
         """Steps per epoch (the same on every rank)."""
@@ -235,13 +264,18 @@ class DataLoader:
         return plan[step - first]
 
     def _advise(self, step: int) -> None:
-        """Advise the reads of step ``step + readahead`` (of the steps up to it, when a
-        new window of steps was just planned), if planned."""
-        _, first, plan = self._plan
-        ahead = range(first if step == first else step + self.readahead,
-                      min(step + self.readahead + 1, first + len(plan)))
-        for s in ahead:
-            self.dataset.will_read(self.features, plan[s - first])
+        """Keep the runs of the next one to two groups of ``readahead`` steps advised:
+        a group at a time, its runs merged and sorted into file order."""
+        group, end = self.readahead, len(self.sampler)
+        epoch, upto = self._advised
+        if epoch != self.sampler.epoch or not step <= upto <= step + 2 * group:
+            epoch, upto = self.sampler.epoch, step  # a new epoch, or a jump (resume)
+        while upto < end and upto <= step + group:
+            stop = min(upto + group, end)
+            runs = [r for rs in self.sampler.runs_between(upto, stop) for r in rs]
+            self.dataset.will_read(self.features, merge_in_file_order(runs))
+            upto = stop
+        self._advised = (epoch, upto)
 
     def _read(self, step: int) -> tuple[list[numpy.ndarray], int]:
         t0 = time.perf_counter()

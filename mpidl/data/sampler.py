@@ -34,116 +34,39 @@ Shuffle modes (the trade-off between randomness and read speed):
   64-1024 the project's HDF5 study recommends: each block is one copy with a fixed
   Python cost, and at 64 a 128-sample batch per rank takes two of them
   (benchmarks/README.md "Data": 1.0x a raw sequential read at 64, 0.95x at 32).
+  The blocks are permuted within *windows* of ``window`` samples (default 16384): a
+  window takes 16 chunks of ``window / 16`` consecutive samples at random from the whole
+  split and orders their blocks at random
+  (:class:`~mpidl.data.permutation.WindowedPermutation`). So a few steps read a few
+  contiguous regions, which the loader fetches from disk whole and in file order; past
+  the page cache that is the difference between random 200 KB reads and the disk's
+  sequential speed (benchmarks/README.md "Out of cache"). A split of at most ``window``
+  samples is one window: its order is a plain permutation of all blocks (as before
+  windows existed); ``window=0`` gives that order at any size.
 - ``"full"``: a permutation of all ids: most random, one read per sample.
 - ``"none"``: ids in order (evaluation).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Iterator
 
 import numpy
 
+from mpidl.data.permutation import (  # noqa: F401 - FeistelPermutation, splitmix64: API
+    FeistelPermutation,
+    WindowedPermutation,
+    splitmix64,
+)
+
 DEFAULT_BLOCK_SIZE = 64
 SHUFFLE_MODES = ("block", "full", "none")
 
-_CHUNK = 1 << 14  # positions per cached evaluation of the permutation
-_KEEP_CHUNKS = 4
 _M64 = (1 << 64) - 1
-_C1, _C2 = numpy.uint64(0xBF58476D1CE4E5B9), numpy.uint64(0x94D049BB133111EB)
-
-
-def splitmix64(x: int) -> int:
-    """One step of the splitmix64 generator on a Python int (a good 64-bit mixer)."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-class FeistelPermutation:
-    """A keyed bijection of ``[0, n)``, evaluated on any subset of positions.
-
-    A balanced Feistel network on ``2^bits >= n`` (bits even) is a bijection of that
-    domain for any round function; cycle-walking (re-applying it until the value falls
-    below ``n``) restricts it to a bijection of ``[0, n)``. The domain is under ``4n``,
-    so a few walks suffice on average.
-    """
-
-    def __init__(self, n: int, key: int, rounds: int = 4):
-        self.n = n
-        bits = max(2, (n - 1).bit_length())
-        bits += bits & 1
-        self._half = numpy.uint64(bits // 2)
-        self._mask = numpy.uint64((1 << (bits // 2)) - 1)
-        keys, k = [], key & _M64
-        for _ in range(rounds):
-            k = splitmix64(k)
-            keys.append(k)
-        self._keys = [numpy.uint64(k) for k in keys]
-        self._cache: dict[int, numpy.ndarray] = {}
-        self._lock = threading.Lock()
-
-    def _f(self, r: numpy.ndarray, key: numpy.uint64) -> numpy.ndarray:
-        z = r ^ key
-        z = (z ^ (z >> numpy.uint64(30))) * _C1
-        z = (z ^ (z >> numpy.uint64(27))) * _C2
-        return (z ^ (z >> numpy.uint64(31))) & self._mask
-
-    def _walk(self, x: numpy.ndarray, inverse: bool) -> numpy.ndarray:
-        keys = self._keys[::-1] if inverse else self._keys
-        n = numpy.uint64(self.n)
-
-        def once(v: numpy.ndarray) -> numpy.ndarray:
-            left, right = v >> self._half, v & self._mask
-            for k in keys:
-                if inverse:  # undo (L, R) -> (R, L ^ F(R))
-                    left, right = right ^ self._f(left, k), left
-                else:
-                    left, right = right, left ^ self._f(right, k)
-            return (left << self._half) | right
-
-        y = once(x)
-        todo = numpy.flatnonzero(y >= n)
-        while todo.size:  # cycle-walking: ends because x itself is < n
-            y[todo] = once(y[todo])
-            todo = todo[y[todo] >= n]
-        return y
-
-    def take(self, a: int, b: int) -> numpy.ndarray:
-        """``self(arange(a, b))``, computed a chunk of positions at a time and cached.
-
-        A step needs a few to a few hundred positions, and NumPy's per-call cost makes a
-        small vectorised Feistel evaluation cost as much as a large one (about 1 ms per
-        step, measured). One evaluation per chunk of 16384 consecutive positions, kept
-        for the next steps, costs microseconds per step; only the last chunks are kept.
-        """
-        parts = []
-        for c in range(a // _CHUNK, (b - 1) // _CHUNK + 1):
-            values = self._chunk(c)
-            parts.append(values[max(a - c * _CHUNK, 0) : min(b - c * _CHUNK, _CHUNK)])
-        return parts[0] if len(parts) == 1 else numpy.concatenate(parts)
-
-    def _chunk(self, c: int) -> numpy.ndarray:
-        with self._lock:  # the loader's thread and the caller may both ask
-            values = self._cache.get(c)
-            if values is None:
-                values = self(numpy.arange(c * _CHUNK, min((c + 1) * _CHUNK, self.n)))
-                self._cache[c] = values
-                while len(self._cache) > _KEEP_CHUNKS:
-                    self._cache.pop(next(iter(self._cache)))
-            return values
-
-    def __call__(self, positions: numpy.ndarray) -> numpy.ndarray:
-        """The ids at ``positions`` (int64 array of values in ``[0, n)``)."""
-        x = numpy.asarray(positions, dtype=numpy.uint64)
-        return self._walk(x, inverse=False).astype(numpy.int64)
-
-    def inverse(self, ids: numpy.ndarray) -> numpy.ndarray:
-        """The positions of ``ids``: ``inverse(perm(p)) == p``."""
-        x = numpy.asarray(ids, dtype=numpy.uint64)
-        return self._walk(x, inverse=True).astype(numpy.int64)
+# Samples per window of the block order (see the module docstring): 256 blocks of 64,
+# drawn from 16 random chunks of 1024 consecutive samples (3.2 MB of MNIST-like rows).
+DEFAULT_WINDOW = 1 << 14
+_CHUNKS_PER_WINDOW = 16
 
 
 class DistributedSampler:
@@ -161,6 +84,8 @@ class DistributedSampler:
         block_size: ids per block in ``"block"`` mode.
         drop_last: leave out the final smaller batch (fewer than ``global_batch`` samples,
             different ones every epoch); off by default, and never for evaluation.
+        window: samples per window of the block order (block mode; see the module
+            docstring); 0 permutes all blocks at once.
 
     Example::
 
@@ -181,6 +106,7 @@ class DistributedSampler:
         shuffle: str = "block",
         block_size: int = DEFAULT_BLOCK_SIZE,
         drop_last: bool = False,
+        window: int = DEFAULT_WINDOW,
     ):
         if int(num_samples) != num_samples or num_samples < 0:
             raise ValueError(f"num_samples {num_samples!r} must be an integer >= 0")
@@ -192,9 +118,12 @@ class DistributedSampler:
             raise ValueError(f"shuffle {shuffle!r} is not one of {SHUFFLE_MODES}")
         if int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block_size {block_size!r} must be an integer >= 1")
+        if int(window) != window or window < 0:
+            raise ValueError(f"window {window!r} must be an integer >= 0 (0: no windows)")
         self.num_samples, self.global_batch = int(num_samples), int(global_batch)
         self.rank, self.size, self.seed = int(rank), int(size), int(seed)
         self.shuffle, self.block_size, self.drop_last = shuffle, int(block_size), bool(drop_last)
+        self.window = int(window)
         n, g = self.num_samples, self.global_batch
         self._steps = n // g if drop_last else -(-n // g)
         self.epoch, self.start_step = 0, 0
@@ -228,7 +157,11 @@ class DistributedSampler:
             self._perm = FeistelPermutation(n, key)
             return
         nb = -(-n // b)
-        self._perm = FeistelPermutation(nb, key)
+        blocks = self.window // b  # blocks per window
+        if blocks < _CHUNKS_PER_WINDOW:  # windows off, or too small to hold chunks
+            self._perm = FeistelPermutation(nb, key)
+        else:
+            self._perm = WindowedPermutation(nb, key, blocks, blocks // _CHUNKS_PER_WINDOW)
         self._last = n - (nb - 1) * b  # size of the (only) partial block, nb - 1
         self._last_slot = int(self._perm.inverse(numpy.array([nb - 1]))[0])
 
@@ -361,7 +294,7 @@ class DistributedSampler:
         return (
             f"DistributedSampler(num_samples={self.num_samples}, global_batch={self.global_batch}, "
             f"rank={self.rank}, size={self.size}, seed={self.seed}, shuffle={self.shuffle!r}, "
-            f"block_size={self.block_size}, drop_last={self.drop_last})"
+            f"block_size={self.block_size}, drop_last={self.drop_last}, window={self.window})"
         )
 
 

@@ -16,6 +16,15 @@ reading short, so every read first checks the file's size (one ``fstat``) and a 
 truncated mid-run is a ``DataError`` naming it. Mapped pages count in the process's
 resident memory (they are the page cache's, shared, and reclaimable).
 
+File descriptors: once checked, a shard whose features are all contiguous keeps only
+its map (which holds one descriptor: CPython's ``mmap`` keeps a duplicate for
+``size()``); HDF5's file and the descriptor that made the map are closed. Before this,
+an open shard held three (HDF5's, ours and the map's), so a split of more shards than a
+third of the descriptor limit could not stay open. Reopening a shard that was checked
+once (``ShardLayout``: the file's identity and its datasets' offsets) skips HDF5 when
+the file is still the same inode, size and modification time: ``open``, ``fstat``,
+``mmap``, measured in benchmarks/README.md against a full open.
+
 Opening checks, at O(1) cost: the file exists and has the manifest's size (a truncated
 copy is caught before HDF5 reports a cryptic ``eof`` error), HDF5 opens it, its
 attributes name an mpidl shard of this very dataset, and every feature is there with the
@@ -30,14 +39,27 @@ code that opens a shard itself while a dataset holds it open must pass the same 
 
 from __future__ import annotations
 
+import mmap
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 
 from mpidl.data.format import SHARD_FORMAT, DataError, Manifest, Shard, sha256_file
 
 _CHUNK_CACHE = 8 << 20  # bytes of chunk cache per file: a few chunks, for chunked layouts
+
+
+class ShardLayout(NamedTuple):
+    """What a checked open of a shard learned: the file's identity (device, inode, size,
+    modification time in ns) and each feature's byte offset (None: not contiguous)."""
+
+    identity: tuple[int, int, int, int]
+    offsets: dict[str, int | None]
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _problem(path: str, problem: str, short: str | None = None) -> DataError:
@@ -52,6 +74,14 @@ class ShardFile:
         shard: its manifest entry (rows, bytes).
         manifest: the split's manifest (features, dataset id).
         locking: passed to ``h5py.File`` (``None``: HDF5's default / ``HDF5_USE_FILE_LOCKING``).
+        layout: what an earlier checked open of this file learned (its ``layout``):
+            if the file is still that inode, size and modification time, HDF5 is not
+            opened again (a cheap reopen).
+        keep_hdf5: keep HDF5's file and ``dsets`` open even when every feature is read
+            through the map (for code that reads the datasets with h5py).
+
+    Attributes:
+        layout: the file's :class:`ShardLayout`, for a later cheap reopen.
 
     Raises:
         DataError: missing, wrong size, not HDF5, not a shard of this dataset, a feature
@@ -59,11 +89,15 @@ class ShardFile:
     """
 
     def __init__(
-        self, path: str, shard: Shard, manifest: Manifest, locking: bool | str | None = False
+        self, path: str, shard: Shard, manifest: Manifest, locking: bool | str | None = False,
+        layout: ShardLayout | None = None, keep_hdf5: bool = False,
     ):
-        import h5py
-
         self.path = path
+        self.h5: Any = None
+        self.dsets: dict[str, Any] = {}
+        self.fd: int | None = None
+        if layout is not None and not keep_hdf5 and self._reopen(layout):
+            return
         if not os.path.isfile(path):
             raise _problem(
                 path,
@@ -79,6 +113,8 @@ class ShardFile:
                 "replaced?); re-copy the dataset or rewrite it",
                 "size mismatch",
             )
+        import h5py
+
         kwargs: dict[str, Any] = {"rdcc_nbytes": _CHUNK_CACHE}
         if locking is not None:
             kwargs["locking"] = locking
@@ -93,10 +129,41 @@ class ShardFile:
         try:
             self._check(shard, manifest)
             self.fd = os.open(path, os.O_RDONLY)
+            self.layout = ShardLayout(_identity(os.fstat(self.fd)), dict(self.offsets))
         except BaseException:
             self.h5.close()
             raise
         self._map, self.bytes = _map_file(self.fd, size, self.offsets)
+        if not keep_hdf5 and all(o is not None for o in self.offsets.values()):
+            self.h5.close()  # every feature is read by offset: HDF5 is done
+            self.h5, self.dsets = None, {}
+        self._release_fd()
+
+    def _reopen(self, layout: ShardLayout) -> bool:
+        """Map the file again without HDF5 if it is the file ``layout`` describes."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False  # the full open names the problem
+        try:
+            if _identity(os.fstat(fd)) != layout.identity or \
+                    any(o is None for o in layout.offsets.values()):
+                return False
+            self.offsets, self.layout = dict(layout.offsets), layout
+            self._map, self.bytes = _map_file(fd, layout.identity[2], self.offsets)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self._release_fd()
+        return True
+
+    def _release_fd(self) -> None:
+        """Close our descriptor where the map (or HDF5) does every read without it."""
+        if self.fd is not None and (self._map is not None or self.h5 is not None and all(
+                o is None for o in self.offsets.values())):
+            os.close(self.fd)
+            self.fd = None
 
     def _check(self, shard: Shard, manifest: Manifest) -> None:
         import h5py
@@ -112,7 +179,6 @@ class ShardFile:
                 f"belongs to dataset {did!r}, the manifest is dataset "
                 f"{manifest.dataset_id!r}: a shard from another dataset was copied here",
             )
-        self.dsets: dict[str, Any] = {}
         self.offsets: dict[str, int | None] = {}
         for name, feat in manifest.features.items():
             d = self.h5.get(name)
@@ -167,7 +233,7 @@ class ShardFile:
                 # A map of a file that shrank faults (SIGBUS) instead of reading short:
                 # check the size first, so a shard truncated mid-run is an error naming
                 # it, like a short read.
-                size = os.fstat(self.fd).st_size
+                size = self._map.size()  # fstat of the map's own descriptor
                 if size < data.size:
                     raise OSError(f"the file shrank to {size} bytes while open ({data.size})")
                 for row, n, pos in rows:
@@ -191,22 +257,30 @@ class ShardFile:
 
     def advise(self, feature: str, rows: list[tuple[int, int, int]], row_bytes: int) -> None:
         """Ask the kernel to start reading rows ``row .. row + n`` of ``feature`` for each
-        ``(row, n, _)`` of ``rows`` into the page cache now (``POSIX_FADV_WILLNEED``,
-        asynchronous), so that the copies out of the map find them there. Contiguous
-        data only; a no-op where the platform has no ``posix_fadvise``."""
+        ``(row, n, _)`` of ``rows`` into the page cache now (``MADV_WILLNEED`` on the
+        map, or ``POSIX_FADV_WILLNEED`` on the descriptor without one: asynchronous),
+        so that the copies find them there. Contiguous data only."""
         offset = self.offsets[feature]
-        if offset is None or not hasattr(os, "posix_fadvise"):
+        if offset is None:
             return
-        fd, advise, will = self.fd, os.posix_fadvise, os.POSIX_FADV_WILLNEED
         try:
-            for row, n, _ in rows:
-                advise(fd, offset + row * row_bytes, n * row_bytes, will)
-        except OSError:  # advice only: the read that follows reports a real problem
+            if self._map is not None:
+                advise, m = _madvise, self._map
+                for row, n, _ in rows:
+                    at = offset + row * row_bytes
+                    start = at - at % mmap.PAGESIZE  # madvise wants a page-aligned start
+                    advise(m, start, at + n * row_bytes - start)
+            elif self.fd is not None and hasattr(os, "posix_fadvise"):
+                fd, fadvise, will = self.fd, os.posix_fadvise, os.POSIX_FADV_WILLNEED
+                for row, n, _ in rows:
+                    fadvise(fd, offset + row * row_bytes, n * row_bytes, will)
+        except (OSError, ValueError):  # advice only: the read that follows reports a problem
             pass
 
     def close(self) -> None:
         try:
-            self.h5.close()
+            if self.h5 is not None:
+                self.h5.close()
         finally:
             self.bytes = None  # the only view of the map: it can close now
             try:
@@ -214,7 +288,9 @@ class ShardFile:
                     self._map.close()
             except BufferError:  # a view still alive somewhere: unmapped when collected
                 pass
-            os.close(self.fd)
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
 
 def _map_file(fd: int, size: int, offsets: dict[str, int | None]) -> tuple[Any, Any]:
@@ -224,12 +300,17 @@ def _map_file(fd: int, size: int, offsets: dict[str, int | None]) -> tuple[Any, 
     if not size or all(o is None for o in offsets.values()):
         return None, None
     try:
-        import mmap
-
         m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-    except (OSError, ValueError, ImportError):
+    except (OSError, ValueError):
         return None, None
     return m, numpy.frombuffer(m, dtype=numpy.uint8)
+
+
+def _madvise(m: mmap.mmap, start: int, length: int) -> None:
+    """``m.madvise(MADV_WILLNEED, start, length)`` (a function, so tests can watch it);
+    a no-op where the platform has no ``madvise``."""
+    if hasattr(m, "madvise"):
+        m.madvise(mmap.MADV_WILLNEED, start, length)
 
 
 def verify_checksum(path: str, shard: Shard) -> None:
@@ -242,3 +323,25 @@ def verify_checksum(path: str, shard: Shard) -> None:
             "the file is corrupt or was modified; re-copy the dataset or rewrite it",
             "checksum mismatch",
         )
+
+
+def raise_open_file_limit(want: int) -> int:
+    """Raise this process's soft limit of open files towards ``want``, never past the hard
+    limit; returns the soft limit now in force (unchanged where it already allows ``want``
+    or where the platform has no ``resource`` module).
+
+    Process-wide state: for a job to call, visibly, before opening a split of more shards
+    than half its limit allows to stay open (``ShardedDataset(max_open=...)``); the
+    library never calls it. Only root can raise the hard limit (``ulimit -Hn``).
+    """
+    try:
+        import resource
+    except ImportError:
+        return want
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinite = getattr(resource, "RLIM_INFINITY", -1)
+    if soft == infinite or soft >= want:
+        return soft if soft != infinite else want
+    new = want if hard == infinite else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    return new

@@ -14,13 +14,16 @@ from mpidl.testing import assert_all_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
-CASES = [(1, 4, 2), (7, 4, 2), (101, 8, 3), (257, 16, 5), (1000, 64, 32), (50, 3, 1)]
+CASES = [(1, 4, 2), (7, 4, 2), (101, 8, 3), (257, 16, 5), (1000, 64, 32), (50, 3, 1),
+         (1001, 24, 2)]
 
 
 @pytest.mark.parametrize("mode", ["block", "full", "none"])
 @pytest.mark.parametrize("n,g,block", CASES)
 def test_ranks_together_see_every_sample_once(comm, mode, n, g, block):
-    s = DistributedSampler(n, g, comm.rank, comm.size, seed=11, shuffle=mode, block_size=block)
+    # window 64: block mode's windows hold 32 blocks of 2 ids (only the last case has more)
+    s = DistributedSampler(n, g, comm.rank, comm.size, seed=11, shuffle=mode, block_size=block,
+                           window=64)
     s.set_epoch(3)
     steps = comm.allgather_obj(len(s))
     assert_all_ranks(comm, len(set(steps)) == 1, f"steps per rank differ: {steps}")
@@ -30,11 +33,12 @@ def test_ranks_together_see_every_sample_once(comm, mode, n, g, block):
     assert_all_ranks(comm, ok, f"union of {len(everything)} ids is not exactly 0..{n - 1}")
 
 
-@pytest.mark.parametrize("mode", ["block", "full"])
-def test_global_batches_equal_the_single_rank_batches(comm, mode):
-    n, g = 211, 12
-    s = DistributedSampler(n, g, comm.rank, comm.size, seed=2, shuffle=mode, block_size=4)
-    one = DistributedSampler(n, g, 0, 1, seed=2, shuffle=mode, block_size=4)
+@pytest.mark.parametrize("mode,window", [("block", 16384), ("full", 16384), ("block", 64)])
+def test_global_batches_equal_the_single_rank_batches(comm, mode, window):
+    n, g = 211, 12  # window 64: windows of 16 blocks of 4 ids, in chunks of one block
+    s = DistributedSampler(n, g, comm.rank, comm.size, seed=2, shuffle=mode, block_size=4,
+                           window=window)
+    one = DistributedSampler(n, g, 0, 1, seed=2, shuffle=mode, block_size=4, window=window)
     bad = []
     for epoch in (0, 1):
         s.set_epoch(epoch)

@@ -245,20 +245,27 @@ def test_exact_accuracy_counts(comm):
 
 
 def test_readahead_advises_every_row_it_reads_and_changes_no_batch(dataset_dir, monkeypatch):
+    from mpidl.data import shard as shard_module
+
     advised = []
-    real = os.posix_fadvise
+    real = shard_module._madvise
 
-    def record(fd, offset, length, advice):
-        advised.append((fd, offset, length))
-        return real(fd, offset, length, advice)
+    def record(m, start, length):
+        advised.append((id(m), start, length))
+        return real(m, start, length)
 
-    monkeypatch.setattr(os, "posix_fadvise", record)
+    monkeypatch.setattr(shard_module, "_madvise", record)
     ds = ShardedDataset(dataset_dir, cache_bytes=0)
     batches = {}
     assert DataLoader(ds, DistributedSampler(len(ds), 12, 0, 1)).readahead == 0  # fits memory
     with monkeypatch.context() as m:  # a machine of 100 bytes: the split cannot stay cached
         m.setattr(os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else 100)
-        assert DataLoader(ds, DistributedSampler(len(ds), 12, 0, 1)).readahead == 16
+        # groups cover one of the sampler's windows: 16384 samples in 12-sample steps
+        assert DataLoader(ds, DistributedSampler(len(ds), 12, 0, 1)).readahead == 1366
+        # and hold at most 128 MiB of this rank's batches (x and y: 16 bytes a sample)
+        big = DistributedSampler(len(ds), 1 << 20, 0, 1, window=0)
+        assert DataLoader(ds, big).readahead == 8
+        assert DataLoader(ds, DistributedSampler(len(ds), 12, 0, 1, window=0)).readahead == 16
     for readahead in (0, 3):
         sampler = DistributedSampler(len(ds), 12, 0, 1, seed=2, shuffle="block", block_size=4)
         loader = DataLoader(ds, sampler, prefetch=0, readahead=readahead)
@@ -268,17 +275,40 @@ def test_readahead_advises_every_row_it_reads_and_changes_no_batch(dataset_dir, 
             assert advised == []
     for a, b in zip(batches[0], batches[3]):
         numpy.testing.assert_array_equal(a, b)
-    # the advised byte ranges of x, as sample ids: every sample of the epoch
-    shards = {h.fd: (i, h.offsets["x"]) for i, h in ds._open.items()}
+    # the advised byte ranges of x, as sample ids: every sample of the epoch (a range
+    # starts at its page's start; a row is advised if all of its bytes are)
+    shards = {id(h._map): (i, h.offsets["x"]) for i, h in ds._open.items()}
     ids = set()
-    for fd, offset, length in advised:
-        shard, start = shards[fd]
+    for key, offset, length in advised:
+        shard, start = shards[key]
         rows = ds.manifest.shards[shard].rows
-        if start <= offset < start + 8 * rows:  # x's bytes, not y's that follow them
-            first = int(ds.offsets[shard]) + (offset - start) // 8
-            ids.update(range(first, first + length // 8))
+        end = offset + length
+        if end <= start or offset >= start + 8 * rows:
+            continue  # y's bytes, which follow x's
+        first = max(0, -(-(offset - start) // 8))
+        last = min(rows, (end - start) // 8)
+        ids.update(range(int(ds.offsets[shard]) + first, int(ds.offsets[shard]) + last))
     assert ids == set(range(N))
     ds.close()
+
+
+def test_readahead_advises_each_step_once_a_group_at_a_time_in_file_order(dataset_dir):
+    ds = ShardedDataset(dataset_dir, cache_bytes=0)
+    sampler = DistributedSampler(len(ds), 6, 1, 2, seed=4, block_size=2)
+    loader = DataLoader(ds, sampler, prefetch=0, readahead=3)
+    calls, reads = [], []
+    real_read = ds.read_batch
+    ds.will_read = lambda features, runs: calls.append((len(reads), runs))
+    ds.read_batch = lambda features, runs: reads.append(runs) or real_read(features, runs)
+    loader.set_epoch(1)
+    list(loader)
+    advised = [i for _, runs in calls for a, b in runs for i in range(a, b)]
+    assert sorted(advised) == sorted(i for s in range(len(sampler)) for i in sampler.indices(s))
+    for _, runs in calls:  # file order, touching runs merged
+        assert all(b0 < a1 for (_, b0), (a1, _) in zip(runs, runs[1:])), runs
+    # two groups (steps 0-5) before the first read, then one per 3 steps, ahead of use
+    assert [at for at, _ in calls] == list(range(0, len(sampler) - 3, 3))[:1] * 2 + \
+        list(range(3, len(sampler) - 3, 3))
 
 
 def test_every_shard_stays_open_by_default_within_the_descriptor_limit(tmp_path, monkeypatch):
@@ -288,6 +318,62 @@ def test_every_shard_stays_open_by_default_within_the_descriptor_limit(tmp_path,
                 rows_per_shard=1)  # 150 shards: more than the old default of 128
     monkeypatch.setattr(resource, "getrlimit", lambda what: (20000, 20000))
     assert ShardedDataset(str(tmp_path / "d")).max_open == 150
-    monkeypatch.setattr(resource, "getrlimit", lambda what: (400, 400))
-    assert ShardedDataset(str(tmp_path / "d")).max_open == 128  # a quarter of 400, or 128
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (200, 200))
+    assert ShardedDataset(str(tmp_path / "d")).max_open == 128  # half of 200, or 128
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (260, 260))
+    assert ShardedDataset(str(tmp_path / "d")).max_open == 130  # half of 260
     assert ShardedDataset(str(tmp_path / "d"), max_open=2).max_open == 2
+
+
+def test_an_open_shard_holds_one_descriptor_and_reopens_without_hdf5(tmp_path, monkeypatch):
+    import shutil
+
+    import h5py
+
+    def descriptors():
+        return len(os.listdir("/proc/self/fd"))
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    ids = numpy.arange(40)
+    write_split(str(tmp_path / "a"), {"x": numpy.stack([ids, -ids], 1).astype(numpy.float32)},
+                rows_per_shard=10)
+    ds = ShardedDataset(str(tmp_path / "a"), cache_bytes=0)
+    before = descriptors()
+    ds.read("x", [0, 10, 20, 30])  # opens all 4 shards
+    assert descriptors() - before == 4  # the map's own; HDF5's file and ours are closed
+    ds.close()
+    assert descriptors() == before
+
+    opened = []
+    real = h5py.File
+    monkeypatch.setattr(h5py, "File", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    ds = ShardedDataset(str(tmp_path / "a"), cache_bytes=0, max_open=1, verify="none")
+    for _ in range(3):  # every read reopens a shard: HDF5 only the first time per shard
+        numpy.testing.assert_array_equal(ds.read("x", [5, 15, 25, 35, 6])[:, 0],
+                                         [5, 15, 25, 35, 6])
+    assert sorted(os.path.basename(p) for p in opened) == [f"shard-0000{i}.h5" for i in range(4)]
+    # a shard replaced by another file is checked again, and found wrong
+    write_split(str(tmp_path / "b"), {"x": numpy.zeros((40, 2), numpy.float32)}, rows_per_shard=10)
+    shutil.copy(tmp_path / "b" / "shard-00001.h5", tmp_path / "a" / "shard-00001.h5")
+    with pytest.raises(DataError, match="shard-00001.h5: belongs to dataset"):
+        ds.read("x", [15])
+    ds.close()
+
+
+def test_raise_open_file_limit_stays_within_the_hard_limit():
+    import resource
+
+    from mpidl.data import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < 200:
+        pytest.skip("needs a finite hard limit and a soft one of at least 200")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 100, hard))
+        assert raise_open_file_limit(soft - 150) == soft - 100  # already allows it
+        assert raise_open_file_limit(soft) == soft
+        assert raise_open_file_limit(hard + 1000) == hard  # never past the hard limit
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

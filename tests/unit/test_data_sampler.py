@@ -9,7 +9,13 @@ import numpy
 import pytest
 
 from mpidl.comm import split_counts
-from mpidl.data.sampler import DistributedSampler, FeistelPermutation, coalesce_runs
+from mpidl.data.permutation import WindowedPermutation
+from mpidl.data.sampler import (
+    DEFAULT_WINDOW,
+    DistributedSampler,
+    FeistelPermutation,
+    coalesce_runs,
+)
 
 MODES = ("block", "full", "none")
 
@@ -33,14 +39,47 @@ def test_feistel_is_a_bijection_with_an_inverse(n):
     numpy.testing.assert_array_equal(perm.inverse(ids), numpy.arange(n))
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "n,g,block", [(0, 4, 3), (1, 4, 3), (10, 3, 1), (101, 8, 3), (257, 16, 5), (1000, 64, 32)]
+    "n,window,chunk", [(10, 4, 2), (1000, 64, 4), (1001, 64, 4), (1023, 66, 4), (4099, 256, 16)]
 )
-def test_every_sample_once_per_epoch_at_1_2_3_ranks(mode, n, g, block):
+def test_windowed_permutation_is_a_bijection_whose_windows_read_few_chunks(n, window, chunk):
+    perm = WindowedPermutation(n, 987654321, window, chunk)
+    ids = perm(numpy.arange(n))
+    assert sorted(ids.tolist()) == list(range(n))
+    numpy.testing.assert_array_equal(perm.inverse(ids), numpy.arange(n))
+    numpy.testing.assert_array_equal(perm.take(3, n), ids[3:])
+    w = window - window % chunk
+    for a in range(0, n - w, w):  # every window but the last: window / chunk whole chunks
+        assert len(numpy.unique(ids[a : a + w] // chunk)) == w // chunk
+    single = WindowedPermutation(n, 5, n + 3, 2)  # one window: the plain Feistel order
+    numpy.testing.assert_array_equal(single(numpy.arange(n)), FeistelPermutation(n, 5)(
+        numpy.arange(n)))
+
+
+def test_windowed_block_order_reads_whole_chunks_in_a_window_of_steps():
+    def chunks(**kw):  # the 1024-sample regions that steps 256-383 (window 2) read
+        s = DistributedSampler(100_000, 128, 0, 1, seed=3, **kw)  # block 64
+        starts = [a for rs in s.runs_between(256, 384) for a, _ in rs]
+        return len(numpy.unique(numpy.array(starts) // 1024))
+
+    assert chunks() == 16  # the default window of 16384: 16 whole chunks of 1024
+    assert chunks(window=0) > 90  # 256 random blocks of the 98 regions
+
+
+# every mode, and block mode without windows and with windows of 32 blocks of 2 ids
+MODE_WINDOWS = [(m, DEFAULT_WINDOW) for m in MODES] + [("block", 0), ("block", 64)]
+
+
+@pytest.mark.parametrize("mode,window", MODE_WINDOWS)
+@pytest.mark.parametrize(
+    "n,g,block", [(0, 4, 3), (1, 4, 3), (10, 3, 1), (101, 8, 3), (257, 16, 5), (1000, 64, 32),
+                  (1001, 24, 2)]
+)
+def test_every_sample_once_per_epoch_at_1_2_3_ranks(mode, n, g, block, window):
     reference = None
     for size in (1, 2, 3):
-        batches = epoch_batches(n, g, size, epoch=1, seed=4, shuffle=mode, block_size=block)
+        batches = epoch_batches(n, g, size, epoch=1, seed=4, shuffle=mode, block_size=block,
+                                window=window)
         seen = numpy.concatenate(batches) if batches else numpy.zeros(0, dtype=numpy.int64)
         assert sorted(seen.tolist()) == list(range(n)), f"size {size}: not exactly the dataset"
         assert [len(b) for b in batches] == [min(g, n - j * g) for j in range(-(-n // g))]
@@ -136,6 +175,7 @@ def test_set_epoch_restarts_and_state_dict_reports_position():
         (dict(num_samples=10, global_batch=4, rank=2, size=2), "rank 2 of size 2"),
         (dict(num_samples=10, global_batch=4, rank=0, size=1, shuffle="random"), "shuffle"),
         (dict(num_samples=10, global_batch=4, rank=0, size=1, block_size=0), "block_size"),
+        (dict(num_samples=10, global_batch=4, rank=0, size=1, window=-1), "window -1"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):
@@ -156,12 +196,14 @@ def test_coalesce_runs_merges_adjacent_runs_only():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "n,g,size,block", [(1, 1, 1, 1), (100, 7, 3, 4), (1000, 64, 5, 32), (4099, 128, 2, 100)]
+    "n,g,size,block", [(1, 1, 1, 1), (100, 7, 3, 4), (1000, 64, 5, 32), (4099, 128, 2, 100),
+                       (1001, 24, 3, 2)]
 )
 def test_runs_between_equals_runs_step_by_step(mode, n, g, size, block):
     for rank, drop_last in itertools.product(range(size), (False, True)):
         s = DistributedSampler(
-            n, g, rank, size, seed=3, shuffle=mode, block_size=block, drop_last=drop_last
+            n, g, rank, size, seed=3, shuffle=mode, block_size=block, drop_last=drop_last,
+            window=64,
         )
         s.set_epoch(rank + 1)
         steps = len(s)
