@@ -1286,13 +1286,65 @@ MUTATIONS: list[Mutation] = [
         why="a job that lost a node but had no MPI_Abort still reads as a success",
         tests=("tests/unit/test_launch.py::test_a_job_that_lost_a_node_never_exits_0",),
     ),
+    # -- data past the page cache (#28): windows, read-ahead groups, descriptors ---------
     Mutation(
-        name="loader-readahead-stops-after-the-window-start",
+        name="loader-readahead-advises-one-group-ahead-only-at-the-start",
         file="mpidl/data/loader.py",
-        original="                      min(step + self.readahead + 1, first + len(plan)))",
-        mutated="                      min(step + self.readahead, first + len(plan)))",
-        why="read-ahead advice covers a window's first steps, never the later ones",
+        original="        while upto < end and upto <= step + group:",
+        mutated="        while upto < end and upto < step + group:",
+        why="read-ahead stops one group short: later steps are read without advice",
         tests=("tests/unit/test_data_loader.py::"
-               "test_readahead_advises_every_row_it_reads_and_changes_no_batch",),
+               "test_readahead_advises_each_step_once_a_group_at_a_time_in_file_order",),
+    ),
+    Mutation(
+        name="loader-readahead-not-in-file-order",
+        file="mpidl/data/loader.py",
+        original='    a = a[numpy.argsort(a[:, 0], kind="stable")]\n',
+        mutated="",
+        why="a group's runs are advised in batch order: random reads, none merged",
+        tests=("tests/unit/test_data_loader.py::"
+               "test_readahead_advises_each_step_once_a_group_at_a_time_in_file_order",),
+    ),
+    Mutation(
+        name="windowed-permutation-last-window-shifted",
+        file="mpidl/data/permutation.py",
+        original="        last = n - (self._windows - 1) * self.window  # positions of the last window",
+        mutated="        last = n - self._windows * self.window + self.window - 1",
+        why="the last window is one position short: a sample is never read",
+        tests=(SAMPLER + "test_windowed_permutation_is_a_bijection_whose_windows_read_few_chunks",),
+    ),
+    Mutation(
+        name="windowed-permutation-same-inside-every-window",
+        file="mpidl/data/permutation.py",
+        original="        inner[full] = self._inside(j[full], w[full].astype(numpy.uint64))",
+        mutated="        inner[full] = self._inside(j[full])",
+        why="every window orders its chunks' blocks alike (the inverse still tweaks)",
+        tests=(SAMPLER + "test_windowed_permutation_is_a_bijection_whose_windows_read_few_chunks",),
+    ),
+    Mutation(
+        name="sampler-windows-ignored",
+        file="mpidl/data/sampler.py",
+        original="        if blocks < _CHUNKS_PER_WINDOW:  # windows off, or too small to hold chunks",
+        mutated="        if True:",
+        why="the block order is never windowed: past the page cache every read is random",
+        tests=(SAMPLER + "test_windowed_block_order_reads_whole_chunks_in_a_window_of_steps",),
+    ),
+    Mutation(
+        name="shard-reopen-ignores-a-replaced-file",
+        file="mpidl/data/shard.py",
+        original="            if _identity(os.fstat(fd)) != layout.identity or \\\n",
+        mutated="            if False or \\\n",
+        why="a shard replaced on disk is reopened with the old file's offsets, unchecked",
+        tests=("tests/unit/test_data_loader.py::"
+               "test_an_open_shard_holds_one_descriptor_and_reopens_without_hdf5",),
+    ),
+    Mutation(
+        name="shard-keeps-hdf5-open",
+        file="mpidl/data/shard.py",
+        original="        if not keep_hdf5 and all(o is not None for o in self.offsets.values()):",
+        mutated="        if False:",
+        why="an open shard keeps HDF5's descriptor: half as many shards stay open",
+        tests=("tests/unit/test_data_loader.py::"
+               "test_an_open_shard_holds_one_descriptor_and_reopens_without_hdf5",),
     ),
 ]
