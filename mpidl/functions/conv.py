@@ -22,13 +22,13 @@ no scatter-add.
 Memory: ``cols`` is ``prod(K)`` times the input, so it is built in chunks of at most
 :data:`COLS_BYTES`: whole samples while they fit, else slabs of output rows of one
 sample (along the first spatial axis; a 128^3 CosmoFlow volume with 32 channels and a
-2^3 kernel is 2 GiB unfolded). No unfolded array outlives its forward or backward:
-backward unfolds the input (held by the graph anyway) again, chunk by chunk, so a
-network of any depth holds at most one chunk, and the layer saves nothing for backward
-beyond its input. Keeping ``cols`` from forward instead saved the rebuild (2-5% of a
-cnn step) but held 22 MB per cnn step from forward to backward, which glibc's default
-heap policy returns to the kernel and faults back in every step: 10,300 page faults
-and 94 ms per step kept, 6,500 and 86 ms rebuilt.
+2^3 kernel is 2 GiB unfolded). A layer whose whole unfolding is small (at most
+:data:`KEEP_COLS_BYTES`: the cnn's layers) keeps it from forward for the weight
+gradient. A larger one outlives neither its forward nor its backward: backward unfolds
+the input (held by the graph anyway) again, chunk by chunk, so a network of any depth
+on large volumes holds at most one chunk. Keeping every unfolding cost page faults
+under glibc's default heap thresholds (10,300 faults and 94 ms per cnn step kept,
+6,500 and 86 ms rebuilt) until :func:`raise_heap_threshold`.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import numpy
 
-from mpidl.autograd import Function, Tensor
+from mpidl.autograd import Function, Tensor, is_grad_enabled
 from mpidl.backend import get_array_module
 
 # The weight gradient as (cols @ gy^T)^T rather than gy @ cols^T from this many rows of
@@ -61,6 +61,15 @@ _PER_SAMPLE_GEMM_FROM = 128
 # (32768, 4096): input gradient 18 -> 13 and 20 -> 16.5 ms. At P = 196 and 49 (cnn's
 # other layers) both ran 10-50% slower.
 _PER_SAMPLE_BACKWARD_FROM = 512
+
+# An unfolded input of at most this many bytes (the whole batch in one chunk) is kept
+# from forward for the weight gradient instead of being unfolded again in backward:
+# the cnn's 14x14 layer (14.4 MB) 46.5 -> 43.2 ms per forward + backward, its 7x7
+# layer 35.3 -> 32.8, a cnn step 3% (CPU time, alternating, loaded machine). Larger ones
+# (cosmoflow's first layers, 34 MB at batch 8) are unfolded again, so a deep network
+# on large volumes holds one chunk at a time. Below _SCRATCH_FROM: a kept unfolding is
+# never the shared buffer.
+KEEP_COLS_BYTES = 16 << 20
 
 # Largest unfolded chunk (bytes). 64 MiB holds the reference cnn and cosmoflow batches in
 # one chunk; a bigger volume is processed a chunk at a time.
@@ -392,8 +401,12 @@ class Convolution(Function):
         self.chunks = _chunks(b, self.out, c * math.prod(kernel), x.dtype.itemsize)
         y = xp.empty((b, o) + self.out, dtype=x.dtype)
         positions = math.prod(self.out)
+        self.cols = None
         for chunk in self.chunks:
             cols = self.unfold.im2col(xpad, chunk)
+            if (self.keep_cols and len(self.chunks) == 1 and cols.nbytes <= KEEP_COLS_BYTES
+                    and cols.nbytes < _SCRATCH_FROM):  # not the shared buffer
+                self.cols = cols  # for the weight gradient (see KEEP_COLS_BYTES)
             b0, b1, r0, r1 = chunk
             if self._per_sample(xp, chunk, _PER_SAMPLE_GEMM_FROM):
                 # One GEMM per sample, (O, C*K) @ cols[:, b] (C*K, P), straight into y.
@@ -408,7 +421,7 @@ class Convolution(Function):
             if bias is not None:
                 y2 += bias[:, None]
             self._put(y, y2, chunk)
-        # Nothing unfolded outlives the call: backward unfolds x again (see the module).
+        # Beyond a kept small unfolding, backward unfolds x again (see the module).
         self.x, self.weight = x, weight
         return y
 
@@ -424,7 +437,10 @@ class Convolution(Function):
             gb = xp.matmul(gy3, xp.ones(gy3.shape[2], dtype=gy.dtype)).sum(axis=0)  # (O,)
         if not (nx or nw):
             return None, None, gb
-        xpad = self.unfold.pad(self.x) if nw else None
+        # The kept unfolding is taken (backward writes over it): a second backward
+        # (retain_graph) unfolds x again.
+        kept, self.cols = self.cols, None
+        xpad = self.unfold.pad(self.x) if nw and kept is None else None
         if nx:
             gxpad = self.unfold.zeros(gy.dtype, xp)
         single = len(self.chunks) == 1
@@ -447,7 +463,7 @@ class Convolution(Function):
                 gy3 = gy[b0:b1].reshape(bc, o, positions)  # (Bc, O, P)
             cols = None
             if nw:
-                cols = self.unfold.im2col(xpad, chunk)
+                cols = self.unfold.im2col(xpad, chunk) if kept is None else kept
                 if ps_weight:
                     # sum_b gy[b] (O, P) @ cols[:, b]^T (P, C*K)
                     part = xp.matmul(gy3, xp.swapaxes(cols.reshape(ck, bc, positions), 0, 1)
@@ -580,8 +596,9 @@ def convolution(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding:
         raise ValueError(f"conv{d}d: input spatial size {tuple(x.shape[2:])} is smaller than "
                          f"the dilated kernel {kernel} (dilation {dilation}, padding "
                          f"{[p for p, _ in pads]}): the output would be {tuple(out)}")
+    keep = is_grad_enabled() and isinstance(weight, Tensor) and weight.requires_grad
     return Convolution.apply(x, weight, bias, stride=stride, pads=pads, dilation=dilation,
-                             groups=groups)
+                             groups=groups, keep_cols=keep)
 
 
 def conv1d(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,

@@ -152,6 +152,7 @@ def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypat
             monkeypatch.setattr(conv, "_PER_SAMPLE_GEMM_FROM", 1)
             monkeypatch.setattr(conv, "_PER_SAMPLE_BACKWARD_FROM", 1)
             monkeypatch.setattr(conv, "_SCRATCH_FROM", 0)  # every chunk in the kept buffer
+            monkeypatch.setattr(conv, "KEEP_COLS_BYTES", 0)  # backward unfolds x again
         ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
         y = CONV[case[0]](*ts, **kw)
         y.backward(_randn(xp, *y.shape, seed=6))
@@ -159,6 +160,22 @@ def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypat
     for got, want in zip(*results):
         assert allclose(got, want)
     assert flat == (case in (CASES[3], CASES[6], CASES[7], CASES[10]))
+
+
+@pytest.mark.parametrize("keep", [0, conv.KEEP_COLS_BYTES])
+def test_a_second_backward_through_the_graph_gives_the_same_gradients(monkeypatch, keep):
+    # Backward writes the input's unfolded gradient over the unfolding kept from
+    # forward; a second backward (retain_graph) must unfold x again, not read that.
+    monkeypatch.setattr(conv, "KEEP_COLS_BYTES", keep)
+    x, w, b, kw = _case(numpy, CASES[3])
+    ts = [Tensor(a, requires_grad=True) for a in (x, w, b)]
+    y = F.conv2d(*ts, **kw)
+    gy = _randn(numpy, *y.shape, seed=7)
+    y.backward(gy, retain_graph=True)
+    first = [t.grad.copy() for t in ts]
+    y.backward(gy)
+    for t, g in zip(ts, first):
+        assert allclose(t.grad, 2 * g)
 
 
 def test_chunks_cover_every_output_row_once():
