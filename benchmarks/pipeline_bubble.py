@@ -17,10 +17,10 @@ too, whatever their ratio. Two kinds of compute:
   its neighbour's wait for a CPU, not the schedule's.
 - ``--compute hold``: each part's forward and backward is a fixed-length sleep
   (:class:`Hold`, ``--forward-ms``, ``--backward-ms``, split over a stage's ``v``
-  chunks) on a one-number activation per token: the stages need no core, so p = 4 runs
-  on 2 cores and the bubble measured is the executed schedule's and the engine's (its
-  message order and latency, Python overhead), not the CPU's. What it does not show:
-  the imbalance of real stages and contention for memory bandwidth.
+  chunks) on an activation of ``--hold-width`` numbers per token: the stages need no
+  core, so p = 4 runs on 2 cores and the bubble measured is the executed schedule's and
+  the engine's (its message order and latency, Python overhead), not the CPU's. What it
+  does not show: the imbalance of real stages and contention for memory bandwidth.
 
 Not part of CI. Run from the repository root::
 
@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from mpidl import functions as F  # noqa: E402
 from mpidl.autograd import Function, Tensor  # noqa: E402
+from mpidl.backend import keep_freed_memory  # noqa: E402
 from mpidl.comm import world  # noqa: E402
 from mpidl.nn.module import Module, Parameter  # noqa: E402
 from mpidl.parallel import PipelineModel, ProcessGrid, pipeline_gpt  # noqa: E402
@@ -73,14 +74,16 @@ class Hold(Function):
 
 class HoldPart(Module):
     """A pipeline part (:class:`mpidl.parallel.pipeline.Part`) whose work is :class:`Hold`:
-    part 0 makes a ``(b, T, 1)`` activation from its one weight, each part adds its
+    part 0 makes a ``(b, T, width)`` activation from its one weight, each part adds its
     weight and holds, the last part returns the sum as its loss."""
 
     dtype = numpy.dtype(numpy.float32)
     tied_out = tied_in = None
 
-    def __init__(self, index: int, parts: int, forward_s: float, backward_s: float) -> None:
+    def __init__(self, index: int, parts: int, forward_s: float, backward_s: float,
+                 width: int = 1) -> None:
         super().__init__()
+        self.width = width
         self.index, self.first, self.last = index, index == 0, index == parts - 1
         self.forward_s, self.backward_s = forward_s, backward_s
         self.w = Parameter(numpy.ones(1, dtype=self.dtype))
@@ -92,7 +95,7 @@ class HoldPart(Module):
         return F.sum(y) if self.last else y
 
     def input_shape(self, ids: Any) -> tuple[int, ...]:
-        return (ids.shape[0], ids.shape[1] - 1, 1)
+        return (ids.shape[0], ids.shape[1] - 1, self.width)
 
     def count_targets(self, ids: Any) -> int:
         return int(ids.shape[0] * (ids.shape[1] - 1))
@@ -110,15 +113,16 @@ def build(grid: ProcessGrid, schedule: str, m: int, v: int,
                             vocab=args.vocab, seq_len=args.seq, dim=args.dim,
                             layers=args.blocks * p * v, heads=4, seed=0, tie_weights=False)
     # A stage's work per microbatch stays forward_ms + backward_ms however many chunks.
-    parts = [HoldPart(k, p * v, args.forward_ms / 1e3 / v, args.backward_ms / 1e3 / v)
-             for k in range(grid.pipeline_rank, p * v, p)]
+    parts = [HoldPart(k, p * v, args.forward_ms / 1e3 / v, args.backward_ms / 1e3 / v,
+                      args.hold_width) for k in range(grid.pipeline_rank, p * v, p)]
     return PipelineModel(grid, parts, schedule=schedule, microbatches=m)
 
 
 def measure(grid: ProcessGrid, schedule: str, m: int,
-            args: argparse.Namespace) -> tuple[float, float]:
+            args: argparse.Namespace) -> tuple[float, float, float]:
     """This rank's medians over ``args.steps`` steps of its bubble, the step's idle time
-    over its busy time, and of the engine's own ``wait / (step - wait)``.
+    over its busy time, of the engine's own ``wait / (step - wait)`` and of its busy
+    seconds (the work: stages that differ in it wait for the slowest, beyond the formula).
 
     A step is timed from a barrier before :meth:`PipelineModel.step` to one after, as a
     training step ends in the optimizer's global clipping: so a rank's idle time is the
@@ -130,7 +134,7 @@ def measure(grid: ProcessGrid, schedule: str, m: int,
     v = args.virtual if schedule == "interleaved" else 1
     model = build(grid, schedule, m, v, args)
     rng = numpy.random.default_rng(0)
-    bubbles, engine = [], []
+    bubbles, engine, work = [], [], []
     for step in range(args.steps + 1):
         ids = rng.integers(0, args.vocab, size=(m * args.rows, args.seq + 1))
         grid.world.barrier()
@@ -144,8 +148,9 @@ def measure(grid: ProcessGrid, schedule: str, m: int,
             busy = model.step_seconds - model.wait_seconds
             bubbles.append((wall - busy) / busy)
             engine.append(model.wait_seconds / busy)
+            work.append(busy)
     model.close()
-    return statistics.median(bubbles), statistics.median(engine)
+    return statistics.median(bubbles), statistics.median(engine), statistics.median(work)
 
 
 def formula(p: int, m: int, v: int) -> float:
@@ -168,6 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a stage's forward of one microbatch (hold)")
     parser.add_argument("--backward-ms", type=float, default=20.0,
                         help="a stage's backward of one microbatch (hold)")
+    parser.add_argument("--hold-width", type=int, default=1,
+                        help="activation width (hold): 1 sends T floats a row; --dim's "
+                             "width sends what the real model sends")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--thread-ranks", type=int, metavar="P", default=0,
                         help="hold only: P stages as threads of one process (waits block "
@@ -181,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    keep_freed_memory()  # as mpidl train does (its keep_freed_memory key)
     if args.thread_ranks:
         from mpidl.testing import run_ranks
 
@@ -194,15 +203,17 @@ def report(comm: Any, args: argparse.Namespace) -> None:
     grid = ProcessGrid(comm, pipeline=comm.size)
     p = comm.size
     if comm.rank == 0:
-        work = (f"{args.blocks} float32 blocks of d={args.dim} per part, T={args.seq}, "
+        what = (f"{args.blocks} float32 blocks of d={args.dim} per part, T={args.seq}, "
                 f"{args.rows} rows per microbatch" if args.compute == "real" else
                 f"held compute: forward {args.forward_ms:g} ms, backward "
                 f"{args.backward_ms:g} ms per stage and microbatch")
         ranks = f"{p} thread ranks" if args.thread_ranks else f"{p} MPI ranks"
-        print(f"p={p} stages ({ranks}); {work}; bubble = idle / busy time of a step "
-              f"between barriers, median of {args.steps} steps; ranks' mean, min-max")
+        print(f"p={p} stages ({ranks}); {what}; bubble = idle / busy time of a step "
+              f"between barriers, median of {args.steps} steps; ranks' mean, min-max; "
+              f"engine: its wait / (step - wait) by rank; imbalance: the most busy time of "
+              f"a rank over the least")
         print(f"{'schedule':<15} {'m':>3} {'measured':>9} {'formula':>8} {'ratio':>6}  "
-              f"{'ranks':<11}  engine's wait/(step-wait) by rank")
+              f"{'ranks':<11}  {'engine':<11}  {'imbalance':>9}")
     for schedule in args.schedules:
         for m in args.microbatches:
             v = args.virtual if schedule == "interleaved" else 1
@@ -211,11 +222,12 @@ def report(comm: Any, args: argparse.Namespace) -> None:
             everyone = comm.allgather_obj(measure(grid, schedule, m, args))
             if comm.rank == 0:
                 ideal = formula(p, m, v)
-                step, engine = ([e[i] for e in everyone] for i in (0, 1))
+                step, engine, work = ([e[i] for e in everyone] for i in (0, 1, 2))
                 print(f"{schedule + (f' v={v}' if v > 1 else ''):<15} {m:>3} "
                       f"{statistics.mean(step):>9.3f} {ideal:>8.3f} "
                       f"{statistics.mean(step) / ideal:>6.2f}  "
-                      f"{min(step):.3f}-{max(step):.3f}  {min(engine):.3f}-{max(engine):.3f}",
+                      f"{min(step):.3f}-{max(step):.3f}  {min(engine):.3f}-{max(engine):.3f}"
+                      f"{max(work) / min(work):>9.3f}",
                       flush=True)
 
 

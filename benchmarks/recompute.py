@@ -9,7 +9,11 @@ other work, which stretches wall time by 2-5x); the forward alone of ``none``, s
 extra time of ``full`` reads in forwards (expected about one); the bytes the graph
 keeps for backward (:func:`mpidl.nn.recompute.saved_bytes`) and the peak traced memory of
 forward + backward (:func:`mpidl.testing.memory.peak_bytes`, in a separate untimed pass:
-tracing slows allocation). Not part of CI. Run from the repository root::
+tracing slows allocation). glibc keeps freed memory for the next step, as ``mpidl train``
+does (``keep_freed_memory``, :func:`mpidl.backend.keep_freed_memory`); ``--malloc
+default`` gives it back, so every step page-faults its activations in again, a cost that
+grows with the bytes kept (``none`` pays most, ``full`` least). Not part of CI. Run from
+the repository root::
 
     .venv/bin/python benchmarks/recompute.py                      # gpt: d 256, 4 layers, T 256
     .venv/bin/python benchmarks/recompute.py --seq 512 --batch 4 --rounds 5
@@ -34,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from mpidl.autograd import no_grad  # noqa: E402
+from mpidl.backend import keep_freed_memory  # noqa: E402
 from mpidl.models import GPT  # noqa: E402
 from mpidl.nn.recompute import RECOMPUTE, saved_bytes  # noqa: E402
 from mpidl.optim import AdamW  # noqa: E402
@@ -59,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds over the modes")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode and round")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep: glibc keeps freed memory, as mpidl train does (default)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -66,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     one_thread()
+    if args.malloc == "keep":
+        keep_freed_memory()
     shape = dict(vocab=args.vocab, seq_len=args.seq, dim=args.dim, layers=args.layers,
                  heads=args.heads, dropout=args.dropout, seed=0)
     ids = numpy.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq + 1))
@@ -98,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             times[mode] += [step(mode) for _ in range(args.steps)]
         forwards += [forward() for _ in range(args.steps)]
 
-    result = {"shape": shape, "batch": args.batch, "modes": {}}
+    result = {"shape": shape, "batch": args.batch, "malloc": args.malloc, "modes": {}}
     base = [statistics.median(t[i] for t in times["none"]) for i in (0, 1)]
     fwd = [statistics.median(t[i] for t in forwards) for i in (0, 1)]
     result["forward_s"], result["forward_cpu_s"] = fwd
     print(f"gpt d={args.dim} layers={args.layers} heads={args.heads} T={args.seq} "
-          f"B={args.batch} dropout={args.dropout}, float32, 1 thread; "
+          f"B={args.batch} dropout={args.dropout}, float32, 1 thread, malloc {args.malloc}; "
           f"{args.rounds} rounds x {args.steps} steps per mode")
     print(f"forward alone (none, no graph): {fwd[0] * 1e3:.1f} ms wall, "
           f"{fwd[1] * 1e3:.1f} ms CPU")

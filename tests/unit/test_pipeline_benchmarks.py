@@ -28,8 +28,9 @@ bubble = _load("pipeline_bubble")
 throughput = _load("pipeline_throughput")
 
 
-def _held_step(comm, schedule, v, m, rows, seq):
-    args = bubble.parse_args(["--compute", "hold", "--forward-ms", "0", "--backward-ms", "0"])
+def _held_step(comm, schedule, v, m, rows, seq, width):
+    args = bubble.parse_args(["--compute", "hold", "--forward-ms", "0", "--backward-ms", "0",
+                              "--hold-width", str(width)])
     grid = ProcessGrid(comm, pipeline=comm.size)
     model = bubble.build(grid, schedule, m, v, args)
     loss, count = model.step(numpy.zeros((m * rows, seq + 1), dtype=numpy.int64))
@@ -38,16 +39,18 @@ def _held_step(comm, schedule, v, m, rows, seq):
     return loss, count, grads, model.wait_seconds <= model.step_seconds
 
 
-@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
-def test_held_parts_run_every_schedule_and_each_weight_gets_its_gradient(schedule, v):
+@pytest.mark.parametrize("schedule, v, width", [("gpipe", 1, 1), ("1f1b", 1, 3),
+                                                ("interleaved", 2, 1)])
+def test_held_parts_run_every_schedule_and_each_weight_gets_its_gradient(schedule, v, width):
     p, m, rows, seq = 4, 4, 2, 3
-    for loss, count, grads, timed in run_ranks(p, _held_step, schedule, v, m, rows, seq):
-        # Every token's activation is the sum of the p v parts' weights (all 1); the
-        # loss sums it over the m * rows * seq tokens, so each weight's gradient, divided
-        # by the count once, is exactly 1.
+    for loss, count, grads, timed in run_ranks(p, _held_step, schedule, v, m, rows, seq,
+                                               width):
+        # Every token's activation is `width` copies of the sum of the p v parts'
+        # weights (all 1); the loss sums it over the m * rows * seq tokens, so each
+        # weight's gradient, divided by the count once, is `width` (float32 sums).
         assert count == m * rows * seq
-        assert loss == count * p * v
-        assert grads == [1.0] * v
+        assert loss == count * p * v * width
+        assert grads == pytest.approx([width] * v, rel=1e-6)
         assert timed
 
 
