@@ -11,11 +11,14 @@ Each step of a reference model (the mlp by default; dp_train.py's batches, SGD,
 ``DataParallel`` defaults, freed memory kept) is timed in five phases: forward + backward
 without the exchange (``no_sync``), a barrier (the ranks' skew), the dense gradient
 exchange, the sparse exchange of embedding rows (none in the mlp), and the optimizer
-step with ``zero_grad``. The exchange is one of (``--variants``):
+step with ``zero_grad``, each as wall time and as the thread's CPU time (on a shared machine the
+CPU time shows the work, the wall time also the waits), per rank. The exchange is one
+of (``--variants``):
 
-- ``dataparallel``: what ``DataParallel.backward`` does (on one node: the buckets live in
-  an MPI-3 shared-memory window and each rank sums its share of them straight out of the
-  other ranks' copies, :mod:`mpidl.comm.shared`);
+- ``dataparallel``: what ``DataParallel.backward`` does (on one node: the buckets and the
+  embedding tables' gradients live in an MPI-3 shared-memory window and each rank sums
+  its share of them straight out of the other ranks' copies, :mod:`mpidl.comm.shared`;
+  the tables by their touched rows, in the "sync" phase, so "sparse" is then zero);
 - ``allreduce``: ``DataParallel(shared_memory=False)``: one blocking MPI Allreduce per bucket;
 - ``ring``: a hand-written ring allreduce (reduce-scatter, then allgather) over ``Sendrecv``;
 - ``zero1``: ZeRO stage 1 as a prototype: the ring's reduce-scatter, each rank's SGD
@@ -84,26 +87,33 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
     from dp_train import CASES, make_batches
 
     w = MPI.COMM_WORLD
-    dp = DataParallel(models.build(model, seed=0), mpidl.comm.world(), keep_freed_memory=True,
+    case = CASES[model]
+    dp = DataParallel(models.build(model, seed=0, **case.get("model", {})), mpidl.comm.world(),
+                      keep_freed_memory=True,
                       shared_memory=False if variant != "dataparallel" else None)
     opt = SGD(dp.module.parameters(), lr=0.01)
     batches = make_batches(model, w.rank, "zipf")
-    n = CASES[model]["batch"] * w.size
+    n = case["batch"] * w.size * (case["tokens"] - 1 if "model" in case else 1)
+    classes = case.get("classes", 10)
     tmp = numpy.empty(max(b.flat.size for b in dp.buckets), numpy.float32)
     params = [numpy.zeros_like(b.flat) for b in dp.buckets]  # zero1's flat parameters
     scratch = numpy.empty(1 << 16, numpy.float32)
     times: dict[str, list[float]] = {k: [] for k in PHASES}
+    cpu: dict[str, list[float]] = {k: [] for k in PHASES}
+    windowed = dp.transport.row_masks is not None
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
-        t0 = time.perf_counter()
-        loss = F.softmax_cross_entropy(dp(x), y, reduction="sum")
+        t0, c0 = time.perf_counter(), time.thread_time()
+        loss = F.softmax_cross_entropy(dp(x).reshape(-1, classes), y.reshape(-1),
+                                       reduction="sum")
         with dp.no_sync():
             dp.backward(loss, global_count=n)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         w.Barrier()
-        t2 = time.perf_counter()
-        if variant in ("dataparallel", "allreduce"):
-            dp.launcher.next = 0
+        t2, c2 = time.perf_counter(), time.thread_time()
+        if variant == "dataparallel" and windowed:
+            dp.sync_gradients()  # the window sums buckets and tables in one go
+        elif variant in ("dataparallel", "allreduce"):
             dp.launcher.finish()
         for k, b in enumerate(dp.buckets):
             if w.size == 1 or variant in ("dataparallel", "allreduce"):
@@ -118,26 +128,31 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
                     numpy.multiply(b.flat[s:e], -0.01, out=scratch[:e - s])
                     params[k][s:e] += scratch[:e - s]
                 ring_allgather(w, params[k], own)
-        t3 = time.perf_counter()
-        # embedding rows (none in the mlp), as DataParallel.backward
-        dp.sparse_tables.sync(dp.comm, dp._piece_bytes)
-        t3s = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
+        if not (variant == "dataparallel" and windowed):
+            # embedding rows (none in the mlp) by MPI, as DataParallel.backward
+            dp.sparse_tables.sync(dp.comm, dp._piece_bytes)
+        t3s, c3s = time.perf_counter(), time.thread_time()
         if variant != "zero1" or w.size == 1:
             opt.step()
         opt.zero_grad()
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.thread_time()
         if i >= warmup:
-            for key, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3s - t3, t4 - t3s,
-                                       t4 - t0)):
+            for key, v, c in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3s - t3, t4 - t3s, t4 - t0),
+                                 (c1 - c0, c2 - c1, c3 - c2, c3s - c3, c4 - c3s, c4 - c0)):
                 times[key].append(1e3 * v)
+                cpu[key].append(1e3 * c)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {k: w.allreduce(v, op=MPI.MAX) for k, v in med.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    return {"ms": {k: w.allreduce(v, op=MPI.MAX) for k, v in med.items()},
+            "per_rank_ms": w.allgather(med), "per_rank_cpu_ms": w.allgather(med_cpu),
+            "transport": dp.transport.name}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="dataparallel,allreduce,ring,zero1")
-    p.add_argument("--model", default="mlp", help="mlp, bow or transformer (dp_train's "
+    p.add_argument("--model", default="mlp", help="mlp, bow, transformer or gpt (dp_train's "
                    "batches); ring and zero1 are mlp only")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=100)
@@ -152,16 +167,22 @@ def main(argv: list[str] | None = None) -> int:
             continue  # prototypes over the buckets only: no sparse rows, no other model
         res = run(variant, args.steps, args.warmup, args.model)
         rec = {"bench": "dp_phases", "model": args.model, "variant": variant,
-               "ranks": MPI.COMM_WORLD.size, "ms": res}
+               "ranks": MPI.COMM_WORLD.size, **res,
+               "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
         rows.append(rec)
         if MPI.COMM_WORLD.rank == 0:
             print(json.dumps(rec), flush=True)
     if MPI.COMM_WORLD.rank == 0:
-        print("\n| model | variant | ranks | " + " | ".join(f"{k} ms" for k in PHASES) + " |")
-        print("|---|---|---|" + "---|" * len(PHASES))
+        print("\nwall ms (slowest rank's median), then each rank's wall / thread-CPU ms")
+        print("\n| model | variant | ranks | rank | " + " | ".join(f"{k} ms" for k in PHASES)
+              + " |")
+        print("|---|---|---|---|" + "---|" * len(PHASES))
         for rec in rows:
-            print(f"| {rec['model']} | {rec['variant']} | {rec['ranks']} | "
+            print(f"| {rec['model']} | {rec['variant']} | {rec['ranks']} | max | "
                   + " | ".join(f"{rec['ms'][k]:.2f}" for k in PHASES) + " |")
+            for r, (wall, cpu) in enumerate(zip(rec["per_rank_ms"], rec["per_rank_cpu_ms"])):
+                print(f"| | | | {r} | "
+                      + " | ".join(f"{wall[k]:.2f} / {cpu[k]:.2f}" for k in PHASES) + " |")
     return 0
 
 

@@ -18,6 +18,9 @@ run, warm-up included: the fairer ratio when the machine is shared.
   global batch (samples x 4 outputs), as ``mpidl.train.objective.Regression``.
 - PyTorch: ``DistributedDataParallel`` on gloo over loopback at 2 ranks, the plain model
   at 1 rank (the stronger baseline). PyTorch's embedding gradients are dense.
+- ``bare`` (1 rank only): mpidl's model without DataParallel (backward seeded with
+  ``1/n`` as DataParallel does, the same heap policy): what wrapping costs at 1 rank.
+- ``gpt``: the gpt preset's model (mpidl only), next-token loss over 16 x 32 tokens.
 
 The 3-D CNN (``mpidl.models.cosmoflow`` on 4 x 32^3 volumes; PyTorch: ``conv.py``'s
 ``torch_model``, the same layers in the same order) comes in three cases:
@@ -49,6 +52,8 @@ Run from the repository root::
     .venv/bin/python benchmarks/dp_train.py --malloc keep     # glibc keeps freed memory (both)
     .venv/bin/python benchmarks/dp_train.py --malloc default  # glibc's default policy (both)
     .venv/bin/python benchmarks/dp_train.py --models mlp --no-sync   # no allreduce: the ceiling
+    .venv/bin/python benchmarks/dp_train.py --models bow,mlp,transformer,gpt \
+        --frameworks mpidl,bare --rounds 3   # #30's ratios: weak scaling, DataParallel's cost
     .venv/bin/python benchmarks/dp_train.py --rounds 2 --mca coll_tuned_use_dynamic_rules=1 \\
         --mca coll_tuned_allreduce_algorithm=4
 
@@ -82,6 +87,10 @@ CASES = {
     "mlp": {"batch": 128, "classes": 10},
     "bow": {"batch": 64, "tokens": 256, "vocab": 20000, "classes": 2},
     "transformer": {"batch": 32, "tokens": 128, "vocab": 8000, "classes": 2},
+    # the gpt preset's model (dim 64, 2 blocks, 4 heads) on sequences of 32 next tokens,
+    # 16 per rank (the preset's global batch of 32 at 2 ranks); mpidl only
+    "gpt": {"batch": 16, "tokens": 33, "vocab": 64, "classes": 64,
+            "model": {"vocab": 64, "seq_len": 32, "dim": 64, "layers": 2, "heads": 4}},
     # batchnorm: none, per-rank (plain BatchNorm3d under data parallelism), sync
     "cosmoflow": {"batch": COSMOFLOW["batch"], "batchnorm": "none"},
     "cosmoflow-bn": {"batch": COSMOFLOW["batch"], "batchnorm": "per-rank"},
@@ -109,7 +118,10 @@ def make_batches(model: str, rank: int, ids: str) -> list[tuple[numpy.ndarray, n
             x = order[rng.choice(vocab, size=(case["batch"], case["tokens"]), p=zipf)]
         else:
             x = rng.integers(0, vocab, size=(case["batch"], case["tokens"]))
-        y = rng.integers(0, case["classes"], size=case["batch"])
+        if "model" in case:  # next-token prediction: the inputs and their next tokens
+            x, y = x[:, :-1], x[:, 1:]
+        else:
+            y = rng.integers(0, case["classes"], size=case["batch"])
         out.append((x, y))
     return out
 
@@ -131,6 +143,13 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
         kwargs["sync_batchnorm"] = case["batchnorm"] == "sync"
         loss_fn = partial(F.regression_loss, reduction="sum")
         global_count = case["batch"] * comm.size * COSMOFLOW["outputs"]  # values, not samples
+    elif "model" in case:  # a language model: every position predicts the next token
+        model = models.build(args.model, seed=0, **case["model"])
+        global_count = case["batch"] * comm.size * (case["tokens"] - 1)
+
+        def loss_fn(logits, y):
+            return F.softmax_cross_entropy(logits.reshape(-1, case["vocab"]), y.reshape(-1),
+                                           reduction="sum")
     else:
         model = models.build(args.model, seed=0)
         loss_fn = partial(F.softmax_cross_entropy, reduction="sum")
@@ -139,9 +158,27 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
     kwargs["keep_freed_memory"] = args.malloc != "default"
     if args.overlap is not None:
         kwargs["overlap"] = args.overlap == "on"
+    state = {"i": 0, "wait": [], "sparse": 0}
+    if args.framework == "bare":  # the model alone, DataParallel's 1-rank cost measured
+        if comm.size != 1:
+            raise SystemExit("dp_train.py: the bare model runs at 1 rank only")
+        if kwargs["keep_freed_memory"]:
+            from mpidl import backend
+
+            backend.keep_freed_memory()  # as DataParallel(keep_freed_memory=True) does
+        opt = SGD(model.parameters(), lr=0.01)
+
+        def bare_step() -> None:
+            x, y = batches[state["i"] % N_BATCHES]
+            state["i"] += 1
+            loss = loss_fn(model(x), y)
+            seed = numpy.full(loss.shape, 1.0 / global_count, dtype=loss.dtype)
+            loss.backward(seed)  # what dp.backward seeds at 1 rank
+            opt.step()
+            opt.zero_grad()
+        return bare_step, {"extra": dict, "params": model.num_parameters(), "batchnorm": None}
     dp = DataParallel(model, comm, **kwargs)
     opt = SGD(model.parameters(), lr=0.01)
-    state = {"i": 0, "wait": [], "sparse": 0}
 
     def step() -> None:
         x, y = batches[state["i"] % N_BATCHES]
@@ -156,6 +193,7 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
 
     def extra() -> dict:
         return {"bucket_mb": dp.bucket_mb, "overlap": dp.overlap, "buckets": len(dp.buckets),
+                "transport": dp.transport.name,
                 "comm_wait_ms": 1e3 * statistics.median(state["wait"]) if state["wait"] else 0,
                 "sparse_step_share": state["sparse"] / max(1, state["i"])}
     return step, {"extra": extra, "params": model.num_parameters(),
@@ -221,7 +259,7 @@ def worker(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     info = mt.machine() if comm.rank == 0 else {}
     batches = make_batches(args.model, comm.rank, args.ids)
-    make = torch_step if args.framework == "torch" else mpidl_step
+    make = torch_step if args.framework == "torch" else mpidl_step  # mpidl, bare
     step, meta = make(args, batches)
     c0, t0 = time.process_time(), time.perf_counter()
     times = mt.timed_windows(comm, step, args.window_s, args.windows, args.warmup_s)
@@ -368,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         for model in models:
             for n in ranks:
                 for fw in (frameworks if r % 2 == 0 else frameworks[::-1]):
+                    if (fw == "bare" and n != 1) or (fw == "torch" and "model" in CASES[model]):
+                        continue  # the bare model at 1 rank only; gpt has no torch twin
                     rec = launch(args, model, fw, n)
                     print(json.dumps(rec), flush=True)
                     res[(model, fw, n)] = _merge(res.get((model, fw, n)), rec)
@@ -405,7 +445,32 @@ def main(argv: list[str] | None = None) -> int:
                   f"{eff_t:.2f} ({bt / (n * bt1):.2f}) | {wait} |")
     for mark, text in notes.items():
         print(f"\n{mark} {text}")
+    print_targets(res, models, ranks, args.rounds)
     return 0
+
+
+def print_targets(res: dict, models: list[str], ranks: list[int], rounds: int) -> None:
+    """Issue #30's ratios, per round (the launches of one round run back to back):
+    mpidl's weak-scaling efficiency at each rank count, and DataParallel at 1 rank
+    against the bare model (``--frameworks mpidl,bare``)."""
+    def rates(model: str, fw: str, n: int) -> list[float]:
+        r = res.get((model, fw, n))
+        return r["_rates"] if r else []
+
+    print("\nper round (launches back to back): mpidl weak-scaling efficiency "
+          "= N-rank samples/s / (N x 1-rank samples/s); DataParallel at 1 rank / bare model")
+    cols = [f"eff. {n} ranks" for n in ranks if n > 1] + ["DataParallel / bare, 1 rank"]
+    print("\n| model | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for model in models:
+        one = rates(model, "mpidl", 1)
+        cells = []
+        for n in (n for n in ranks if n > 1):
+            effs = [a / (n * b) for a, b in zip(rates(model, "mpidl", n), one)]
+            cells.append(", ".join(f"{e:.2f}" for e in effs) or "–")
+        bare = [a / b for a, b in zip(one, rates(model, "bare", 1))]
+        cells.append(", ".join(f"{e:.3f}" for e in bare) or "–")
+        print(f"| {model} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

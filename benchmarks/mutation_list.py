@@ -558,7 +558,7 @@ MUTATIONS: list[Mutation] = [
         why="a row several ranks touched keeps the last rank's gradient instead of the sum",
         # Test data over a 5000-row table almost never has two ranks touch one row.
         tests=(THREADS.format("test_data_parallel::test_rows_that_several_ranks_touch_are_"
-                              "summed_in_the_sparse_exchange", 2),
+                              "summed_in_the_sparse_exchange[shared_memory=False]", 2),
                DP + "test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange"),
     ),
     Mutation(
@@ -568,7 +568,7 @@ MUTATIONS: list[Mutation] = [
         mutated="self._rows[id(p)] = touched",
         why="the sync after a no_sync cycle sends only the last micro-batch's rows",
         tests=(THREADS.format("test_data_parallel::test_the_sparse_exchange_after_no_sync_"
-                              "sends_the_rows_of_every_micro_batch", 2),
+                              "sends_the_rows_of_every_micro_batch[shared_memory=False]", 2),
                DP + "test_the_sparse_exchange_after_no_sync_sends_the_rows_of_every_micro_"
                "batch"),
     ),
@@ -1346,5 +1346,69 @@ MUTATIONS: list[Mutation] = [
         why="an open shard keeps HDF5's descriptor: half as many shards stay open",
         tests=("tests/unit/test_data_loader.py::"
                "test_an_open_shard_holds_one_descriptor_and_reopens_without_hdf5",),
+    ),
+    # -- the fixed cost of a small step (#30): embedding tables summed in the node's
+    #    shared window by their touched rows (mpidl/comm/shared.py), marked by DataParallel
+    #    (parallel/data.py, sparse.py), written in place by backward (functions/embedding.py)
+    Mutation(
+        name="window-rows-union-misses-other-ranks",
+        file="mpidl/comm/shared.py",
+        original="        for m in masks[1:]:\n            union |= m\n",
+        mutated="",
+        why="the owner sums only the rows its own rank marked: rows only another rank "
+            "touched keep that rank's gradient alone",
+        tests=(COMM + "test_node_shared_tables_sum_the_marked_rows_to_the_whole_sum",),
+    ),
+    Mutation(
+        name="window-rows-share-offset-dropped",
+        file="mpidl/comm/shared.py",
+        original="        return ids + s.start\n",
+        mutated="        return ids\n",
+        why="the marked rows of a share are taken as rows of the first share",
+        tests=(COMM + "test_node_shared_tables_sum_the_marked_rows_to_the_whole_sum",),
+    ),
+    Mutation(
+        name="window-rows-sum-written-to-own-copy-only",
+        file="mpidl/comm/shared.py",
+        original="        for t in tables:\n            t[ids] = total\n",
+        mutated="        tables[self.rank][ids] = total\n",
+        why="the rows' sum reaches the owner's copy, not the other ranks'",
+        tests=(COMM + "test_node_shared_tables_sum_the_marked_rows_to_the_whole_sum",),
+    ),
+    Mutation(
+        name="window-rows-decision-inverted",
+        file="mpidl/comm/shared.py",
+        original="        if ids.size > DENSE_ROWS_ABOVE * union.size:",
+        mutated="        if ids.size < DENSE_ROWS_ABOVE * union.size:",
+        why="few touched rows are summed whole and many row by row (exact, but slow)",
+        tests=(COMM + "test_node_shared_tables_sum_the_marked_rows_to_the_whole_sum",),
+    ),
+    Mutation(
+        name="window-dense-table-marked-by-its-rows",
+        file="mpidl/parallel/sparse.py",
+        original="            if id(p) in self._dense:\n                mask[...] = True\n",
+        mutated="            if False:\n                mask[...] = True\n",
+        why="a table whose gradient went dense (a penalty in the loss) is summed by the "
+            "rows the lookups touched alone",
+        tests=(DP + "test_a_weight_penalty_in_the_loss_makes_the_table_gradient_dense",),
+    ),
+    Mutation(
+        name="window-table-rows-never-marked",
+        file="mpidl/parallel/data.py",
+        original="            self.sparse_tables.mark(self._table_masks)\n",
+        mutated="",
+        why="the tables' masks keep their first value (every row): the window always sums "
+            "them whole (exact, but the row sum never runs)",
+        tests=(DP + "test_sparse_embedding_exchange_matches_dense",),
+    ),
+    Mutation(
+        name="embedding-grad-ignores-the-buffer",
+        file="mpidl/functions/embedding.py",
+        original="grad = xp.empty((vocab, dim), dtype=rows.dtype) if out is None else out",
+        mutated="grad = xp.empty((vocab, dim), dtype=rows.dtype)",
+        why="the table's gradient goes to a fresh array and is copied into its buffer "
+            "(10 MB per step for bow)",
+        tests=("tests/unit/test_functions_embedding.py::"
+               "test_segment_sum_writes_the_table_gradient_into_the_given_buffer",),
     ),
 ]

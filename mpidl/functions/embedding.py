@@ -65,7 +65,8 @@ def _check_ids(ids: Any, vocab: int, padding_idx: int | None) -> None:
 
 
 def segment_sum(
-    xp: Any, ids: Any, rows: Any, owner: Any, vocab: int, drop: int | None = None
+    xp: Any, ids: Any, rows: Any, owner: Any, vocab: int, drop: int | None = None,
+    out: Any = None,
 ) -> tuple[Any, Any]:
     """Dense ``(vocab, dim)`` sum of each token's gradient row into its id; touched rows.
 
@@ -74,7 +75,9 @@ def segment_sum(
     ``(bags, dim)`` and never repeated per token up front. Returns the gradient and the
     boolean ``(vocab,)`` mask of the ids that have a token. ``drop`` (device arrays
     only): tokens of this id (padding) contribute nothing and do not count as touched;
-    host callers leave such tokens out of ``ids`` instead.
+    host callers leave such tokens out of ``ids`` instead. ``out``: a host ``(vocab,
+    dim)`` array of ``rows``' dtype to write the gradient into (the table's gradient
+    buffer: data parallelism's flat, which would otherwise take a copy per step).
 
     On the host, every row of the result is one row of a small table ``ext``: a zero
     row (ids without tokens), ``rows`` itself (an id with a single token is that
@@ -86,7 +89,10 @@ def segment_sum(
     n = ids.shape[0]
     dim = rows.shape[1]
     if n == 0:
-        return xp.zeros((vocab, dim), dtype=rows.dtype), xp.zeros(vocab, dtype=bool)
+        if out is None:
+            return xp.zeros((vocab, dim), dtype=rows.dtype), xp.zeros(vocab, dtype=bool)
+        out[...] = 0
+        return out, xp.zeros(vocab, dtype=bool)
     if is_cupy(xp):
         # On the GPU, atomic adds into the one allocation are the fast path (cupy's
         # ufunc.at is cupyx.scatter_add); the CPU's add.at is what the rounds avoid.
@@ -128,7 +134,7 @@ def segment_sum(
         index[frequent_ids] = xp.arange(start, start + f)
         tokens = per_token > _PASSES
         _frequent_sums(xp, ext[start:], ids[tokens], rows, src[tokens], frequent_ids, vocab)
-    grad = xp.empty((vocab, dim), dtype=rows.dtype)
+    grad = xp.empty((vocab, dim), dtype=rows.dtype) if out is None else out
     xp.take(ext, index, axis=0, out=grad, mode="clip")  # index is in range
     return grad, counts > 0
 
@@ -232,6 +238,16 @@ def _bag_sums(xp: Any, table: Any, ids: Any, weights: Any) -> Any:
     return out
 
 
+def _table_buffer(f: Function, g: Any) -> Any:
+    """Where ``f``'s backward may write the table's gradient: its leaf's gradient buffer
+    (a host one of the right shape and dtype), or None for a fresh array."""
+    out = f.grad_buffer_for(1)
+    if (out is None or is_cupy(get_array_module(g)) or out.dtype != g.dtype
+            or out.shape != (f.vocab, f.dim) or not out.flags.c_contiguous):
+        return None
+    return out
+
+
 def _record_rows(weight: Any, touched: Any) -> None:
     """Attach ``grad_row_mask`` (union within one backward pass) to the weight tensor."""
     if not isinstance(weight, Tensor):
@@ -272,7 +288,8 @@ class Embedding(Function):
         elif self.padding_idx is not None:
             owner = xp.flatnonzero(flat != self.padding_idx % self.vocab)
             flat = flat[owner]
-        grad, touched = segment_sum(xp, flat, g, owner, self.vocab, drop)
+        grad, touched = segment_sum(xp, flat, g, owner, self.vocab, drop,
+                                    _table_buffer(self, g))
         _record_rows(self.inputs[1], touched)
         return None, grad
 
@@ -321,7 +338,8 @@ class EmbeddingBag(Function):
         else:
             tokens = xp.arange(flat.shape[0])
         owner = tokens // bag  # token t belongs to bag t // L
-        grad, touched = segment_sum(xp, flat, g, owner, self.vocab, drop)
+        grad, touched = segment_sum(xp, flat, g, owner, self.vocab, drop,
+                                    _table_buffer(self, g))
         _record_rows(self.inputs[1], touched)
         return None, grad
 

@@ -29,8 +29,10 @@ What happens inside:
   allreduced *sum* is the mean over the global batch, with no extra pass over the
   gradients. Ranks with fewer samples (or none, in the last step of an epoch) simply
   contribute less: the result is the gradient of the whole global batch.
-- Embedding tables can exchange only the rows a batch touched (see
-  :mod:`mpidl.parallel.sparse`), chosen automatically per step.
+- Embedding tables can exchange only the rows a batch touched, chosen automatically per
+  step: on one node inside the window's sum (each rank marks its rows, the owner of a
+  share of rows sums only the marked ones when they are few), across nodes by MPI (see
+  :mod:`mpidl.parallel.sparse`).
 """
 from __future__ import annotations
 
@@ -173,28 +175,40 @@ class DataParallel:
         dense = [p for p in params if not any(p is s for s in self.sparse)]
         self._piece_bytes = int(bucket_mb * 2**20)
         self.buckets: list[Bucket] = build_buckets(dense, self._piece_bytes, self.grad_dtype)
+        # Each table's gradient has a flat of its own, which backward writes in place (no
+        # fresh 10 MB array per step); on one node the window sums it with the buckets,
+        # by the rows the ranks touched, in the same two fences.
+        self.table_buckets = [build_buckets([p], p.data.nbytes)[0] for p in self.sparse]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.sparse_tables = SparseTables(self.sparse)
 
         # local_size < size on every rank exactly when some rank is on another node.
         self.overlap = overlap if overlap is not None else comm.local_size < comm.size
         # How the buckets travel, chosen once (mpidl.parallel.transport).
-        flats = [b.flat for b in self.buckets]
+        every = self.buckets + self.table_buckets
+        flats = [b.flat for b in every]
         self.transport = choose_transport(
             comm, flats, piece_bytes=self._piece_bytes, compression=self.compression,
             hierarchical=hierarchical, overlap=self.overlap, shared_memory=shared_memory)
-        for b, flat in zip(self.buckets, self.transport.bind(flats)):
+        rows = [None] * len(self.buckets) + [p.data.shape[0] for p in self.sparse]
+        for b, flat in zip(every, self.transport.bind(flats, rows)):
             if flat is not b.flat:
                 b.rebind(flat)
+        masks = self.transport.row_masks
+        # Where each table's touched rows go for the window's sum; None: the tables
+        # travel apart, by SparseTables.sync (MPI: rows or dense, decided per step).
+        self._table_masks = None if masks is None else masks[len(self.buckets):]
         self.launcher = BucketLauncher(self.buckets, self.transport, self.overlap)
         self._syncing = True
         self._in_backward = False
         self.comm_wait_seconds = 0.0  # time the last backward blocked on communication
         self.comm_wait_start = 0.0  # its time.perf_counter() start (for timelines)
-        self.sparse_used = False  # whether the last sync used the sparse row exchange
+        # whether the last sync summed some table by its touched rows alone (on one node,
+        # where each rank decides for its own share of the rows: this rank's choice)
+        self.sparse_used = False
         if previous is not None and previous.module is model:
             previous.close()  # detaches its hooks and buckets from the parameters ...
-            for b in self.buckets:
+            for b in every:
                 b.attach()  # ... which are this wrapper's again
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_final)
                          for _, p in self.named]
@@ -289,6 +303,8 @@ class DataParallel:
         xp = loss.xp
         seed = (scale / global_count) if global_count else scale
         self.launcher.begin()
+        for b in self.table_buckets:
+            b.attach()
         self._in_backward = True
         try:
             loss.backward(xp.full(loss.shape, seed, dtype=loss.dtype))
@@ -296,18 +312,33 @@ class DataParallel:
             self._in_backward = False
         for b in self.buckets:
             b.fill_missing()
+        for b in self.table_buckets:
+            b.fill_missing()
         self.sparse_tables.record()
         if not self._syncing:
             return
         t0 = time.perf_counter()
-        self.launcher.finish()
-        self.sparse_used = self.sparse_tables.sync(self.comm, self._piece_bytes)
+        self.sync_gradients()
         if not global_count and self.comm.size > 1:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad *= 1.0 / self.comm.size
         self.comm_wait_start = t0
         self.comm_wait_seconds = time.perf_counter() - t0
+
+    def sync_gradients(self) -> None:
+        """Sum the gradients of the backward passes since the last sync over the ranks.
+
+        What :meth:`backward` does after its pass outside :meth:`no_sync`; callable on
+        its own after a ``no_sync`` backward (benchmarks/dp_phases.py times it so).
+        Collective. Sets :attr:`sparse_used`.
+        """
+        if self._table_masks is not None:  # one window sums buckets and tables together
+            self.sparse_tables.mark(self._table_masks)
+            self.sparse_used = self.launcher.finish()
+        else:
+            self.launcher.finish()
+            self.sparse_used = self.sparse_tables.sync(self.comm, self._piece_bytes)
 
     def _on_grad_final(self, p: Tensor) -> None:
         if self._in_backward and self._syncing and self.overlap:
@@ -318,7 +349,8 @@ class DataParallel:
         gradient outside them, the sparse tables'), and the optimizer's state."""
         held = HeldBytes()
         params = held(*(p.data for _, p in self.named))
-        grads = held(*(b.flat for b in self.buckets), *(p.grad for _, p in self.named))
+        grads = held(*(b.flat for b in self.buckets + self.table_buckets),
+                     *(p.grad for _, p in self.named))
         return {"parameters": params, "gradients": grads, "optimizer": held.optimizer(optimizer)}
 
     def checksum(self) -> float:
@@ -343,12 +375,12 @@ class DataParallel:
             h.remove()
         self._handles = []
         if isinstance(self.transport, WindowTransport) and self.transport.window is not None:
-            for b in self.buckets:
+            for b in self.buckets + self.table_buckets:
                 b.rebind(numpy.empty_like(b.flat))  # rebind copies the values over
             self.transport.retire()  # still mapped: .grad arrays kept earlier view it
         elif not isinstance(self.transport, WindowTransport):
             self.transport.close()
-        for b in self.buckets:
+        for b in self.buckets + self.table_buckets:
             for p in b.params:
                 p.grad_buffer = None
         if _WRAPPERS.get(id(self.module)) is self:

@@ -62,7 +62,7 @@ class BucketLauncher:
             if b.request is not None:
                 b.request.test()  # drive MPI progress while backward computes
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
         """Start the buckets backward did not start, in order; then finish them all.
 
         Without overlap every bucket runs one blocking allreduce here: it beats a
@@ -74,13 +74,13 @@ class BucketLauncher:
         hook, and starts that bucket only here.
         """
         if self.transport.sums_all_at_once:
-            self.transport.allreduce_all_()
-            return
+            return self.transport.allreduce_all_()
         for b in self.buckets[self.next:]:
             self.start(b, blocking=not self.overlap)
         self.next = len(self.buckets)
         for b in self.buckets:
             self.wait(b)
+        return False
 
     def _launch_ready(self) -> None:
         """Start buckets in order: each one once it (and every earlier one) is ready."""

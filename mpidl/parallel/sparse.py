@@ -132,6 +132,21 @@ class SparseTables:
             seen = self._rows.get(id(p))
             self._rows[id(p)] = touched if seen is None else xp.logical_or(seen, touched)
 
+    def mark(self, masks: list[Any]) -> None:
+        """Write each table's rows touched since the last sync into its mask (host bool
+        arrays, one per table): all of them where the gradient went dense, none where
+        there was no gradient. For a transport that sums the tables itself (the node's
+        shared window); not collective."""
+        for p, mask in zip(self.tables, masks):
+            rows = self._rows.pop(id(p), None)
+            if id(p) in self._dense:
+                mask[...] = True
+            elif rows is None:
+                mask[...] = False
+            else:
+                mask[...] = rows
+        self._dense.clear()
+
     def sync(self, comm: Any, piece_bytes: int | None = None) -> bool:
         """Sum every table's gradient over ``comm``; True if any went by rows. Collective."""
         used = False

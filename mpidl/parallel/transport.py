@@ -47,17 +47,28 @@ class Transport:
         self.piece_bytes = piece_bytes
 
     # -- allreduce of gradient buckets ----------------------------------------------------
-    def bind(self, flats: Sequence[Any]) -> list[Any]:
-        """The arrays the buckets must live in from now on (the given ones by default)."""
+    def bind(self, flats: Sequence[Any], rows: Sequence[int | None] | None = None) -> list[Any]:
+        """The arrays the buckets must live in from now on (the given ones by default).
+
+        ``rows``: per flat, None, or its row count when it is an embedding table's
+        gradient, zero outside the rows a batch touched (see :attr:`row_masks`)."""
         return list(flats)
+
+    @property
+    def row_masks(self) -> list[Any] | None:
+        """Per bound flat, where this rank marks the rows it touched before
+        :meth:`allreduce_all_` (None for the others), when the transport sums row-sparse
+        flats itself; None when it does not (the tables then travel apart)."""
+        return None
 
     @property
     def sums_all_at_once(self) -> bool:
         """Whether :meth:`allreduce_all_` replaces the per-bucket allreduces."""
         return False
 
-    def allreduce_all_(self) -> None:
-        """Sum every bound bucket over the ranks at once (see :attr:`sums_all_at_once`)."""
+    def allreduce_all_(self) -> bool:
+        """Sum every bound bucket over the ranks at once (see :attr:`sums_all_at_once`);
+        True if this rank summed some table by its marked rows alone."""
         raise NotImplementedError
 
     def allreduce_(self, flat: Any) -> None:
@@ -187,16 +198,21 @@ class WindowTransport(Transport):
         self.window: Any = None
         self.retired: Any = None
 
-    def bind(self, flats: Sequence[Any]) -> list[Any]:
-        self.window = NodeSharedArrays(self.comm, list(flats))
+    def bind(self, flats: Sequence[Any], rows: Sequence[int | None] | None = None) -> list[Any]:
+        self.window = NodeSharedArrays(self.comm, list(flats),
+                                       None if rows is None else list(rows))
         return list(self.window.local)
+
+    @property
+    def row_masks(self) -> list[Any] | None:
+        return None if self.window is None else self.window.masks
 
     @property
     def sums_all_at_once(self) -> bool:
         return self.window is not None
 
-    def allreduce_all_(self) -> None:
-        self.window.allreduce_()
+    def allreduce_all_(self) -> bool:
+        return self.window.allreduce_()
 
     def retire(self) -> None:
         """Stop summing through the window, keeping it mapped (arrays may still view it)."""

@@ -340,6 +340,46 @@ def test_node_shared_arrays_sum_every_rank_in_place(comm):
         shared.free()
 
 
+@pytest.mark.parametrize("threshold", [-1.0, 2.0], ids=["whole-shares", "by-rows"])
+def test_node_shared_tables_sum_the_marked_rows_to_the_whole_sum(comm, threshold, monkeypatch):
+    # Rank r marks rows r, r + size + 1, ... and row 5 (every rank: summed over all),
+    # zero elsewhere; row 36 nobody marks. Summed whole or by the marked rows alone,
+    # twice (the second from new values and new marks), beside an ordinary array.
+    import mpidl.comm.shared as shared_module
+    from mpidl.comm.shared import NodeSharedArrays
+
+    if comm.local_size != comm.size:
+        pytest.skip("the ranks span several nodes")
+    monkeypatch.setattr(shared_module, "DENSE_ROWS_ABOVE", threshold)
+    rows, width = 37, 3
+
+    def table(r, k):
+        marked = (numpy.arange(rows) % (comm.size + 1) == (r + k) % (comm.size + 1))
+        marked[5], marked[36] = True, False
+        values = ranked(numpy, (rows, width), "float64", r) * (k + 1)
+        return numpy.where(marked[:, None], values, 0.0), marked
+
+    plain = ranked(numpy, (10,), "float64", comm.rank)
+    shared = NodeSharedArrays(comm, [plain, table(comm.rank, 0)[0].reshape(-1)],
+                              rows=[None, rows])
+    try:
+        for k in (0, 1):
+            mine, marked = table(comm.rank, k)
+            shared.local[1][...] = mine.reshape(-1)
+            shared.masks[1][...] = marked
+            by_rows = shared.allreduce_()
+            expected = sum(table(r, k)[0] for r in range(comm.size))
+            assert_all_ranks(comm, numpy.array_equal(shared.local[1], expected.reshape(-1)),
+                             f"round {k}: the table's sum differs from every rank's total")
+            assert_all_ranks(comm, by_rows == (threshold > 1),
+                             f"summed by rows: {by_rows} at DENSE_ROWS_ABOVE={threshold}")
+        total = sum(ranked(numpy, (10,), "float64", r) for r in range(comm.size))
+        assert_allclose_all_ranks(comm, shared.local[0], total * comm.size)
+        assert_all_ranks(comm, shared.masks[0] is None, "an array without rows got a mask")
+    finally:
+        shared.free()
+
+
 def test_the_ledger_numbers_collectives_alike_on_every_rank(comm):
     ledger = getattr(comm, "ledger", None)
     if ledger is None:

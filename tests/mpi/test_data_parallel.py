@@ -452,10 +452,16 @@ def test_hierarchical_with_compression_compresses_between_nodes_only(comm, per_n
     dp.remove_hooks()
 
 
-def test_sparse_embedding_exchange_matches_dense(comm):
+# On one node the tables are summed in the shared window by their touched rows; apart
+# from it (shared_memory=False, and always across nodes) by MPI's row exchange.
+SPARSE_PATHS = pytest.mark.parametrize("shared_memory", [None, False], ids=["window", "mpi"])
+
+
+@SPARSE_PATHS
+def test_sparse_embedding_exchange_matches_dense(comm, shared_memory):
     vocab = 5000  # few rows touched per step: the sparse exchange is chosen
     model, dense_model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab), small_bow(vocab=vocab)
-    dp = DataParallel(model, comm)
+    dp = DataParallel(model, comm, shared_memory=shared_memory)
     dense = DataParallel(dense_model, comm, sparse_embeddings=False)
     data = list(batches("tokens", 2, 2 * comm.size + 1, vocab=vocab))
     train_parallel(comm, dp, SGD(model.parameters(), lr=0.5), data)
@@ -467,12 +473,13 @@ def test_sparse_embedding_exchange_matches_dense(comm):
     assert_same_parameters(comm, dense_model, ref)
 
 
-def test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange(comm):
+@SPARSE_PATHS
+def test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange(comm, shared_memory):
     # Tokens from 11 ids of a 5000-row table: every rank touches the same rows, each
     # several times, yet the rows are few enough that the sparse exchange is chosen.
     vocab = 5000
     model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab)
-    dp = DataParallel(model, comm)
+    dp = DataParallel(model, comm, shared_memory=shared_memory)
     data = list(batches("tokens", 2, 3 * comm.size + 1, vocab=12))
     train_parallel(comm, dp, SGD(model.parameters(), lr=0.5), data)
     train_reference(ref, SGD(ref.parameters(), lr=0.5), data)
@@ -481,12 +488,14 @@ def test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange(comm):
     assert_same_parameters(comm, model, ref)
 
 
-def test_the_sparse_exchange_after_no_sync_sends_the_rows_of_every_micro_batch(comm):
+@SPARSE_PATHS
+def test_the_sparse_exchange_after_no_sync_sends_the_rows_of_every_micro_batch(
+        comm, shared_memory):
     # Each micro-batch of the cycle reads its own 10 rows of the table: the sync must
     # sum the rows the first ones touched too, not only the last one's.
     vocab, m = 5000, 3
     model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab)
-    dp = DataParallel(model, comm)
+    dp = DataParallel(model, comm, shared_memory=shared_memory)
     micro = [(x + 100 * k, y) for k, (x, y) in
              enumerate(batches("tokens", m, 2 * comm.size + 1, vocab=11))]
     total = sum(len(x) for x, _ in micro)
@@ -528,13 +537,15 @@ def test_a_tied_embedding_table_is_exchanged_dense(comm):
     assert_same_parameters(comm, model, ref, scale=100)
 
 
+@SPARSE_PATHS
 @pytest.mark.parametrize("dense_step", [0, 1], ids=["penalty-then-rows", "rows-then-penalty"])
-def test_a_weight_penalty_in_the_loss_makes_the_table_gradient_dense(comm, dense_step):
+def test_a_weight_penalty_in_the_loss_makes_the_table_gradient_dense(comm, dense_step,
+                                                                     shared_memory):
     # An L2 term over every parameter, in one micro-batch of a no_sync cycle: the
     # accumulated table gradient is dense, so the cycle's sync must be dense.
     vocab = 5000
     model, ref = small_bow(vocab=vocab), small_bow(vocab=vocab)
-    dp = DataParallel(model, comm)
+    dp = DataParallel(model, comm, shared_memory=shared_memory)
     (x, y), = batches("tokens", 1, 4 * comm.size, vocab=vocab)
     halves = [(x[:2 * comm.size], y[:2 * comm.size]), (x[2 * comm.size:], y[2 * comm.size:])]
     for step, (xh, yh) in enumerate(halves):

@@ -63,8 +63,10 @@ CASES = [
     (DP, "test_a_bucket_sent_in_several_messages_is_summed_whole", {"transport": "mpi"}),
     (DP, "test_data_parallel_sums_gradients_sent_in_several_messages", {}),
     (DP, "test_uneven_and_empty_rank_batches_give_the_global_gradient", {"global_batch": 2}),
-    (DP, "test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange", {}),
-    (DP, "test_the_sparse_exchange_after_no_sync_sends_the_rows_of_every_micro_batch", {}),
+    (DP, "test_rows_that_several_ranks_touch_are_summed_in_the_sparse_exchange",
+     {"shared_memory": False}),
+    (DP, "test_the_sparse_exchange_after_no_sync_sends_the_rows_of_every_micro_batch",
+     {"shared_memory": False}),
     *[("test_model_parallel", "test_vocab_parallel_cross_entropy_equals_the_full_logits_loss_"
        "on_every_rank", {"reduction": r, "ignore_index": 2}) for r in ("mean", "sum")],
 ]

@@ -159,3 +159,20 @@ def test_a_table_reached_outside_embedding_lookups_is_marked_dense_for_the_pass(
     h = F.embedding(ids, w)
     F.sum(F.matmul(h, F.transpose(w, (1, 0)))).backward()  # tied: a dense gradient too
     assert w.dense_grad_pass == current_backward_pass()
+
+
+@pytest.mark.parametrize("n_ids", [0, 1, 40], ids=["no-ids", "one", "repeated"])
+def test_segment_sum_writes_the_table_gradient_into_the_given_buffer(n_ids):
+    # Data parallelism hands the table's gradient buffer to backward: the sum must land
+    # there (no fresh 10 MB array, no copy), every row written, equal to a fresh one.
+    from mpidl.functions.embedding import segment_sum
+
+    rng = numpy.random.default_rng(0)
+    vocab, dim = 30, 4
+    ids = rng.integers(0, 6, size=n_ids)  # few ids, many tokens each
+    rows = rng.standard_normal((n_ids, dim))
+    fresh, touched = segment_sum(numpy, ids, rows, None, vocab)
+    out = numpy.full((vocab, dim), numpy.nan)
+    got, touched_out = segment_sum(numpy, ids, rows, None, vocab, out=out)
+    assert got is out
+    assert numpy.array_equal(out, fresh) and numpy.array_equal(touched_out, touched)
