@@ -9,6 +9,13 @@ import pytest
 from mpidl.backend import cupy_module
 
 
+def pytest_configure(config):
+    # tests/run.py runs tests/integration in pytest-xdist workers; a test marked `serial`
+    # runs after the others, alone (one that needs the cores or a fixed port to itself).
+    config.addinivalue_line("markers", "serial: runs alone, after the tier's parallel tests "
+                                       "(tests/run.py)")
+
+
 @pytest.fixture(scope="session")
 def comm():
     """The world communicator (size 1 without a launcher)."""

@@ -1,29 +1,34 @@
-"""Run the whole test suite: the single-process tests once, the MPI tests at 1, 2 and 3 ranks,
-and the many-rank tier at 8 and 16.
-
-The single-process tests run as four launches, each with its own limit and report:
-tests/unit (in parallel, one pytest-xdist worker per core), tests/integration,
-tests/slurm (a local Slurm), and tests/cluster (virtual nodes in network namespaces); the
-last two skip with the reason where they cannot run (not root, packages missing).
-
-The many-rank tier (tests/many) runs as the MPI tests do, at 8 and 16 ranks on however many
-cores there are (oversubscribed); its watchdog test runs with the single-process tests.
+"""Run the test suite by tiers: the core tiers (README's command), the virtual cluster,
+the many-rank tier, or a quick subset.
 
 Usage (from the repository root, in the environment mpidl is installed in)::
 
-    python tests/run.py                  # everything
+    python tests/run.py                  # the core tiers: unit, integration, MPI 1/2/3
+    python tests/run.py --quick          # a developer's check: unit, MPI at 2 ranks
+    python tests/run.py --slurm          # the local Slurm (tests/slurm) only
+    python tests/run.py --cluster        # the virtual cluster (tests/cluster) only
+    python tests/run.py --many           # the many-rank tier (tests/many) only, 8 and 16 ranks
+    python tests/run.py --all            # all of them (what CI runs)
     python tests/run.py --sizes 2        # only the MPI tests, at 2 ranks
     python tests/run.py --many-sizes 16  # only the many-rank tier, at 16 ranks
     python tests/run.py --no-mpi         # only the single-process tests
     python tests/run.py -- -k sampler    # extra arguments go to every pytest
 
+Costs on the 2-core CI machine are in docs/testing.md. Each single-process tier is its own
+pytest launch with its own limit and report: tests/unit and tests/integration in
+pytest-xdist workers, tests/slurm (a local Slurm) and tests/cluster (virtual nodes in
+network namespaces) one test at a time; the last two skip with the reason where they
+cannot run (not root, packages missing).
+
 Each MPI size runs as ``mpiexec -n N python tests/run.py --worker ...``: every rank runs
 pytest with the ``--with-mpi`` flag of pytest-mpi and writes a JUnit XML report; rank 0
 prints its output, the other ranks' output goes to a log that is shown if they fail. The
-run fails if any rank of any size fails, and every launch has a wall-clock limit, so a
-hang is a failure rather than a stuck CI. The suite must leave the environment as it
-found it: the run also fails if, at its end, ``import mpidl`` or the ``mpidl`` console
-script next to this Python does not work. The last line sums up all runs:
+many-rank tier (tests/many) runs the same way at 8 and 16 ranks, oversubscribed, and its
+watchdog test in one process. The run fails if any rank of any size fails, and every
+launch has a wall-clock limit, so a hang is a failure rather than a stuck CI. The suite
+must leave the environment as it found it: the run also fails if, at its end,
+``import mpidl`` or the ``mpidl`` console script next to this Python does not work. The
+last lines give each launch's time and sum up all runs:
 ``suite: N passed, N failed, N skipped``.
 """
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,18 +48,31 @@ sys.path.insert(0, ROOT)  # so that `python tests/run.py` finds mpidl from a che
 
 # The single-process tiers, each its own launch with its own limit and report: a tier
 # that hangs or runs long is named, and the others still report.
-SINGLE = {"unit": ["tests/unit"],
-          "integration": ["tests/integration", "tests/many"],
-          "Slurm": ["tests/slurm"],
-          "virtual cluster": ["tests/cluster"]}
+CORE = {"unit": ["tests/unit"],
+        "integration": ["tests/integration"]}
+SLURM = {"Slurm": ["tests/slurm"]}
+CLUSTER = {"virtual cluster": ["tests/cluster"]}
+MANY_SINGLE = {"many ranks, single process": ["tests/many"]}
 # tests/unit runs in as many pytest-xdist workers as there are cores (at most 4): its
 # tests share no process-wide state and start no MPI job, and on 2 cores they took
 # 180 s in 2 workers against 764 s in one (2026-12-02, both with other jobs loading
-# the machine). The other tiers launch mpiexec jobs, Slurm or virtual nodes that want
-# the cores (or the ports) to themselves, and run one test at a time.
-PARALLEL = {"unit"}
+# the machine). tests/integration runs one test file per worker (`--dist loadfile`: a
+# file's module fixtures, its trained runs, are made once) in one more worker than
+# there are cores: its launches spend much of their time waiting (MPI start-up, Python
+# imports, the disk), not computing; docs/testing.md has the measurements. Its tests
+# use no fixed port, daemon or namespace; a test that must have the machine to itself
+# is marked `serial` and runs after the others, alone. tests/slurm and tests/cluster
+# start daemons on fixed ports and namespaces: one test at a time.
+PARALLEL = {"unit": "load", "integration": "loadfile"}
 MPI = ["tests/mpi"]
 MANY = ["tests/many"]
+
+# Open MPI 5 probes libfabric (its `ofi` byte-transfer layer) in every MPI_Init: about
+# 1 s of waiting per launch on this machine, which has no fabric (`mpiexec -n 2 python
+# -c "from mpi4py import MPI"`: 1.25 s, 0.25-0.3 s without it, 2026-12-02). The suite
+# makes hundreds of launches; shared memory and TCP, which the tests use, stay. A value
+# the caller set is kept.
+LAUNCH_ENV = {"OMPI_MCA_btl": "^ofi"}
 
 
 def _counts(xml_path: str) -> dict[str, int]:
@@ -119,25 +138,54 @@ def worker(report_dir: str, pytest_args: list[str]) -> int:
 def workers(name: str) -> list[str]:
     """pytest-xdist's arguments for a tier that runs its tests in parallel ([] where it
     does not, or where pytest-xdist is not installed, or on one core)."""
-    n = min(os.cpu_count() or 1, 4)
-    if name not in PARALLEL or n < 2 or importlib.util.find_spec("xdist") is None:
+    cores = os.cpu_count() or 1
+    if name not in PARALLEL or cores < 2 or importlib.util.find_spec("xdist") is None:
         return []
-    return ["-n", str(n)]
+    n = min(cores, 4) if PARALLEL[name] == "load" else min(cores + 1, 5)
+    return ["-n", str(n), "--dist", PARALLEL[name]]
+
+
+def _marked_serial(paths: list[str]) -> bool:
+    """Whether a test file under ``paths`` marks a test ``serial`` (read, not imported)."""
+    for path in paths:
+        for folder, _, files in os.walk(os.path.join(ROOT, path)):
+            for name in files:
+                if name.startswith("test_") and name.endswith(".py"):
+                    with open(os.path.join(folder, name)) as f:
+                        if "mark.serial" in f.read():
+                            return True
+    return False
+
+
+def _pytest(name: str, cmd: list[str], timeout: float) -> int:
+    print(f"\n=== single-process tests, {name}: {' '.join(cmd[3:])}", flush=True)
+    try:
+        return subprocess.run(cmd, cwd=ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"!!! single-process tests, {name}, did not finish in {timeout:.0f} s", flush=True)
+        return 1
 
 
 def run_single(name: str, paths: list[str], pytest_args: list[str], report_dir: str,
                timeout: float) -> tuple[int, dict]:
     xml = os.path.join(report_dir, f"single-{name.replace(' ', '-')}.xml")
-    cmd = [sys.executable, "-m", "pytest", *paths, *workers(name), f"--junitxml={xml}",
-           *pytest_args]
-    print(f"\n=== single-process tests, {name}: {' '.join(cmd[3:])}", flush=True)
-    try:
-        code = subprocess.run(cmd, cwd=ROOT, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        print(f"!!! single-process tests, {name}, did not finish in {timeout:.0f} s", flush=True)
-        code = 1
-    # pytest exits 5 when nothing was collected: not a failure for a partial checkout.
-    return (0 if code == 5 else code), _counts(xml)
+    parallel = workers(name)
+    if not parallel or not _marked_serial(paths):
+        code = _pytest(name, [sys.executable, "-m", "pytest", *paths, *parallel,
+                              f"--junitxml={xml}", *pytest_args], timeout)
+        # pytest exits 5 when nothing was collected: not a failure for a partial checkout.
+        return (0 if code == 5 else code), _counts(xml)
+    # The tests marked `serial` want the machine to themselves: after the others, alone.
+    total, worst = {"passed": 0, "failed": 0, "skipped": 0}, 0
+    for part, marks, extra in (("", "not serial", parallel), (", serial", "serial", [])):
+        part_xml = xml.replace(".xml", f"{part.replace(', ', '-')}.xml")
+        code = _pytest(name + part, [sys.executable, "-m", "pytest", *paths, *extra,
+                                     "-m", marks, f"--junitxml={part_xml}", *pytest_args],
+                       timeout)
+        worst = worst or (0 if code == 5 else code)
+        for k, v in _counts(part_xml).items():
+            total[k] += v
+    return worst, total
 
 
 def run_mpi(size: int, pytest_args: list[str], report_dir: str, timeout: float,
@@ -168,49 +216,91 @@ def run_mpi(size: int, pytest_args: list[str], report_dir: str, timeout: float,
     return (0 if code == 5 else code), _counts(os.path.join(sub, "rank-0.xml"))
 
 
+def tiers(args: argparse.Namespace) -> tuple[dict[str, list[str]], list[int], list[int]]:
+    """What a command line asks for: the single-process launches (name: paths), the MPI
+    sizes of tests/mpi and those of tests/many."""
+    def parse(text: str | None, default: str) -> list[int]:
+        return [int(s) for s in (text or default).split(",") if s]
+
+    if args.quick:
+        return {"unit": CORE["unit"]}, parse(args.sizes, "2"), []
+    named = args.all or args.slurm or args.cluster or args.many
+    if not named and (args.sizes is not None or args.many_sizes is not None):
+        # `--sizes 2` asks for the MPI tests at 2 ranks, not for the whole suite too.
+        return ({}, parse(args.sizes, "") if args.sizes is not None else [],
+                parse(args.many_sizes, "") if args.many_sizes is not None else [])
+    single, sizes, many_sizes = {}, [], []
+    if args.all or not named:
+        single.update(CORE)
+        sizes = parse(args.sizes, "1,2,3")
+    if args.all or args.slurm:
+        single.update(SLURM)
+    if args.all or args.cluster:
+        single.update(CLUSTER)
+    if args.all or args.many:
+        single.update(MANY_SINGLE)
+        many_sizes = parse(args.many_sizes, "8,16")
+    return single, sizes, many_sizes
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         rest = argv[2:]
         return worker(argv[1], rest[1:] if rest[:1] == ["--"] else rest)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a developer's check: tests/unit and the MPI tests at 2 ranks")
+    parser.add_argument("--slurm", action="store_true",
+                        help="the Slurm tier (tests/slurm): a local Slurm")
+    parser.add_argument("--cluster", action="store_true",
+                        help="the virtual cluster tier (tests/cluster)")
+    parser.add_argument("--many", action="store_true",
+                        help="the many-rank tier (tests/many): its single-process test and "
+                             "8 and 16 ranks (or --many-sizes)")
+    parser.add_argument("--all", action="store_true",
+                        help="the core tiers, Slurm, the virtual cluster and the many-rank "
+                             "tier (what CI runs)")
     parser.add_argument("--sizes", default=None,
                         help="MPI sizes to run tests/mpi at (default 1,2,3); given alone, "
                              "only the MPI tests run")
     parser.add_argument("--many-sizes", default=None,
                         help="sizes to run the many-rank tier (tests/many) at (default 8,16); "
-                             "given alone, only that tier runs")
+                             "given alone, only that tier's MPI runs")
     parser.add_argument("--no-mpi", action="store_true", help="skip the MPI tests")
     parser.add_argument("--no-single", action="store_true", help="skip the single-process tests")
-    # Per launch: the unit and integration tiers took ~880 s on CI's 2-core machine
-    # (2026-12-01); every test has its own pytest-timeout, this limit catches the rest.
+    # Per launch: the integration tier took ~900 s one test at a time on CI's 2-core
+    # machine (2026-12-02); every test has its own pytest-timeout, this catches the rest.
     parser.add_argument("--timeout", type=float, default=1800,
                         help="limit per launch, seconds")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
 
+    single, sizes, many_sizes = tiers(args)
+    if args.no_single:
+        single = {}
+    if args.no_mpi:
+        sizes, many_sizes = [], []
+    for key, value in LAUNCH_ENV.items():
+        os.environ.setdefault(key, value)
     total = {"passed": 0, "failed": 0, "skipped": 0}
-    failures = []
+    failures, times = [], []
     installed_before = not installation_problems()
     with tempfile.TemporaryDirectory(prefix="mpidl-tests-") as report_dir:
-        # `--sizes 2` asks for the MPI tests at 2 ranks, not for the whole suite too.
-        single = not args.no_single and args.sizes is None and args.many_sizes is None
-        runs = [] if not single else [
-            (f"single-process, {name}", lambda name=name, paths=paths: run_single(
-                name, paths, args.pytest_args, report_dir, args.timeout))
-            for name, paths in SINGLE.items()]
-        if not args.no_mpi and args.many_sizes is None or args.sizes is not None:
-            for n in (int(s) for s in (args.sizes or "1,2,3").split(",") if s):
-                runs.append((f"MPI at {n} ranks", lambda n=n: run_mpi(
-                    n, args.pytest_args, report_dir, args.timeout)))
+        runs = [(f"single-process, {name}", lambda name=name, paths=paths: run_single(
+                    name, paths, args.pytest_args, report_dir, args.timeout))
+                for name, paths in single.items()]
+        runs += [(f"MPI at {n} ranks", lambda n=n: run_mpi(
+                    n, args.pytest_args, report_dir, args.timeout)) for n in sizes]
         # The many-rank tier, 2 cores (2026-12-02): 8 and 16 ranks 52 s (pytest 13 + 22 s),
         # its watchdog test in the single-process launch 17 s, at a load of ~2-9; 121 s
         # and 21 s with other jobs loading the machine to ~24. 32 ranks took 114 s.
-        if not args.no_mpi and args.sizes is None or args.many_sizes is not None:
-            for n in (int(s) for s in (args.many_sizes or "8,16").split(",") if s):
-                runs.append((f"many ranks: {n}", lambda n=n: run_mpi(
-                    n, args.pytest_args, report_dir, args.timeout, MANY, "many")))
+        runs += [(f"many ranks: {n}", lambda n=n: run_mpi(
+                    n, args.pytest_args, report_dir, args.timeout, MANY, "many"))
+                 for n in many_sizes]
         for name, run in runs:
+            start = time.monotonic()
             code, counts = run()
+            times.append(f"{name} {time.monotonic() - start:.0f} s")
             if code != 0 and not counts["failed"]:
                 # Killed (a timeout) or crashed before its report said what failed: the
                 # run still counts as a failure in the summary, not as 0 failed.
@@ -232,6 +322,8 @@ def main(argv: list[str]) -> int:
         failures.append("installation check")
         total["failed"] += 1
     print()
+    if times:
+        print("times: " + "; ".join(times))
     if failures:
         print("FAILED: " + "; ".join(failures))
     print(f"suite: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")

@@ -113,9 +113,10 @@ COVERED = {
     r"python3 -m venv \.venv && pip install -e '\.\[mpi,test\]' && mpiexec .*-n 2 mpidl train":
         Covered((IT + "test_train.py::test_default_job_reaches_its_accuracy",),
                 "the install half is what .ci/run does on a fresh machine"),
-    r"python tests/run\.py( --sizes 2)?":
-        Covered((UNIT + "test_run.py::test_a_run_in_this_environment_passes_the_installation_check",),
-                "tests/run.py is the suite itself; .ci/run runs it"),
+    r"python tests/run\.py( --sizes 2| --quick| --slurm| --cluster| --many| --all)?":
+        Covered((UNIT + "test_run.py::test_a_run_in_this_environment_passes_the_installation_check",
+                 UNIT + "test_run.py::test_each_flag_runs_its_tiers_and_all_runs_every_test_folder"),
+                "tests/run.py is the suite itself; .ci/run runs it with each tier's flag"),
     r"python -m pytest tests/unit":
         Covered((UNIT + "test_run.py::test_a_run_in_this_environment_passes_the_installation_check",),
                 "tests/run.py runs tests/unit as this one pytest"),
@@ -237,7 +238,8 @@ def test_the_docs_show_commands_and_the_quick_start_is_the_ci_command():
         "python3 -m venv .venv && pip install -e '.[mpi,test]' && mpiexec --allow-run-as-root "
         "--oversubscribe -n 2 mpidl train",
         "python tests/run.py"], readme[:2]
-    assert ".venv/bin/python tests/run.py\n" in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ".venv/bin/python tests/run.py || status=1" in ci, ci  # README's, with no flag
 
 
 def test_every_documented_command_is_covered():

@@ -22,6 +22,33 @@ from mpidl.testing.launch import mpiexec, mpiexec_command, start
 pytestmark = [pytest.mark.timeout(300)]
 
 
+# Two runs several tests compare with, made once per module (each about 12 s at 2 ranks on
+# the 2-core CI machine) and copied where a test writes into its run directory.
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, cache):
+    """An uninterrupted 2-epoch run at 2 ranks (checkpoints at both epoch ends)."""
+    run = str(tmp_path_factory.mktemp("whole") / "run")
+    result = train(2, run, cache, "--epochs=2")
+    assert result.returncode == 0, result.output
+    return run
+
+
+@pytest.fixture(scope="module")
+def half(tmp_path_factory, cache):
+    """The same run at 2 ranks stopped at the end of its first epoch."""
+    run = str(tmp_path_factory.mktemp("half") / "run")
+    result = train(2, run, cache, "--epochs=2", f"--stop-at-step={EPOCH}")
+    assert result.returncode == 0, result.output
+    assert f"stopped at step {EPOCH}" in result.stdout
+    return run
+
+
+def copy_run(run, tmp_path, name="run"):
+    import shutil
+
+    return str(shutil.copytree(run, tmp_path / name))
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_default_job_reaches_its_accuracy(tmp_path, cache, ranks):
     run = str(tmp_path / "run")
@@ -44,12 +71,9 @@ def test_default_job_reaches_its_accuracy(tmp_path, cache, ranks):
     assert {"compute", "communication", "input"} <= names or len(tracks) >= 2, names
 
 
-def test_stopped_and_resumed_run_equals_an_uninterrupted_run_bit_for_bit(tmp_path, cache):
-    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    assert train(2, whole, cache, "--epochs=2").returncode == 0
-    first = train(2, split, cache, "--epochs=2", f"--stop-at-step={EPOCH}")
-    assert first.returncode == 0, first.output
-    assert f"stopped at step {EPOCH}" in first.stdout
+def test_stopped_and_resumed_run_equals_an_uninterrupted_run_bit_for_bit(tmp_path, cache,
+                                                                            whole, half):
+    split = copy_run(half, tmp_path, "split")  # stopped at EPOCH, said so (the fixture)
     second = train(2, split, cache, "--epochs=2")  # resumes automatically from the run dir
     assert second.returncode == 0, second.output
     assert "resumed from" in second.stdout
@@ -86,10 +110,10 @@ def test_resume_with_dropout_after_uneven_batches_is_bit_for_bit(tmp_path, cache
         assert numpy.array_equal(a[k], b[k]), f"{k} differs after resume"
 
 
-def test_rewinding_to_an_older_checkpoint_sets_the_abandoned_branch_aside(tmp_path, cache):
-    run = str(tmp_path / "run")
+def test_rewinding_to_an_older_checkpoint_sets_the_abandoned_branch_aside(tmp_path, cache,
+                                                                         whole):
+    run = copy_run(whole, tmp_path)  # checkpoints at 94, 188
     ckpts = os.path.join(run, "checkpoints")
-    assert train(2, run, cache, "--epochs=2").returncode == 0  # checkpoints at 94, 188
     rewound = train(2, run, cache, "--epochs=2", f"--resume={ckpts}/checkpoint-00000094.h5",
                     "--checkpoint-every=50", "--stop-at-step=150")
     assert rewound.returncode == 0, rewound.output
@@ -118,10 +142,16 @@ def test_a_fresh_start_drops_the_records_of_a_job_that_died_before_a_checkpoint(
 
 
 @pytest.mark.parametrize("first_ranks, then_ranks", [(2, 1), (1, 3)])
-def test_resume_on_a_different_number_of_ranks(tmp_path, cache, first_ranks, then_ranks):
-    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    assert train(first_ranks, whole, cache, "--epochs=2").returncode == 0
-    assert train(first_ranks, split, cache, "--epochs=2", f"--stop-at-step={EPOCH}").returncode == 0
+def test_resume_on_a_different_number_of_ranks(request, tmp_path, cache, first_ranks,
+                                               then_ranks):
+    if first_ranks == 2:  # the module's runs at 2 ranks
+        whole = request.getfixturevalue("whole")
+        split = copy_run(request.getfixturevalue("half"), tmp_path, "split")
+    else:
+        whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+        assert train(first_ranks, whole, cache, "--epochs=2").returncode == 0
+        assert train(first_ranks, split, cache, "--epochs=2",
+                     f"--stop-at-step={EPOCH}").returncode == 0
     resumed = train(then_ranks, split, cache, "--epochs=2")
     assert resumed.returncode == 0, resumed.output
     assert f"now {then_ranks}" in resumed.stdout
@@ -271,9 +301,8 @@ def test_a_custom_dataset_the_trainer_cannot_use_is_named_on_every_rank(
         result.output
 
 
-def test_eval_command_scores_the_latest_checkpoint(tmp_path, cache):
-    run = str(tmp_path / "run")
-    assert train(2, run, cache, "--epochs=1").returncode == 0
+def test_eval_command_scores_the_latest_checkpoint(tmp_path, whole):
+    run = copy_run(whole, tmp_path)
     result = mpiexec(2, [sys.executable, "-m", "mpidl", "eval", run], timeout=120)
     assert result.returncode == 0, result.output
     accuracy = float(result.stdout.split("test accuracy:")[1].split()[0])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -39,3 +40,35 @@ def test_a_run_in_this_environment_passes_the_installation_check():
         pytest.skip("mpidl is not installed in this environment (pip install -e .)")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "suite: 0 passed, 0 failed, 0 skipped"
+
+
+def _tiers(*argv):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("suite_run", RUN)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    parser = argparse.ArgumentParser()
+    for flag in ("--quick", "--slurm", "--cluster", "--many", "--all"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--sizes")
+    parser.add_argument("--many-sizes")
+    single, sizes, many = run.tiers(parser.parse_args(list(argv)))
+    return sorted(p for paths in single.values() for p in paths), sizes, many
+
+
+def test_each_flag_runs_its_tiers_and_all_runs_every_test_folder():
+    assert _tiers() == (["tests/integration", "tests/unit"], [1, 2, 3], [])  # README's command
+    assert _tiers("--quick") == (["tests/unit"], [2], [])
+    assert _tiers("--slurm") == (["tests/slurm"], [], [])
+    assert _tiers("--cluster") == (["tests/cluster"], [], [])
+    assert _tiers("--many") == (["tests/many"], [], [8, 16])
+    assert _tiers("--sizes", "2") == ([], [2], [])  # the MPI tests only
+    assert _tiers("--many-sizes", "16") == ([], [], [16])
+    single, sizes, many = _tiers("--all")
+    assert (sizes, many) == ([1, 2, 3], [8, 16])
+    # A new folder of tests must join a tier (tests/gpu needs a GPU: run by hand there).
+    tests = os.path.join(ROOT, "tests")
+    folders = {f"tests/{d}" for d in os.listdir(tests) if os.path.isdir(os.path.join(tests, d))
+               and any(f.startswith("test_") for f in os.listdir(os.path.join(tests, d)))}
+    assert folders - {"tests/gpu"} == set(single) | {"tests/mpi"}, folders
