@@ -56,14 +56,17 @@ MANY_SINGLE = {"many ranks, single process": ["tests/many"]}
 # tests/unit runs in as many pytest-xdist workers as there are cores (at most 4): its
 # tests share no process-wide state and start no MPI job, and on 2 cores they took
 # 180 s in 2 workers against 764 s in one (2026-12-02, both with other jobs loading
-# the machine). tests/integration runs one test file per worker (`--dist loadfile`: a
-# file's module fixtures, its trained runs, are made once) in one more worker than
-# there are cores: its launches spend much of their time waiting (MPI start-up, Python
-# imports, the disk), not computing; docs/testing.md has the measurements. Its tests
-# use no fixed port, daemon or namespace; a test that must have the machine to itself
-# is marked `serial` and runs after the others, alone. tests/slurm and tests/cluster
-# start daemons on fixed ports and namespaces: one test at a time.
-PARALLEL = {"unit": "load", "integration": "loadfile"}
+# the machine). tests/integration runs in one more worker than there are cores (its
+# launches spend part of their time waiting: MPI start-up, imports, the disk), with
+# `--dist worksteal`: each worker starts on a contiguous share of the tests, so a
+# module's tests and their module fixtures (trained runs) mostly stay on one worker,
+# and an idle worker takes tests from the others. 2 cores, load ~6 from other jobs
+# (2026-12-02): 328 s, against 504 s with one file per worker (`loadfile`, which waits
+# on the longest file) and ~916 s one test at a time. Its tests use no fixed port,
+# daemon or namespace; a test that must have the machine to itself is marked `serial`
+# and runs after the others, alone. tests/slurm and tests/cluster start daemons on
+# fixed ports and namespaces: one test at a time.
+PARALLEL = {"unit": "load", "integration": "worksteal"}
 MPI = ["tests/mpi"]
 MANY = ["tests/many"]
 
