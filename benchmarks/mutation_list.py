@@ -50,6 +50,8 @@ PIPE = "tests/unit/test_pipeline.py::"
 SCHED = "tests/unit/test_pipeline_schedule.py::"
 TRAIN_PIPE = "tests/unit/test_train_pipeline.py::"
 PSHARD = "tests/unit/test_data_parallel_shard.py::"
+CONV = "tests/unit/test_functions_conv.py::"
+POOL = "tests/unit/test_functions_pool.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -1410,5 +1412,45 @@ MUTATIONS: list[Mutation] = [
             "(10 MB per step for bow)",
         tests=("tests/unit/test_functions_embedding.py::"
                "test_segment_sum_writes_the_table_gradient_into_the_given_buffer",),
+    ),
+    # -- convolutions at PyTorch's speed (#30: functions/conv.py's heap thresholds and
+    #    kept unfolding, functions/pool.py's cropped odd maps); tests/unit, seconds -------
+    Mutation(
+        name="conv-heap-raise-above-glibc-ceiling",
+        file="mpidl/functions/conv.py",
+        original="_HEAP_RAISE_BYTES = 31 << 20",
+        mutated="_HEAP_RAISE_BYTES = 33 << 20",
+        why="the chunk freed at start is above glibc's 32 MiB ceiling: the thresholds stay, "
+            "and every step's freed activations are faulted in again",
+        tests=(CONV + "test_the_first_convolution_keeps_freed_activations_from_being_"
+               "faulted_in_again",),
+    ),
+    Mutation(
+        name="conv-kept-unfolding-read-twice",
+        file="mpidl/functions/conv.py",
+        original="        kept, self.cols = self.cols, None\n",
+        mutated="        kept = self.cols\n",
+        why="backward writes the input's unfolded gradient over the kept unfolding and a "
+            "second backward (retain_graph) reads it as the input",
+        tests=(CONV + "test_a_second_backward_through_the_graph_gives_the_same_gradients",),
+    ),
+    Mutation(
+        name="pool-crop-gradient-at-the-far-end",
+        file="mpidl/functions/pool.py",
+        original="            gx[(slice(None),) * 2 + tuple(slice(n) for n in self.used)] = g\n",
+        mutated="            gx[(slice(None),) * 2 + tuple(slice(-n, None) for n in self.used)] = g\n",
+        why="the cropped map's gradient is written over the last rows/columns instead of "
+            "the first",
+        tests=(POOL + "test_max_pool_matches_the_definition_and_finite_differences"
+               "[numpy-k2-sNone-p0-d1-2]",),
+    ),
+    Mutation(
+        name="pool-crop-ignores-the-stride",
+        file="mpidl/functions/pool.py",
+        original="    if any(st != k or dl != 1 or any(p) for k, st, p, dl in",
+        mutated="    if any(dl != 1 or any(p) for k, st, p, dl in",
+        why="overlapping windows (stride < kernel) are cropped to kernel x outputs",
+        tests=(POOL + "test_max_pool_matches_the_definition_and_finite_differences"
+               "[numpy-k2-s1-p0-d1-2]",),
     ),
 ]
