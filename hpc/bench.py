@@ -494,7 +494,10 @@ def _outputs(args: argparse.Namespace, sweeps: dict[str, list[Result]], library:
             source=f"measured with `mpidl bench` ({library}, {args.dtype}, {args.device} "
                    f"buffers, {first.ranks} ranks on {first.nodes} node(s)), "
                    f"{time.strftime('%Y-%m-%d %H:%M')}")
-        print(f"# network profile {args.save_profile!r}: {path}")
+        at = sorted({r for link in costmodel.load_network(str(path)).links.values()
+                     for r, _ in link.curves})
+        print(f"# network profile {args.save_profile!r}: {path} (curves measured at "
+              f"{', '.join(map(str, at)) or 'no'} rank counts)")
     return 0
 
 

@@ -21,10 +21,11 @@ links (tests/cluster, htb): an allreduce between two nodes moved 0.005 GB/s at 4
 0.024 at 64 KB, 0.016 at 256 KB (Open MPI's TCP rendezvous) and 0.05-0.07 from 4 MB
 on, so the one alpha-beta fit (215 us + 0.049 GB/s) is 2-3x off across the 64 KB-1 MB
 sizes a gradient bucket has. A measured profile therefore also keeps the times it
-measured (``sizes``, ``time_us`` at ``ranks``): :meth:`Link.time` interpolates them
-(log-log, piecewise linear) and carries the result to another rank count by the
-alpha-beta model's ratio, exact at the measured rank count; outside the measured sizes
-the alpha-beta line continues from the nearest end.
+measured (``[OP.measured.RANKS]``: ``sizes``, ``time_us``, at one or more rank
+counts): :meth:`Link.time` interpolates the curve measured nearest the rank count asked
+(log-log, piecewise linear) and carries it there by the alpha-beta model's ratio, exact
+at a measured rank count; outside the measured sizes the alpha-beta line continues
+from the nearest end.
 
 Profiles are TOML files: ``hpc/profiles/network/*.toml`` and ``hpc/profiles/device/*.toml``
 ship common ones, each naming the source of its numbers; ``mpidl bench
@@ -82,16 +83,19 @@ def volume(op: str, ranks: int) -> float:
     raise ValueError(f"unknown collective {op!r}; one of {', '.join(COLLECTIVES)}")
 
 
+Curve = tuple[tuple[float, float], ...]  # (bytes, seconds), sizes increasing
+
+
 @dataclass(frozen=True)
 class Link:
     """One collective's link parameters: latency (s) and bus bandwidth (bytes/s), and
-    optionally the measured curve behind them: ``points`` of (bytes, seconds) of the
-    collective itself at ``ranks`` ranks (a saved ``mpidl bench`` sweep)."""
+    optionally the measured curves behind them: ``curves`` of ``(ranks, ((bytes,
+    seconds), ...))``, the collective itself timed at that many ranks (``mpidl bench``
+    sweeps saved in a profile), rank counts increasing."""
 
     alpha: float
     bandwidth: float
-    points: tuple[tuple[float, float], ...] = ()
-    ranks: int = 0
+    curves: tuple[tuple[int, Curve], ...] = ()
 
     def line(self, op: str, nbytes: float, ranks: int) -> float:
         """The alpha-beta model alone (0 on one rank or nothing to send)."""
@@ -103,25 +107,31 @@ class Link:
         """Seconds of ``op`` on ``nbytes`` over ``ranks`` (0 on one rank)."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
-        if len(self.points) < 2 or self.ranks < 2:
+        if not self.curves:
             return self.line(op, nbytes, ranks)
-        # The measured curve at the measured rank count, then the line's ratio between
-        # the rank counts (1 where they are equal). Beyond the measured sizes the line's
-        # shape continues from the nearest measured point.
-        sizes = [n for n, _ in self.points]
-        lo, hi = self.points[0], self.points[-1]
-        if nbytes <= lo[0]:
-            measured = lo[1] * self.line(op, nbytes, self.ranks) / self.line(op, lo[0], self.ranks)
-        elif nbytes >= hi[0]:
-            measured = hi[1] * self.line(op, nbytes, self.ranks) / self.line(op, hi[0], self.ranks)
-        else:
-            i = bisect.bisect_right(sizes, nbytes)
-            (n0, t0), (n1, t1) = self.points[i - 1], self.points[i]
-            w = math.log(nbytes / n0) / math.log(n1 / n0)
-            measured = math.exp((1 - w) * math.log(t0) + w * math.log(t1))
-        if ranks == self.ranks:
+        # The curve measured nearest this rank count (MPI libraries switch algorithms
+        # with the rank count: measured here, a 4 MB allreduce over 3 nodes took 1.6x
+        # the 2-node time where a ring's volume says 1.33x), then the line's ratio
+        # between the rank counts (1 where they are equal).
+        at, points = min(self.curves, key=lambda c: (abs(c[0] - ranks), -c[0]))
+        measured = _on_curve(points, lambda n: self.line(op, n, at), nbytes)
+        if ranks == at:
             return measured
-        return measured * self.line(op, nbytes, ranks) / self.line(op, nbytes, self.ranks)
+        return measured * self.line(op, nbytes, ranks) / self.line(op, nbytes, at)
+
+
+def _on_curve(points: Curve, line: Any, nbytes: float) -> float:
+    """``points`` interpolated at ``nbytes``: straight in log-log between two measured
+    sizes; beyond them the line's shape, from the nearest end."""
+    lo, hi = points[0], points[-1]
+    if nbytes <= lo[0]:
+        return lo[1] * line(nbytes) / line(lo[0])
+    if nbytes >= hi[0]:
+        return hi[1] * line(nbytes) / line(hi[0])
+    i = bisect.bisect_right([n for n, _ in points], nbytes)
+    (n0, t0), (n1, t1) = points[i - 1], points[i]
+    w = math.log(nbytes / n0) / math.log(n1 / n0)
+    return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
 
 
 @dataclass
@@ -224,8 +234,8 @@ def load_network(name: str) -> NetworkProfile:
 
     Format: ``name``, ``source`` (where the numbers come from), and one table per
     collective or ``[default]``, each with ``alpha_us`` and ``bandwidth_GBps`` (bus
-    bandwidth, 1e9 bytes/s), and optionally the measured curve: ``sizes`` (bytes) and
-    ``time_us``, measured at the profile's ``ranks``.
+    bandwidth, 1e9 bytes/s), and optionally measured curves: ``[OP.measured.RANKS]``
+    tables of ``sizes`` (bytes) and ``time_us``, measured at RANKS ranks.
     """
     data, path = _read("network", name)
     if not isinstance(data.get("source"), str) or not data["source"].strip():
@@ -240,38 +250,40 @@ def load_network(name: str) -> NetworkProfile:
             where = f"network profile {path} [{op}]"
             links[op] = Link(_number(table, "alpha_us", where, positive=False) * 1e-6,
                              _number(table, "bandwidth_GBps", where) * 1e9,
-                             _points(table, where), _measured_ranks(data, table, where))
+                             _curves(table, where))
     if not links:
         raise ProfileError(f"network profile {path} has no [default] or per-collective table")
     return NetworkProfile(str(data.get("name", path.stem)), data["source"], links, str(path),
                           str(data.get("notes", "")))
 
 
-def _points(table: Mapping, where: str) -> tuple[tuple[float, float], ...]:
-    """A table's measured curve: ``sizes`` (bytes, increasing) and ``time_us``, or ()."""
-    if "sizes" not in table and "time_us" not in table:
-        return ()
-    sizes, times = table.get("sizes"), table.get("time_us")
-    ok = (isinstance(sizes, list) and isinstance(times, list) and len(sizes) == len(times) >= 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                  and math.isfinite(v) for v in sizes + times)
-          and all(a < b for a, b in zip(sizes, sizes[1:])))
-    if not ok:
-        raise ProfileError(f"{where}: sizes = {sizes!r} and time_us = {times!r} must be lists "
-                           "of one length (at least 2) of positive numbers, sizes increasing; "
-                           "measure them again with `mpidl bench --save-profile NAME`")
-    return tuple((float(n), float(t) * 1e-6) for n, t in zip(sizes, times))
-
-
-def _measured_ranks(data: Mapping, table: Mapping, where: str) -> int:
-    """The rank count a table's curve was measured at (the profile's ``ranks``)."""
-    if "sizes" not in table:
-        return 0
-    ranks = data.get("ranks")
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 2:
-        raise ProfileError(f"{where}: a measured curve needs the profile's ranks = N (>= 2, "
-                           f"the ranks it was measured at); found ranks = {ranks!r}")
-    return ranks
+def _curves(table: Mapping, where: str) -> tuple[tuple[int, Curve], ...]:
+    """A table's measured curves, ``[OP.measured.RANKS]`` sub-tables each with ``sizes``
+    (bytes, increasing) and ``time_us``; () where it has none."""
+    measured = table.get("measured", {})
+    if not isinstance(measured, dict):
+        raise ProfileError(f"{where}: measured = {measured!r} must be tables "
+                           f"[OP.measured.RANKS] of sizes and time_us")
+    curves = []
+    for key, curve in measured.items():
+        at = f"{where}.measured.{key}"
+        if not (key.isdigit() and int(key) >= 2) or not isinstance(curve, dict):
+            raise ProfileError(f"{at}: name each measured curve by its rank count (>= 2), "
+                               f"as `mpidl bench --save-profile NAME` does")
+        sizes, times = curve.get("sizes"), curve.get("time_us")
+        ok = (isinstance(sizes, list) and isinstance(times, list)
+              and len(sizes) == len(times) >= 2
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                      and math.isfinite(v) for v in sizes + times)
+              and all(a < b for a, b in zip(sizes, sizes[1:])))
+        if not ok:
+            raise ProfileError(f"{at}: sizes = {sizes!r} and time_us = {times!r} must be "
+                               "lists of one length (at least 2) of positive numbers, sizes "
+                               "increasing; measure them again with `mpidl bench "
+                               "--save-profile NAME`")
+        curves.append((int(key), tuple((float(n), float(t) * 1e-6)
+                                       for n, t in zip(sizes, times))))
+    return tuple(sorted(curves))
 
 
 def load_device(name: str) -> DeviceProfile:
@@ -310,8 +322,22 @@ def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: 
                          curves: Mapping[str, Sequence[tuple[float, float]]] | None = None
                          ) -> Path:
     """Write the fits of ``mpidl bench`` (op -> AlphaBeta) as network profile ``name``,
-    with each op's measured (bytes, seconds) where ``curves`` has them."""
+    with each op's measured (bytes, seconds) at ``ranks`` where ``curves`` has them.
+
+    The curves an existing profile of that name holds at other rank counts are kept
+    (measure the same network at 2 and at 3 nodes, save both under one name); the
+    fits and the curves at ``ranks`` are replaced. Delete the file to start over.
+    """
     check_profile_name(name)
+    path = profile_dir() / "network" / f"{name}.toml"
+    kept: dict[str, list[tuple[int, Curve]]] = {}
+    if path.is_file():
+        try:
+            old = load_network(str(path))
+        except ProfileError:
+            old = None  # a broken file is replaced whole
+        for op, link in (old.links.items() if old else ()):
+            kept[op] = [(r, c) for r, c in link.curves if r != ranks]
     lines = [f"# Measured by `mpidl bench --save-profile {name}`; read by `mpidl plan "
              f"--network {name}`.", f"name = {_toml(name)}", f"source = {_toml(source)}",
              f"ranks = {ranks}", f"nodes = {nodes}", ""]
@@ -321,15 +347,15 @@ def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: 
         link = link_from_fit(op, fit.alpha, fit.beta, ranks)
         bandwidth = link.bandwidth / 1e9 if math.isfinite(link.bandwidth) else 1e6
         lines += [f"[{op}]", f"alpha_us = {link.alpha * 1e6:.6g}",
-                  f"bandwidth_GBps = {bandwidth:.6g}"]
-        curve = sorted((curves or {}).get(op, ()))
-        if len(curve) >= 2 and ranks >= 2:
-            lines += [f"sizes = [{', '.join(str(int(n)) for n, _ in curve)}]",
-                      f"time_us = [{', '.join(f'{t * 1e6:.6g}' for _, t in curve)}]"]
-        lines.append("")
+                  f"bandwidth_GBps = {bandwidth:.6g}", ""]
+        mine = tuple(sorted((curves or {}).get(op, ())))
+        for at, curve in sorted(kept.get(op, []) + ([(ranks, mine)] if len(mine) >= 2
+                                                     and ranks >= 2 else [])):
+            lines += [f"[{op}.measured.{at}]",
+                      f"sizes = [{', '.join(str(int(n)) for n, _ in curve)}]",
+                      f"time_us = [{', '.join(f'{t * 1e6:.6g}' for _, t in curve)}]", ""]
     from hpc.files import write_text
 
-    path = profile_dir() / "network" / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, "\n".join(lines))
     return path

@@ -59,7 +59,7 @@ from typing import Any, Callable, Sequence
 
 from mpidl.modes import state_bytes_per_param
 from mpidl.plan_noise import run_noise_scale
-from mpidl.plan_step import StepCosts, exposed_comm, shared_compute
+from mpidl.plan_step import StepCosts, exposed_comm, shared_cores
 
 HOUR = 3600.0
 
@@ -163,8 +163,8 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
     for r in counts:
         nodes = -(-r // max(1, ranks_per_node))
         b = per_rank_batch(work.global_batch, r)
-        c = shared_compute(compute(b), r, costs.cores)
-        comm = comm_seconds(work, r, nodes, network, node_link)
+        c = shared_cores(compute(b), r, costs.cores)
+        comm = shared_cores(comm_seconds(work, r, nodes, network, node_link), r, costs.cores)
         overlap = work.overlap if work.overlap is not None else nodes > 1
         exposed = exposed_comm(comm, c, overlap, costs.overlap_share)
         fixed = costs.fixed_s if r > 1 else 0.0

@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--from-run", metavar="RUN_DIR", help="a run directory: its measured "
                      "compute and input times and its config")
     p.add_argument("--cores", type=positive_int, help="cores all the ranks share (an "
-                   "oversubscribed node, a virtual cluster on one machine): compute grows "
-                   "by ranks / cores beyond them (default: a core per rank)")
+                   "oversubscribed node, a virtual cluster on one machine): compute and "
+                   "the exchange grow by ranks / cores beyond them (default: a core per "
+                   "rank)")
     p.add_argument("--memory-gb", type=positive_float, help="memory per rank for the largest "
                    "model that fits (default: the device profile's, else this machine's "
                    "memory over --ranks-per-node)")

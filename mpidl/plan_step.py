@@ -18,8 +18,10 @@ does not say, each measured rather than assumed where a measurement is at hand:
   :func:`fixed_cost`, added to every distributed row. It matters for short steps: bow's
   ~1.5 ms step ran 0.8-1.0x at 2 ranks where the exchange alone predicted 1.2x.
 - **Shared cores.** Ranks that share fewer cores than there are ranks (an
-  oversubscribed node, or the virtual cluster's nodes on one machine) take turns:
-  compute grows by ``ranks / cores`` (:func:`shared_compute`).
+  oversubscribed node, or the virtual cluster's nodes on one machine) take turns, in
+  compute and in the exchange's protocol work alike: both grow by ``ranks / cores``
+  (:func:`shared_cores`). Measured on the virtual cluster (3 nodes on 2 cores): a 4 MB
+  allreduce over 3 nodes took 2.4x the 2-node time where a ring's volume says 1.33x.
 """
 from __future__ import annotations
 
@@ -27,11 +29,15 @@ import dataclasses
 
 BACKWARD_SHARE = 2.0 / 3.0  # of a step's compute: what overlapped buckets can hide behind
 
-# The share of backward the exchange hides behind when no run measured it. Measured
-# on the virtual cluster (tests/cluster, Open MPI 5.0 over TCP between network
-# namespaces; benchmarks/plan_check.py --rate, docs/benchmarks.md): see
-# docs/planning.md "How good the predictions are".
-OVERLAP_SHARE = 0.5
+# The share of backward the exchange hides behind when no run measured it: none.
+# Measured on the virtual cluster (tests/cluster: Open MPI 5.0 over TCP, 1 Gbit/s
+# links, benchmarks/plan_check.py --rate 1gbit): mlp at 2 nodes waited 100 ms for an
+# exchange priced at 130 ms, but its compute grew from 21 ms (one process) to 64 ms:
+# without a progress thread Open MPI moves a non-blocking message only inside MPI
+# calls, so the exchange's work lands in backward instead of hiding behind it, and the
+# step (163 ms) was longer than compute plus the whole exchange (151 ms). A run that
+# hides more says so: ``mpidl plan --from-run`` takes its achieved share.
+OVERLAP_SHARE = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +90,12 @@ def achieved_overlap_share(comm_s: float, waited_s: float, compute_s: float) -> 
     return min(max((comm_s - waited_s) / backward, 0.0), 1.0)
 
 
-def shared_compute(compute_s: float, ranks: int, cores: int | None) -> float:
-    """One rank's compute when ``ranks`` ranks share ``cores`` cores (None: one each)."""
+def shared_cores(seconds: float, ranks: int, cores: int | None) -> float:
+    """A rank's ``seconds`` of work when ``ranks`` ranks share ``cores`` cores (None:
+    one each)."""
     if cores is None or ranks <= cores:
-        return compute_s
-    return compute_s * ranks / cores
+        return seconds
+    return seconds * ranks / cores
 
 
 def fixed_cost(probed_step_s: float, compute_s: float, exposed_s: float) -> float:

@@ -13,7 +13,7 @@ from hpc.costmodel import Link, NetworkProfile
 from mpidl import plan, plan_command
 from mpidl.plan_probe import Probe, probe_step
 from mpidl.plan_step import (BACKWARD_SHARE, StepCosts, achieved_overlap_share,
-                             exposed_comm, fixed_cost, shared_compute)
+                             exposed_comm, fixed_cost, shared_cores)
 from mpidl.testing import run_ranks
 
 # An allreduce measured at 2 ranks: slow at 256 KB (a rendezvous), faster at 4 MB.
@@ -21,7 +21,7 @@ CURVE = ((4.0, 200e-6), (65536.0, 2.7e-3), (262144.0, 16e-3), (4194304.0, 76e-3)
 
 
 def _curved(alpha=50e-6, bandwidth=0.05e9):
-    return Link(alpha, bandwidth, CURVE, ranks=2)
+    return Link(alpha, bandwidth, ((2, CURVE),))
 
 
 def test_a_measured_curve_gives_its_own_times_at_its_sizes_and_rank_count():
@@ -53,38 +53,46 @@ def test_at_another_rank_count_the_curve_scales_by_the_lines_ratio():
     assert Link(50e-6, 0.05e9).time("allreduce", n, 3) == link.line("allreduce", n, 3)
 
 
-def test_a_saved_sweep_is_loaded_back_as_its_curve(tmp_path, monkeypatch):
+def test_a_saved_sweep_is_loaded_back_as_its_curve_beside_those_at_other_rank_counts(
+        tmp_path, monkeypatch):
     monkeypatch.setenv("MPIDL_PROFILE_DIR", str(tmp_path))
     sizes, times = [n for n, _ in CURVE], [t for _, t in CURVE]
     fits = {"allreduce": bench.fit_alpha_beta(sizes, times)}
     costmodel.save_network_profile("shaped", fits, ranks=2, nodes=2, source="a test",
                                    curves={"allreduce": list(zip(sizes, times))})
+    slower = [t * 1.6 for t in times]  # the same sizes at 3 ranks, measured later
+    costmodel.save_network_profile("shaped", fits, ranks=3, nodes=3, source="a test",
+                                   curves={"allreduce": list(zip(sizes, slower))})
     link = costmodel.load_network("shaped").link("allreduce")
-    assert link.ranks == 2 and [n for n, _ in link.points] == sizes
-    for n, t in CURVE:
+    assert [r for r, _ in link.curves] == [2, 3]
+    for (n, t), t3 in zip(CURVE, slower):
         assert link.time("allreduce", n, 2) == pytest.approx(t, rel=1e-5)
+        assert link.time("allreduce", n, 3) == pytest.approx(t3, rel=1e-5)
+    # 4 ranks: the 3-rank curve (the nearest), carried by the line's ratio.
+    n = 262144.0
+    assert link.time("allreduce", n, 4) == pytest.approx(
+        16e-3 * 1.6 * link.line("allreduce", n, 4) / link.line("allreduce", n, 3), rel=1e-5)
+    # Saving at 2 ranks again replaces that curve and keeps the one at 3.
+    costmodel.save_network_profile("shaped", fits, ranks=2, nodes=2, source="a test",
+                                   curves={"allreduce": list(zip(sizes, slower))})
+    link = costmodel.load_network("shaped").link("allreduce")
+    assert link.time("allreduce", 4.0, 2) == pytest.approx(200e-6 * 1.6, rel=1e-5)
+    assert [r for r, _ in link.curves] == [2, 3]
 
 
 @pytest.mark.parametrize("table, match", [
-    ("sizes = [4, 2]\ntime_us = [1, 2]\n", "sizes increasing"),
-    ("sizes = [4, 8]\ntime_us = [1]\n", "of one length"),
-    ("sizes = [4, 8]\n", "must be lists"),
+    ("[allreduce.measured.2]\nsizes = [4, 2]\ntime_us = [1, 2]\n", "sizes increasing"),
+    ("[allreduce.measured.2]\nsizes = [4, 8]\ntime_us = [1]\n", "of one length"),
+    ("[allreduce.measured.2]\nsizes = [4, 8]\n", "must be lists"),
+    ("[allreduce.measured.one]\nsizes = [4, 8]\ntime_us = [1, 2]\n", "by its rank count"),
+    ("[allreduce.measured.1]\nsizes = [4, 8]\ntime_us = [1, 2]\n", "by its rank count"),
 ])
 def test_a_malformed_curve_is_refused_naming_the_file(tmp_path, table, match):
     path = tmp_path / "bad.toml"
-    path.write_text(f'source = "x"\nranks = 2\n[allreduce]\nalpha_us = 1\n'
-                    f'bandwidth_GBps = 1\n{table}')
+    path.write_text(f'source = "x"\n[allreduce]\nalpha_us = 1\nbandwidth_GBps = 1\n{table}')
     with pytest.raises(costmodel.ProfileError, match=match) as e:
         costmodel.load_network(str(path))
     assert str(path) in str(e.value)
-
-
-def test_a_curve_without_the_rank_count_it_was_measured_at_is_refused(tmp_path):
-    path = tmp_path / "noranks.toml"
-    path.write_text('source = "x"\n[allreduce]\nalpha_us = 1\nbandwidth_GBps = 1\n'
-                    'sizes = [4, 8]\ntime_us = [1, 2]\n')
-    with pytest.raises(costmodel.ProfileError, match="ranks = N"):
-        costmodel.load_network(str(path))
 
 
 def test_overlap_hides_its_share_of_backward_and_no_more():
@@ -107,9 +115,9 @@ def test_the_achieved_share_is_what_the_run_did_not_wait_for_over_its_backward()
 
 
 def test_ranks_beyond_the_cores_share_them():
-    assert shared_compute(0.1, 2, None) == 0.1
-    assert shared_compute(0.1, 2, 2) == 0.1
-    assert shared_compute(0.1, 3, 2) == pytest.approx(0.15)
+    assert shared_cores(0.1, 2, None) == 0.1
+    assert shared_cores(0.1, 2, 2) == 0.1
+    assert shared_cores(0.1, 3, 2) == pytest.approx(0.15)
     with pytest.raises(ValueError, match="cores=0"):
         StepCosts(cores=0)
     with pytest.raises(ValueError, match="overlap_share=1.5"):
@@ -136,8 +144,9 @@ def test_predict_adds_the_fixed_cost_to_distributed_rows_and_shares_cores():
     comm2 = _curved().time("allreduce", 4000, 2)
     assert two.comm_s == pytest.approx(comm2) and two.exposed_comm_s == pytest.approx(comm2)
     assert two.step_s == pytest.approx(3.2e-3 + comm2 + 1e-3)
-    # 3 ranks on 2 cores: 22 samples' compute takes 1.5x.
+    # 3 ranks on 2 cores: 22 samples' compute and the exchange take 1.5x.
     assert three.compute_s == pytest.approx(2.2e-3 * 1.5)
+    assert three.comm_s == pytest.approx(1.5 * _curved().time("allreduce", 4000, 3))
     assert three.step_s == pytest.approx(3.3e-3 + three.comm_s + 1e-3)
 
 
