@@ -185,3 +185,12 @@ def test_pooling_with_a_different_window_per_axis(xp, kind):
     windows = numpy.stack([pad[..., j:j + 6] for j in range(3)])
     assert allclose(y.data, windows.max(axis=0) if kind == "max" else windows.mean(axis=0))
     assert gradcheck(lambda t: fn(t, **args), [x])
+
+
+def test_max_pool_with_a_stride_beyond_the_window_reads_every_window(xp):
+    # Windows 2 wide every 3: the last one ends one short of the map, but the windows do
+    # not tile the part they read (the gaps between them), so it is pooled as it is.
+    x = _randn(xp, 2, 2, 8, 9, seed=9)
+    y = F.max_pool2d(Tensor(x), 2, 3)
+    assert allclose(y.data, reference_pool(x, 2, 3, 0, 1, "max"))
+    assert gradcheck(lambda t: F.max_pool2d(t, 2, 3), [x])
