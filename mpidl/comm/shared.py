@@ -34,8 +34,10 @@ _ALIGN = 64  # each array starts on its own cache line
 # A share of a row-sparse array is summed whole (streamed) when more than this fraction
 # of its rows was touched by some rank, else row by row (gathered with ``take``, written
 # back with fancy indexing). Measured on 2 ranks with the bow table (20000 x 128 float32,
-# benchmarks/window_rows.py, benchmarks/README.md "The fixed cost of a small step").
-DENSE_ROWS_ABOVE = 0.15
+# benchmarks/window_rows.py, quiet machine): by rows 0.13 / 0.30 / 0.54 / 0.86 ms with
+# 2 / 10 / 18 / 37 % of the rows marked by some rank, whole 0.67-0.75 ms at any fraction:
+# the crossover is near 27 % (benchmarks/README.md "The fixed cost of a small step").
+DENSE_ROWS_ABOVE = 0.25
 
 
 class NodeSharedArrays:
