@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mpidl.comm import world  # noqa: E402
 from mpidl.data import DataLoader, DistributedSampler, ShardedDataset  # noqa: E402
 from mpidl.data.format import write_manifest  # noqa: E402
-from mpidl.data.sampler import DEFAULT_BLOCK_SIZE  # noqa: E402
+from mpidl.data.sampler import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW  # noqa: E402
 from mpidl.data.shard_writer import make_manifest, storage_settings, write_rows  # noqa: E402
 
 FEATURES = 784
@@ -122,13 +122,14 @@ def timed(comm: Any, fn: Callable[[], int]) -> tuple[float, int]:
 
 
 def raw_read(comm: Any, ds: ShardedDataset, files: list[Any], slab: int = SLAB,
-             limit: float = float("inf")) -> int:
-    """This rank's contiguous 1/size share of every shard, x and y, in ``slab``-row reads
-    from the already open h5py ``files`` (one per shard); shards stop once ``limit``
-    bytes are read."""
+             limit: float = float("inf"), first: int = 0) -> int:
+    """This rank's contiguous 1/size share of every shard from shard ``first`` on, x and
+    y, in ``slab``-row reads from the already open h5py ``files`` (one per shard); shards
+    stop once ``limit`` bytes are read."""
     nbytes = 0
     buffers: dict[str, numpy.ndarray] = {}
-    for shard, f in zip(ds.manifest.shards, files):
+    for i in from_shard(ds, first):
+        shard, f = ds.manifest.shards[i], files[i]
         if nbytes >= limit:
             break
         lo = shard.rows * comm.rank // comm.size
@@ -143,13 +144,20 @@ def raw_read(comm: Any, ds: ShardedDataset, files: list[Any], slab: int = SLAB,
     return nbytes
 
 
-def dd_read(comm: Any, ds: ShardedDataset, limit: float = float("inf")) -> int:
-    """The disk's own sequential speed: ``dd`` of this rank's shards (``r, r + size, ...``,
-    whole files, 16 MiB blocks) to /dev/null, until ``limit`` bytes; bytes read."""
+def from_shard(ds: ShardedDataset, first: int) -> list[int]:
+    """The shard indices from ``first`` on, wrapping around."""
+    n = len(ds.manifest.shards)
+    return [(first + k) % n for k in range(n)]
+
+
+def dd_read(comm: Any, ds: ShardedDataset, limit: float = float("inf"), first: int = 0) -> int:
+    """The disk's own sequential speed: ``dd`` of this rank's shards (``first + r, first +
+    r + size, ...``, whole files, 16 MiB blocks) to /dev/null, until ``limit`` bytes;
+    bytes read."""
     import subprocess
 
     nbytes = 0
-    for i in range(comm.rank, len(ds.manifest.shards), comm.size):
+    for i in from_shard(ds, first)[comm.rank :: comm.size]:
         if nbytes >= limit:
             break
         subprocess.run(["dd", f"if={ds.shard_path(i)}", "of=/dev/null", "bs=16M"],
@@ -180,11 +188,12 @@ def make_sampler(
 ) -> DistributedSampler:
     """``args.batch`` samples per rank and step, in the order ``args`` asks for."""
     return DistributedSampler(len(ds), args.batch * comm.size, comm.rank, comm.size,
-                              seed=seed, shuffle=args.shuffle, block_size=args.block_size)
+                              seed=seed, shuffle=args.shuffle, block_size=args.block_size,
+                              window=args.window)
 
 
 def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[str, Any]:
-    sampler = make_sampler(comm, ds, args, seed=0)
+    sampler = make_sampler(comm, ds, args, seed=args.seed)
     loader = DataLoader(ds, sampler, prefetch=args.prefetch, readahead=args.readahead)
     raw, small, ours, disk = [], [], [], []
     # Both sides open their files once, outside the timings, as a training run does
@@ -198,14 +207,23 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
 
     files = open_raw()
     open_shards(ds)
+    # Past the page cache, every reader must read bytes that no pass read before: this
+    # machine's virtual disk is cached by its host (a shard read again, with the guest's
+    # cache dropped: 1.1 GB/s, against 0.17-0.20 the first time). So with --pass-gb each
+    # pass of raw reads and of dd takes the next shards, and the loader (random windows
+    # of the whole split) reads first, before raw and dd have touched anything.
+    cursor, shard_bytes = args.first_shard, max(s.bytes for s in ds.manifest.shards)
     try:
         for rep in range(args.repeats):
             limit = args.pass_gb * 1e9 / comm.size if args.pass_gb else float("inf")
-            passes = [(lambda: raw_read(comm, ds, files, limit=limit), raw),
-                      (lambda: raw_read(comm, ds, files, args.batch, limit), small),
-                      (lambda: loader_read(loader, rep, limit), ours)]
+            per_rank = -(-limit // shard_bytes) if args.pass_gb else 0
+            first_raw, first_dd = cursor, cursor + int(per_rank * comm.size) + 1
+            cursor = first_dd + int(per_rank * comm.size) + 1
+            passes = [(lambda: loader_read(loader, rep, limit), ours),
+                      (lambda: raw_read(comm, ds, files, limit=limit, first=first_raw), raw),
+                      (lambda: raw_read(comm, ds, files, args.batch, limit, first_raw), small)]
             if args.dd:
-                passes.insert(0, (lambda: dd_read(comm, ds, limit), disk))
+                passes.append((lambda: dd_read(comm, ds, limit, first_dd), disk))
             if args.skip_small_reads:
                 passes = [p for p in passes if p[1] is not small]
             for fn, into in passes:
@@ -229,6 +247,7 @@ def bench_read(comm: Any, ds: ShardedDataset, args: argparse.Namespace) -> dict[
         "ranks": comm.size,
         "shuffle": args.shuffle,
         "block_size": args.block_size,
+        "window": args.window,
         "batch_per_rank": args.batch,
         "prefetch": args.prefetch,
         "readahead": loader.readahead,
@@ -291,7 +310,7 @@ def bench_train(
     comm: Any, ds: ShardedDataset, args: argparse.Namespace, prefetch: int
 ) -> dict[str, Any]:
     step, kind = mlp_step(args.simulate)
-    sampler = make_sampler(comm, ds, args, seed=1)
+    sampler = make_sampler(comm, ds, args, seed=args.seed + 1)
     loader = DataLoader(ds, sampler, prefetch=prefetch, readahead=args.readahead)
     loader.set_epoch(0)
     if args.cold:
@@ -343,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=128, help="samples per rank per step (mlp: 128)")
     p.add_argument("--shuffle", choices=("block", "full", "none"), default="block")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="samples per window "
+                   "of the block order (0: all blocks permuted at once, the order before "
+                   f"windows; default {DEFAULT_WINDOW})")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--readahead", type=int, help="steps whose reads the loader advises "
                    "ahead (posix_fadvise; 0: off; default: the loader's, 16 for a split larger "
@@ -355,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
                    "disk's sequential speed (with --cold, past the page cache)")
     p.add_argument("--pass-gb", type=float, help="read at most this many GB per pass (all "
                    "ranks together): a sample of a split too large to read whole")
+    p.add_argument("--seed", type=int, default=0, help="the loader's shuffle seed (the "
+                   "training pass uses seed + 1): a new one reads other parts of the split")
+    p.add_argument("--first-shard", type=int, default=0, help="with --pass-gb, the raw "
+                   "and dd passes read shards from this one on (past shards earlier runs read)")
     p.add_argument("--skip-small-reads", action="store_true",
                    help="leave out the raw batch-sized reads (context only; a pass less)")
     p.add_argument("--train-steps", type=int, default=150)
@@ -387,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{w['write_s']:.1f} s, {w['data_MB'] / 1e3 / w['write_s']:.2f} GB/s |")
             r = results[0]
             print(
-                f"| read | {r['ranks']} | {r['shuffle']} (block {r['block_size']}, prefetch "
+                f"| read | {r['ranks']} | {r['shuffle']} (block {r['block_size']}, window "
+                f"{r['window']}, prefetch "
                 f"{r['prefetch']}, readahead {r['readahead']}{', cold' if r['cold'] else ''}) | raw h5py {r['raw_GBps']} GB/s ({r['raw_batch_rows_GBps']} in "
                 f"{r['batch_per_rank']}-row reads) | loader {r['loader_GBps']} GB/s "
                 f"| ratio {r['ratio']} |"

@@ -89,8 +89,9 @@ _PLAN_STEPS, _PLAN_RUNS = 256, 1 << 14
 # reading 22.8x the bytes used (each page fault of a random 200 KB run reads a large
 # window around it, evicted before use); each step's runs advised 16 steps ahead, 0.50
 # GB/s and no extra bytes; `dd` 0.68. The mlp's input stall: 5.8% of the step without
-# advice, 0.22% with. Windows and advice by groups: benchmarks/README.md "Out of
-# cache". On data in the page cache the advice costs (the kernel walks the cached
+# advice, 0.22% with. With windows and advice by groups (cold, quiet): 0.97-1.22x
+# `dd` at 1 and 2 ranks, stall 0.14-0.17% (benchmarks/README.md "Out of cache with
+# windows"). On data in the page cache the advice costs (the kernel walks the cached
 # pages): loader/raw 0.46-0.70 with it, 0.78-1.0 without (3 runs each, load 6), hence
 # only for data that cannot stay cached.
 _READAHEAD_MIN_STEPS = 16

@@ -14,8 +14,9 @@ a function of the key only, evaluated per position.
 
 Why: past the page cache, random 200 KB reads ran at 0.32-0.40 GB/s on this machine's
 disk and reads of whole 3.2 MB chunks in file order at 0.43-0.54, against 0.69 for
-``dd`` (benchmarks/README.md "Out of cache", 1 rank, 1 GB each, while another job
-wrote to the disk).
+``dd`` (a probe, 1 rank, 1 GB each, while another job wrote to the disk). With windows
+the loader read a cold 51.9 GB split at 0.97-1.22x ``dd`` at 1 and 2 ranks, 1.06-1.7x
+faster than without (benchmarks/README.md "Out of cache with windows", quiet runs).
 
 Both are evaluated a chunk of positions at a time and cached (:meth:`take`), and
 neither ever materialises all ``n`` values: a rank holds what it reads.
