@@ -56,11 +56,16 @@ def check_reducible(x: Any, what: str, op: Any = "sum") -> None:
 
     MPI has no reduction for booleans, mpi4py refuses non-native byte order (h5py
     returns it for big-endian files), and mpidl reduces float16 only by summing
-    (:mod:`mpidl.comm.datatypes`: no MPI float16 type on every library). A single rank
+    (:mod:`mpidl.comm.datatypes`: no MPI float16 type on every library) and bfloat16
+    not at all (no MPI type: MpiCommunicator refuses it, so every one does). A single rank
     would reduce any of them without complaint and the script then fail on two: so
     every communicator checks.
     """
     dtype = x.dtype
+    if dtype.name == "bfloat16" and isinstance(op, str):  # as datatypes.reducible on MPI
+        raise TypeError(f"{what} of a bfloat16 array: MPI has no bfloat16 type, and a "
+                        "bfloat16 sum rounds every add to 8 bits; reduce "
+                        "x.astype(numpy.float32)")
     if dtype == "float16" and isinstance(op, str) and check_op(op) != "sum":
         raise TypeError(f"{what} of a float16 array with op={op!r}: MPI has no 16-bit float "
                         "type on every library, and mpidl sums float16 only; reduce "

@@ -1,7 +1,8 @@
 """A small GPT: a causal transformer language model (Radford et al. 2019; nanoGPT's layout)."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Container
 
 import numpy
 
@@ -44,6 +45,11 @@ class GPT(Module):
             in backward instead of keeping (:mod:`mpidl.nn.recompute`; the gradients
             are the same); :meth:`set_recompute` changes it on a built model.
         seed, rng, dtype: see :mod:`mpidl.nn.init`; float32 by default.
+        keep: which of ``tok``, ``pos``, ``blocks.<i>``, ``norm``, ``head`` this process
+            holds (a pipeline stage's: :func:`~mpidl.parallel.pipeline_gpt.stage_keeps`);
+            the rest are built under :func:`mpidl.nn.init.skipped`: placeholders of no
+            memory, their values drawn and dropped, so the kept ones equal the whole
+            build's. None: all of them.
     """
 
     def __init__(self, vocab: int = 8000, seq_len: int = 128, dim: int = 128, layers: int = 2,
@@ -51,23 +57,33 @@ class GPT(Module):
                  tie_weights: bool = True, pad_id: int | None = None,
                  recompute: str = "none", *,
                  seed: int | None = None, rng: numpy.random.Generator | None = None,
-                 dtype: Any = None) -> None:
+                 dtype: Any = None, keep: Container[str] | None = None) -> None:
         super().__init__()
         rng = init.make_rng(seed, rng)
         dtype = default_dtype(dtype)
+
+        def kept(name: str) -> Any:  # a whole build draws and keeps everything
+            return contextlib.nullcontext() if keep is None or name in keep \
+                else init.skipped()
+
         self.vocab, self.seq_len, self.tie_weights = vocab, seq_len, tie_weights
         self.pad_id = pad_id
-        self.tok = Embedding(vocab, dim, std=0.02, rng=rng, dtype=dtype)
-        self.pos = Parameter(init.normal((seq_len, dim), 0.02, rng, dtype))
-        self.blocks = ModuleList(
-            TransformerEncoderLayer(dim, heads, ffn or 4 * dim, dropout, causal=True,
-                                    approximate="tanh", recompute=recompute, rng=rng,
-                                    dtype=dtype)
-            for _ in range(layers)
-        )
-        self.norm = LayerNorm(dim, dtype=dtype)
+        with kept("tok"):
+            self.tok = Embedding(vocab, dim, std=0.02, rng=rng, dtype=dtype)
+        with kept("pos"):
+            self.pos = Parameter(init.normal((seq_len, dim), 0.02, rng, dtype))
+        blocks = []
+        for i in range(layers):
+            with kept(f"blocks.{i}"):
+                blocks.append(TransformerEncoderLayer(
+                    dim, heads, ffn or 4 * dim, dropout, causal=True, approximate="tanh",
+                    recompute=recompute, rng=rng, dtype=dtype))
+        self.blocks = ModuleList(blocks)
+        with kept("norm"):
+            self.norm = LayerNorm(dim, dtype=dtype)
         if not tie_weights:
-            self.head = Linear(dim, vocab, bias=False, rng=rng, dtype=dtype)
+            with kept("head"):
+                self.head = Linear(dim, vocab, bias=False, rng=rng, dtype=dtype)
 
     def set_recompute(self, mode: str) -> "GPT":
         """Recompute ``"none"``, ``"selective"`` or ``"full"`` from the next forward on."""

@@ -9,15 +9,70 @@ Module constructors take ``seed=`` or ``rng=``. With neither, they draw from thi
 module's default generator, seeded with 0 at import and reset by :func:`manual_seed`:
 models built in the same order are then still identical in every process, yet two
 layers of one model do not get the same values.
+
+:func:`skipped` builds the parts of a model a process will not keep (another pipeline
+stage's layers) without their memory: inside it the initialisers draw what they would
+(so the layers built after it get the values of the whole build) and return a
+read-only placeholder of the shape and dtype that holds one element.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import numpy
 
 _default_rng = numpy.random.default_rng(0)
+# Per thread: thread ranks (mpidl.testing) build their stages at the same time.
+_mode = threading.local()
+# Values drawn at a time inside skipped(): 8 MiB of float64, whatever the layer's size.
+CHUNK = 1 << 20
+
+
+@contextlib.contextmanager
+def skipped(draw: bool = True) -> Iterator[None]:
+    """Inside, initialisers return placeholders (:func:`placeholder`) instead of arrays.
+
+    ``draw``: still consume the generator's values, a chunk at a time, exactly as the
+    real draw would (NumPy's uniform and normal draws are element by element, so
+    chunks consume what one call does): what is built after the block gets the same
+    values as in a whole build. False: draw nothing (a model's shapes only).
+    Not collective; per thread.
+    """
+    before = getattr(_mode, "skip", None)
+    _mode.skip = "draw" if draw else "shape"
+    try:
+        yield
+    finally:
+        _mode.skip = before
+
+
+def placeholder(shape: tuple[int, ...], dtype: Any) -> numpy.ndarray:
+    """A read-only array of ``shape`` and ``dtype`` holding one element (zero strides)."""
+    return numpy.broadcast_to(numpy.zeros((), dtype=dtype), tuple(shape))
+
+
+def is_placeholder(a: Any) -> bool:
+    """Whether ``a`` is a :func:`placeholder` (built under :func:`skipped`)."""
+    return isinstance(a, numpy.ndarray) and a.size > 1 and not any(a.strides) \
+        and not a.flags.writeable
+
+
+def _skip_draws(shape: tuple[int, ...], draw: Any, dtype: Any) -> numpy.ndarray | None:
+    """Inside :func:`skipped`: ``draw(k)`` for the shape's elements, a chunk at a time,
+    and the placeholder; else None."""
+    mode = getattr(_mode, "skip", None)
+    if mode is None:
+        return None
+    if mode == "draw":
+        left = int(numpy.prod(shape, dtype=numpy.int64))
+        while left:
+            k = min(left, CHUNK)
+            draw(k)
+            left -= k
+    return placeholder(shape, dtype)
 
 
 def manual_seed(seed: int) -> None:
@@ -53,12 +108,18 @@ def fan_in_out(shape: tuple[int, ...]) -> tuple[int, int]:
 def uniform(shape: tuple[int, ...], bound: float, rng: numpy.random.Generator,
             dtype: Any = numpy.float32) -> numpy.ndarray:
     """Samples of U(-bound, bound)."""
+    skip = _skip_draws(shape, lambda k: rng.uniform(-bound, bound, size=k), dtype)
+    if skip is not None:
+        return skip
     return rng.uniform(-bound, bound, size=shape).astype(dtype)
 
 
 def normal(shape: tuple[int, ...], std: float, rng: numpy.random.Generator,
            dtype: Any = numpy.float32, mean: float = 0.0) -> numpy.ndarray:
     """Samples of N(mean, std²)."""
+    skip = _skip_draws(shape, lambda k: rng.standard_normal(size=k), dtype)
+    if skip is not None:
+        return skip
     return (mean + std * rng.standard_normal(size=shape)).astype(dtype)
 
 
@@ -82,8 +143,12 @@ def kaiming_uniform(shape: tuple[int, ...], rng: numpy.random.Generator,
 
 
 def zeros(shape: tuple[int, ...], dtype: Any = numpy.float32) -> numpy.ndarray:
+    if getattr(_mode, "skip", None):  # nothing drawn
+        return placeholder(shape, dtype)
     return numpy.zeros(shape, dtype=dtype)
 
 
 def ones(shape: tuple[int, ...], dtype: Any = numpy.float32) -> numpy.ndarray:
+    if getattr(_mode, "skip", None):
+        return placeholder(shape, dtype)
     return numpy.ones(shape, dtype=dtype)

@@ -26,7 +26,8 @@ gathers it again in backward (:func:`gathered_linear`).
 
 Every function is collective over ``comm`` in forward and in backward: each rank of the
 group calls it at the same point of the same model. On a group of one rank they are the
-identity and make no call. Sequence splits follow :func:`mpidl.comm.split_counts` (the
+identity and make no call. 16-bit activations are summed in float32 and rounded once
+(their allgathers are pure moves: bfloat16 travels as its uint16 bits). Sequence splits follow :func:`mpidl.comm.split_counts` (the
 first ``T % t`` ranks one token more), the rule of ``reduce_scatter``.
 """
 from __future__ import annotations
@@ -34,9 +35,23 @@ from __future__ import annotations
 from typing import Any
 
 from mpidl.autograd import Function, Tensor
-from mpidl.backend import get_array_module
+from mpidl.backend import compute_dtype, get_array_module, is_half
 from mpidl.comm.base import Communicator
 from mpidl.nn.linear import linear
+
+
+def _allreduce(comm: Communicator, x: Any) -> Any:
+    """``x`` summed over ``comm``; a 16-bit ``x`` summed in float32 and rounded once.
+
+    MPI has no bfloat16 type (a bfloat16 sum is a TypeError on MPI, mpidl.comm.datatypes)
+    and float16 sums run as a Python-level user op on host memory; in float32 the
+    ``t`` partial sums of a row-parallel layer add up without a rounding per add (the
+    dtype policy: reductions accumulate in fp32). Twice the bytes of the 16-bit sum,
+    the cost Megatron's fp32 gradient allreduce accepts too.
+    """
+    if is_half(x.dtype):
+        return comm.allreduce(x.astype(compute_dtype(x.dtype))).astype(x.dtype)
+    return comm.allreduce(x)
 
 
 class CopyToRegion(Function):
@@ -44,12 +59,12 @@ class CopyToRegion(Function):
         return x
 
     def backward(self, gy):
-        return self.comm.allreduce(gy)
+        return _allreduce(self.comm, gy)
 
 
 class ReduceFromRegion(Function):
     def forward(self, x):
-        return self.comm.allreduce(x)
+        return _allreduce(self.comm, x)
 
     def backward(self, gy):
         return gy
@@ -70,7 +85,11 @@ def _reduce_scatter_rows(comm: Communicator, x: Any, axis: int) -> Any:
     """Sum ``x`` over the ranks and keep this rank's rows along ``axis``."""
     xp = get_array_module(x)
     rows = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
-    return xp.moveaxis(comm.reduce_scatter(rows), 0, axis)
+    if is_half(rows.dtype):  # summed in float32, as _allreduce
+        mine = comm.reduce_scatter(rows.astype(compute_dtype(rows.dtype))).astype(rows.dtype)
+    else:
+        mine = comm.reduce_scatter(rows)
+    return xp.moveaxis(mine, 0, axis)
 
 
 class ScatterSequence(Function):

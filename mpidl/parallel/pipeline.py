@@ -62,6 +62,8 @@ class Part(Protocol):
         tied_out: on part 0, a Parameter the last part (on another stage) also uses, or None.
         tied_in: on the last part, ``(shape, dtype)`` of that weight, or None; the
             engine sets ``tied_weight`` (a Tensor) before the step's forwards.
+        hits: on the last part, after each forward, this rank's share of the
+            microbatch's next-token hits (0 where a part does not count them).
     """
 
     index: int
@@ -91,6 +93,12 @@ class Stage(Module):
     def __init__(self, parts: Sequence[Module]) -> None:
         super().__init__()
         self.parts = ModuleList(parts)
+
+    def half_(self, dtype: Any) -> "Stage":
+        """Each part's ``half_`` (a part knows the dtype of what it receives)."""
+        for part in self.parts:
+            part.half_(dtype)
+        return self
 
 
 class PipelineModel:
@@ -124,6 +132,9 @@ class PipelineModel:
         step_seconds, wait_seconds: after :meth:`step`, its wall time (without the
             final loss broadcast) and the part of it this rank waited for messages:
             ``wait / (step - wait)`` is its measured bubble.
+        hits: after :meth:`step` or :meth:`evaluate`, this rank's share of the batch's
+            next-token hits, counted by the last part and the same on every stage (as
+            the loss share).
     """
 
     def __init__(self, grid: ProcessGrid, parts: Sequence[Any], *, schedule: str = "1f1b",
@@ -162,6 +173,7 @@ class PipelineModel:
         self.peak_activation_bytes = self.peak_graph_bytes = 0
         self.measure_graphs = False
         self.step_seconds = 0.0
+        self.hits = 0
         self.messages = StageMessages(grid.pipeline, p, self.parts_total, self.module)
         self._last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
 
@@ -189,7 +201,8 @@ class PipelineModel:
 
     def step(self, ids: Any, global_count: int | None = None,
              scale: float = 1.0) -> tuple[float, int]:
-        """Forward and backward of the whole schedule on this data rank's batch ``ids``.
+        """Forward and backward of the whole schedule on this data rank's batch ``ids``
+        (its next-token hits in :attr:`hits` after).
 
         Collective over the world (every rank of a data replica passes the same ``ids``;
         each data rank its own). Leaves each stage's gradients, reduced over
@@ -211,10 +224,10 @@ class PipelineModel:
                                dtype=numpy.int64)
             global_count = int(grid.data.allreduce_(mine)[0])
         wrapped.before_forward()
-        pipe, sends = grid.pipeline, []
+        sends: list = []
         tied = self._exchange_tied(sends)
         held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
-        loss_sum, live, peak = 0.0, 0, 0
+        loss_sum, hits, live, peak = 0.0, 0, 0, 0
         graph: dict[tuple[int, int], int] = {}
         graphs, self.peak_graph_bytes = 0, 0
         for index, action in enumerate(self.actions):
@@ -227,6 +240,7 @@ class PipelineModel:
                     peak = max(peak, live)
                 else:
                     loss_sum += float(out.data)
+                    hits += int(getattr(self.parts[action.part], "hits", 0))
                 held[(action.part, action.microbatch)] = (x, out)
                 if self.measure_graphs:
                     graph[(action.part, action.microbatch)] = size = self._graph_bytes(x, out)
@@ -258,9 +272,15 @@ class PipelineModel:
             self.messages.waited(request)
         self.peak_activation_bytes = peak
         self.step_seconds = time.perf_counter() - started
-        total = numpy.array([loss_sum], dtype=numpy.float64)
-        pipe.bcast_(total, root=(self.parts_total - 1) % self.p)
-        return float(total[0]), global_count
+        return self._from_last_stage(loss_sum, hits), global_count
+
+    def _from_last_stage(self, loss_sum: float, hits: int) -> float:
+        """The last stage's loss share (returned) and hits (:attr:`hits`), on every
+        stage: one broadcast over the pipeline axis (exact: hits are < 2**53)."""
+        total = numpy.array([loss_sum, hits], dtype=numpy.float64)
+        self.grid.pipeline.bcast_(total, root=(self.parts_total - 1) % self.p)
+        self.hits = int(total[1])
+        return float(total[0])
 
     def evaluate(self, ids: Any) -> tuple[float, int]:
         """This rank's share of the summed loss of ``ids`` and its count of targets,
@@ -273,7 +293,7 @@ class PipelineModel:
         """
         self.wrapped.before_forward()
         micro = self._microbatches(ids)
-        loss_sum, sends = 0.0, []
+        loss_sum, hits, sends = 0.0, 0, []
         self._exchange_tied(sends)
         with no_grad():
             for i, mb in enumerate(micro):
@@ -281,12 +301,12 @@ class PipelineModel:
                     _, out = self._forward(Action("F", k, i), mb, sends)
                     if k == self.parts_total - 1:
                         loss_sum += float(out.data)
+                        hits += int(getattr(self.parts[k], "hits", 0))
         for request in sends:
             request.wait()
-        total = numpy.array([loss_sum], dtype=numpy.float64)
-        self.grid.pipeline.bcast_(total, root=(self.parts_total - 1) % self.p)
+        loss_sum = self._from_last_stage(loss_sum, hits)
         count = sum(next(iter(self.parts.values())).count_targets(mb) for mb in micro)
-        return float(total[0]), count
+        return loss_sum, count
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
         """Scale every stage's gradients so the whole model's 2-norm is at most

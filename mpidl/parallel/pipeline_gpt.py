@@ -23,7 +23,9 @@ the checkpoint saves it once.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy
 
 from mpidl import functions as F
 from mpidl import models
@@ -73,7 +75,7 @@ class GPTPart(Module):
     """
 
     def __init__(self, model: GPT | ParallelGPT, index: int, parts: int, start: int,
-                 stop: int, stages: int) -> None:
+                 stop: int, stages: int, blocks: Mapping[int, Module] | None = None) -> None:
         super().__init__()
         self.index, self.first, self.last = index, index == 0, index == parts - 1
         self.parallel = isinstance(model, ParallelGPT)
@@ -90,13 +92,15 @@ class GPTPart(Module):
         self.tied_out = None
         self.tied_in = None
         self.tied_weight: Tensor | None = None
+        self.hits: Any = 0
         if self.first or (self.last and model.tie_weights and not across):
             self.tok = model.tok  # the same object when both parts are on this rank
         if self.first:
             self.pos = model.pos
             if across:
                 self.tied_out = model.tok.weight
-        self.blocks = ModuleList(model.blocks[i] for i in range(start, stop))
+        blocks = model.blocks if blocks is None else blocks
+        self.blocks = ModuleList(blocks[i] for i in range(start, stop))
         if self.last:
             self.norm = model.norm
             if not model.tie_weights:
@@ -105,11 +109,21 @@ class GPTPart(Module):
                 w = model.tok.weight
                 self.tied_in = (tuple(w.data.shape), w.data.dtype)
 
+    def half_(self, dtype: Any) -> "GPTPart":
+        """:meth:`Module.half_`, and the activations it receives and the tied weight it is
+        sent become ``dtype`` too (their receive buffers are made from these)."""
+        super().half_(dtype)
+        self.dtype = numpy.dtype(dtype)
+        if self.tied_in is not None:
+            self.tied_in = (self.tied_in[0], self.dtype)
+        return self
+
     # -- the pipeline part's contract (mpidl.parallel.pipeline.Part) ----------------------
     def forward(self, x: Any, ids: Any) -> Tensor:
         """``x`` (the previous part's output; None for part 0) and the microbatch's ids
         ``(b, T + 1)`` -> this part's output ``(b, T_here, D)``, or for the last part
-        this rank's share of the summed loss."""
+        this rank's share of the summed loss (and :attr:`hits`: its share of the
+        targets that are their logits' argmax)."""
         ids = as_input(ids)
         length = ids.shape[1] - 1
         tokens = self.tokens(length) if self.parallel else None
@@ -120,12 +134,19 @@ class GPTPart(Module):
         if not self.last:
             return x
         weight = self.tied_weight if self.tied_in is not None else None
-        if self.parallel:
-            return self.loss_of_logits(self.logits(x, length, weight), ids)
+        if self.parallel:  # this rank's share of the loss and of the hits
+            loss, self.hits = self.loss_of_logits(self.logits(x, length, weight), ids,
+                                                  hits=True)
+            return loss
         if weight is None:
             weight = self.tok.weight if self.tie_weights else self.head.weight
         logits = linear(self.norm(x), weight)  # (b, T, vocab), as GPT.forward
-        return F.softmax_cross_entropy(logits, ids[:, 1:], ignore_index=self.pad_id,
+        targets = ids[:, 1:]
+        hit = logits.data.argmax(-1) == targets
+        if self.pad_id is not None:
+            hit &= targets != self.pad_id
+        self.hits = hit.sum()  # as LanguageModel.step counts them
+        return F.softmax_cross_entropy(logits, targets, ignore_index=self.pad_id,
                                        reduction="sum")
 
     def input_shape(self, ids: Any) -> tuple[int, ...]:
@@ -173,14 +194,45 @@ class GPTPart(Module):
                 f"{', embedding' if self.first else ''}{', head+loss' if self.last else ''}")
 
 
-def gpt_parts(model: GPT | ParallelGPT, stages: int, virtual: int = 1, stage: int = 0,
-              layers: Sequence[int] | None = None) -> list[GPTPart]:
-    """The parts stage ``stage`` of ``stages`` holds, ``virtual`` per stage (part ``k``
-    on stage ``k % stages``), cut from ``model`` (not collective)."""
+def _part_starts(layers: int, parts: int, counts: Sequence[int] | None) -> list[int]:
+    counts = split_layers(layers, parts, counts)
+    return [sum(counts[:k]) for k in range(parts + 1)]
+
+
+def stage_blocks(layers: int, stages: int, virtual: int = 1, stage: int = 0,
+                 part_layers: Sequence[int] | None = None) -> list[int]:
+    """The indices of the blocks stage ``stage`` holds (its parts', in order)."""
     parts = stages * virtual
-    counts = split_layers(len(model.blocks), parts, layers)
-    starts = [sum(counts[:k]) for k in range(parts + 1)]
-    return [GPTPart(model, k, parts, starts[k], starts[k + 1], stages)
+    starts = _part_starts(layers, parts, part_layers)
+    return [i for k in range(stage, parts, stages) for i in range(starts[k], starts[k + 1])]
+
+
+def stage_keeps(layers: int, stages: int, virtual: int = 1, stage: int = 0,
+                part_layers: Sequence[int] | None = None,
+                tie_weights: bool = True) -> set[str]:
+    """What :class:`~mpidl.models.GPT` builds for stage ``stage`` (its ``keep``): the
+    stage's blocks, the embeddings on the first part's stage, the final norm (and an
+    untied head) on the last's. A tied embedding is not kept on the last stage: it is
+    sent there every step (only its shape and dtype are read)."""
+    parts = stages * virtual
+    keep = {f"blocks.{i}" for i in stage_blocks(layers, stages, virtual, stage, part_layers)}
+    if stage == 0:
+        keep |= {"tok", "pos"}
+    if stage == (parts - 1) % stages:
+        keep |= {"norm"} if tie_weights else {"norm", "head"}
+    return keep
+
+
+def gpt_parts(model: GPT | ParallelGPT, stages: int, virtual: int = 1, stage: int = 0,
+              layers: Sequence[int] | None = None,
+              blocks: Mapping[int, Module] | None = None) -> list[GPTPart]:
+    """The parts stage ``stage`` of ``stages`` holds, ``virtual`` per stage (part ``k``
+    on stage ``k % stages``), cut from ``model`` (not collective). ``blocks``: the
+    model's blocks by index where not ``model.blocks`` (those of this stage at least)."""
+    parts = stages * virtual
+    total = len(model.blocks) if blocks is None else getattr(model, "layers", len(blocks))
+    starts = _part_starts(total, parts, layers)
+    return [GPTPart(model, k, parts, starts[k], starts[k + 1], stages, blocks)
             for k in range(stage, parts, stages)]
 
 
@@ -196,7 +248,11 @@ def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b"
     even as possible; ``layers`` is the GPT's own argument, the total). ``wrapper``: as
     :class:`~mpidl.parallel.pipeline.PipelineModel`.
     """
-    return pipeline_model(models.gpt(**gpt_kwargs), grid, microbatches=microbatches,
+    # Only this stage's layers are built (their values those of the whole build).
+    layers = gpt_kwargs.get("layers", 2)
+    keep = stage_keeps(layers, grid.pipeline_size, virtual_stages, grid.pipeline_rank,
+                       part_layers, gpt_kwargs.get("tie_weights", True))
+    return pipeline_model(models.gpt(**gpt_kwargs, keep=keep), grid, microbatches=microbatches,
                           schedule=schedule, virtual_stages=virtual_stages,
                           part_layers=part_layers, sequence_parallel=sequence_parallel,
                           attention=attention, wrapper=wrapper)
@@ -205,19 +261,39 @@ def pipeline_gpt(grid: ProcessGrid, *, microbatches: int, schedule: str = "1f1b"
 def pipeline_model(model: GPT, grid: ProcessGrid, *, microbatches: int,
                    schedule: str = "1f1b", virtual_stages: int = 1,
                    part_layers: Sequence[int] | None = None, sequence_parallel: bool = False,
-                   attention: str = "ring", wrapper: Any = None) -> PipelineModel:
+                   attention: str = "ring", wrapper: Any = None,
+                   xp: Any = None) -> PipelineModel:
     """A built single-rank ``model`` (the same on every rank: same seed) in pipeline
     stages over ``grid``, as :func:`pipeline_gpt`; the parts take over its modules, so
-    what was set on them before (dropout generators, recomputation) stays. Collective
+    what was set on them before (dropout generators, recomputation) stays. ``xp``: the
+    array module the parts move to once cut (None: where they are), so a model built
+    per stage (``GPT(keep=...)``) never moves the others' placeholders. Collective
     over the world."""
     names = [n for n, _ in model.named_parameters()]
+    blocks = None
     if grid.tensor_size > 1 or grid.sequence_size > 1:
-        model = ParallelGPT(model, grid, sequence_parallel=sequence_parallel,
-                            attention=attention)
+        # Only this stage's blocks are split (a stage-built model holds no others:
+        # GPT(keep=...)); the parts find them by their index in the whole model.
+        here = stage_blocks(len(model.blocks), grid.pipeline_size, virtual_stages,
+                            grid.pipeline_rank, part_layers)
+        every = model.blocks
+        model.blocks = ModuleList(every[i] for i in here)
+        try:
+            parallel = ParallelGPT(model, grid, sequence_parallel=sequence_parallel,
+                                   attention=attention)
+        finally:
+            model.blocks = every  # the caller's model as it was
+        parallel.layers = len(every)
+        blocks = dict(zip(here, parallel.blocks))
+        model = parallel
     parts = gpt_parts(model, grid.pipeline_size, virtual_stages, grid.pipeline_rank,
-                      part_layers)
+                      part_layers, blocks)
+    if xp is not None:
+        for part in parts:
+            part.to(xp)
     return PipelineModel(grid, parts, schedule=schedule, microbatches=microbatches,
                          wrapper=wrapper, names=names)
 
 
-__all__ = ["GPTPart", "gpt_parts", "pipeline_gpt", "pipeline_model", "split_layers"]
+__all__ = ["GPTPart", "gpt_parts", "pipeline_gpt", "pipeline_model", "split_layers",
+           "stage_blocks", "stage_keeps"]

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from mpidl.autograd import Tensor
-from mpidl.backend import get_array_module
+from mpidl.backend import compute_dtype, get_array_module, is_half
 from mpidl.comm.base import Communicator
 from mpidl.nn.module import Module
 
@@ -94,6 +94,11 @@ class StageMessages:
             shape, dtype = last.tied_in
             w = self.waited(self.comm.irecv_(self._xp().empty(shape, dtype=dtype), 0, tag=tag))
             last.tied_weight = Tensor(w, requires_grad=True)
+            # Its gradient sums the step's m microbatches: in float32 for a 16-bit
+            # weight (as the wrapper's fp32 buckets sum the parameters' own), and sent
+            # so (send_tied_gradient).
+            if is_half(dtype):
+                last.tied_weight.grad_buffer = self._xp().zeros(shape, compute_dtype(dtype))
             return last.tied_weight
         if first is not None and first.tied_out is not None:
             return first.tied_out
@@ -104,9 +109,11 @@ class StageMessages:
         return self.comm.isend(grad, 0, tag=2 * self.parts + 1)
 
     def receive_tied_gradient(self, weight: Any) -> Any:
-        """Part 0 receives the last part's gradient of ``weight`` (the tied Parameter)."""
+        """Part 0 receives the last part's gradient of ``weight`` (the tied Parameter;
+        float32 for a 16-bit one, as :meth:`exchange_tied` accumulates it)."""
         xp = get_array_module(weight.data)
-        return self.waited(self.comm.irecv_(xp.empty_like(weight.data),
+        buf = xp.empty(weight.data.shape, dtype=compute_dtype(weight.data.dtype))
+        return self.waited(self.comm.irecv_(buf,
                                             (self.parts - 1) % self.p,
                                             tag=2 * self.parts + 1))
 

@@ -26,11 +26,14 @@ class VocabParallelCrossEntropy(Function):
         x = logits.reshape(-1, n_local)  # (N, V_r)
         # 16-bit logits: the statistics in float32. MPI has no float16 max on every
         # library (mpidl sums float16 only), and the sum of exponentials over a split
-        # vocabulary loses what float16 cannot hold; the loss and gradient come back in
-        # the logits' dtype.
+        # vocabulary loses what float16 cannot hold. The gradient comes back in the
+        # logits' dtype, the loss stays float32 as softmax_cross_entropy's does (a
+        # bfloat16 loss sum of a batch keeps 8 bits; it read 276 for 276.3).
         self.dtype = x.dtype
+        out = x.dtype
         if x.dtype.itemsize < 4:
             x = x.astype(numpy.float32)
+            out = x.dtype
         t = labels.reshape(-1)
         valid = t != self.ignore_index if self.ignore_index is not None else None
         if xp is numpy:  # a device check would cost a sync, as in softmax_cross_entropy
@@ -64,13 +67,13 @@ class VocabParallelCrossEntropy(Function):
         if valid is not None:
             nll *= valid
         if self.reduction == "none":
-            return nll.reshape(labels.shape).astype(self.dtype, copy=False)
+            return nll.reshape(labels.shape).astype(out, copy=False)
         if self.reduction == "sum":
-            return xp.asarray(nll.sum()).astype(self.dtype, copy=False)
+            return xp.asarray(nll.sum()).astype(out, copy=False)
         # On the device: reading the count back would cost a sync per step.
         self.count = xp.maximum(valid.sum(), 1).astype(x.dtype) if valid is not None \
             else max(t.shape[0], 1)
-        return xp.asarray(nll.sum() / self.count).astype(self.dtype, copy=False)
+        return xp.asarray(nll.sum() / self.count).astype(out, copy=False)
 
     def backward(self, gy):
         xp = get_array_module(gy)

@@ -10,6 +10,7 @@ decides where to resume from.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -22,6 +23,7 @@ from mpidl.backend import get_xp, is_half, limit_cpu_threads, precision_dtype
 from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
 from mpidl.data.splits import check_splits_agree
 from mpidl.data.stats import majority
+from mpidl.nn import init
 from mpidl.nn.recompute import set_recompute
 from mpidl.parallel import DataParallel, ShardedDataParallel, convert_sync_batchnorm
 from mpidl.train.config import Config, ConfigError
@@ -160,20 +162,6 @@ def apply_recompute(config: Config, model: Any) -> None:
                           "a model with blocks (transformer, gpt)") from e
 
 
-def check_precision(config: Config, plan: Any) -> None:
-    """ConfigError for ``--precision fp16|bf16`` on a split model: mixed precision runs
-    with data parallelism and ZeRO 1-3. The tensor, sequence and pipeline layouts
-    reduce and exchange 16-bit activations and tied gradients, which MPI cannot add in
-    bfloat16 (mpidl.comm.datatypes) and which their code does not widen yet."""
-    split = [f"--{name}" for name, on in (("tensor-parallel", plan.tensor > 1),
-                                            ("sequence-parallel", plan.sequence > 1),
-                                            ("pipeline-parallel", plan.pipeline > 1)) if on]
-    if config.precision != "fp32" and split:
-        raise ConfigError(f"--precision={config.precision} with {' and '.join(split)}: "
-                          "mixed precision runs with data parallelism and --zero 1-3 "
-                          "only; use --precision=fp32 on a split model")
-
-
 def loss_scale_for(config: Config, params: Any) -> Any:
     """A :class:`~mpidl.optim.DynamicLossScale` where float16 gradients need one (fp16
     mixed precision, float16 parameters) or ``--loss-scale dynamic`` asks; else None
@@ -205,7 +193,11 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     note = unscaled_note(config, train_set)
     if note:
         log.info(note)
-    model = build_model(config, train_set)
+    pipelined = config.pipeline_parallel > 1
+    # A pipeline's layout is checked against the model's shapes (no values drawn); each
+    # rank then builds its stage's layers only, below.
+    with init.skipped(draw=False) if pipelined else contextlib.nullcontext():
+        model = build_model(config, train_set)
     if config.precision != "fp32" and any(is_half(p.data.dtype) for p in model.parameters()):
         raise ConfigError(f"--precision={config.precision} with 16-bit model parameters "
                           "(--model.dtype): the first keeps fp32 master weights, the second "
@@ -217,7 +209,11 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     length = max(int(train_set.features["x"].shape[-1]) - 1, 1) if config.task == "gpt" else 1
     layout = Layout(plan_layout(config, comm.size, model, length), comm)
     check_microbatches(config, layout.data.size)
-    check_precision(config, layout.plan)
+    if pipelined:
+        # This stage's layers from the seed, the values of the whole build (GPT(keep=)):
+        # a stage never holds the whole model, not even while it is built.
+        model = build_model(config, train_set, keep=layout.stage_keeps(model))
+        apply_recompute(config, model)
     if layout.grid is not None:
         objective = objective.split_over(layout.grid)
         log.info(f"model layout: {layout.plan.describe()}")
@@ -237,11 +233,10 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
         return DataParallel(module, replicas, overlap=config.overlap,
                             keep_freed_memory=config.keep_freed_memory, **options)
     if layout.plan.pipeline > 1:
-        # The whole model moves to the device before it is cut (every rank builds it
-        # from the seed: the parts it keeps are the single-rank model's own modules);
-        # the stage's parts are wrapped inside the PipelineModel, and the trainer's
-        # wrapper is that one: its parameters are this stage's.
-        model = layout.split_model(model.to(xp), wrap)
+        # The stage's parts (the stage-built model's own modules) move to the device once
+        # cut and are wrapped inside the PipelineModel; the trainer's wrapper is that
+        # one: its parameters are this stage's.
+        model = layout.split_model(model, wrap, xp)
         dp = model.wrapped
         local_grads = None
     else:

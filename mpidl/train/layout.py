@@ -41,7 +41,7 @@ from typing import Any
 from mpidl.comm.base import split_counts
 from mpidl.models.gpt import GPT
 from mpidl.parallel import ParallelGPT, PipelineModel, ProcessGrid
-from mpidl.parallel.pipeline_gpt import pipeline_model
+from mpidl.parallel.pipeline_gpt import pipeline_model, stage_keeps
 from mpidl.parallel.pipeline_schedule import check_layout as check_schedule
 from mpidl.parallel.pipeline_schedule import flags_problem as schedule_flags_problem
 from mpidl.optim.layerwise import TensorNorms
@@ -219,10 +219,10 @@ class Layout:
                                     pipeline=plan.pipeline)
             self.data, self.replicas = self.grid.data, self.grid.replicas
 
-    def split_model(self, model: Any, wrapper: Any = None) -> Any:
+    def split_model(self, model: Any, wrapper: Any = None, xp: Any = None) -> Any:
         """The model this rank trains: ``model`` itself, its shards on the grid, or its
-        stage's parts (a :class:`~mpidl.parallel.PipelineModel`, wrapped by
-        ``wrapper(module, replicas)``: collective over the world)."""
+        stage's parts (a :class:`~mpidl.parallel.PipelineModel`, moved to ``xp`` and
+        wrapped by ``wrapper(module, replicas)``: collective over the world)."""
         if self.grid is None:
             return model
         attention = self.plan.attention if self.plan.sequence > 1 else "ring"
@@ -230,7 +230,8 @@ class Layout:
             self.pipeline = pipeline_model(
                 model, self.grid, microbatches=self.plan.microbatches,
                 schedule=self.plan.schedule, virtual_stages=self.plan.virtual,
-                sequence_parallel=self.plan.megatron, attention=attention, wrapper=wrapper)
+                sequence_parallel=self.plan.megatron, attention=attention, wrapper=wrapper,
+                xp=xp)
             return self.pipeline
         return ParallelGPT(model, self.grid, sequence_parallel=self.plan.megatron,
                            attention=attention)
@@ -252,6 +253,15 @@ class Layout:
         LAMB (:mod:`mpidl.parallel.layerwise`): ZeRO's shards, or the model's own
         parameters, tensor-parallel shards adding up over the tensor group."""
         return wrapper.tensor_norms(None if self.grid is None else self.grid.tensor)
+
+    def stage_keeps(self, model: Any) -> set[str] | None:
+        """What this rank builds of the gpt ``model`` (a skeleton of its shapes): its
+        pipeline stage's parts (:func:`~mpidl.parallel.pipeline_gpt.stage_keeps`), or
+        None (all of it) without a pipeline."""
+        if self.plan.pipeline == 1:
+            return None
+        return stage_keeps(len(model.blocks), self.plan.pipeline, self.plan.virtual,
+                           self.grid.pipeline_rank, tie_weights=model.tie_weights)
 
     def free(self) -> None:
         if self.grid is not None:

@@ -168,10 +168,12 @@ def _mlp_sizes(kwargs: dict[str, Any], shapes: dict[str, Any], dataset: Any) -> 
     return sizes
 
 
-def build_model(config: Config, dataset: Any) -> Any:
-    """The configured model, shaped by ``dataset`` (see the module docstring)."""
+def build_model(config: Config, dataset: Any, keep: Any = None) -> Any:
+    """The configured model, shaped by ``dataset`` (see the module docstring); ``keep``:
+    the parts of a gpt this rank builds (a pipeline stage's; None: all)."""
     factory = check_model(config)
-    return factory(seed=config.seed, **model_options(config, dataset))
+    extra = {} if keep is None else {"keep": keep}
+    return factory(seed=config.seed, **model_options(config, dataset), **extra)
 
 
 def first_line(error: BaseException) -> str:

@@ -270,11 +270,8 @@ class PipelineLanguageModel(ParallelLanguageModel):
     its microbatches itself (:meth:`PipelineModel.step`, called by the trainer's step,
     not :meth:`step`); evaluation runs :meth:`PipelineModel.evaluate`, whose loss share
     is the same on every stage, so the sums reduce as :class:`ParallelLanguageModel`'s.
-    The last stage's loss brings no next-token hits: a pipelined run reports loss and
-    perplexity, no accuracy."""
-
-    accuracy = False
-    final_scores = (("test_perplexity", "test perplexity"),)
+    The last stage counts the next-token hits beside the loss and they reach every stage
+    with it (:attr:`PipelineModel.hits`): accuracy as any gpt run reports it."""
 
     def step(self, model: Any, x: Any, y: Any, xp: Any) -> tuple[Any, int, Any]:
         raise TypeError("a pipelined model steps through PipelineModel.step (the trainer's "
@@ -284,7 +281,7 @@ class PipelineLanguageModel(ParallelLanguageModel):
         """``model.evaluate(x)``: every rank runs its stage's forwards on every batch,
         its share empty or not (the pipeline's messages and the stages' collectives)."""
         loss, count = model.evaluate(x)
-        return BatchScores(loss, count=count)
+        return BatchScores(loss, count=count, correct=model.hits)
 
 
 class LanguageModelSums:

@@ -218,8 +218,8 @@ class TrainStep:
         """The pipeline's step (:meth:`~mpidl.parallel.PipelineModel.step`): its schedule
         runs the ``m`` microbatches of ``x`` forward and backward over the stages, the
         gradients reduced over the stage's replicas once, seeded ``scale / count`` as
-        the accumulation above. Collective over the world. The loss share is the same
-        on every stage; no next-token hits (the objective reports none)."""
+        the accumulation above. Collective over the world. The loss share and the
+        next-token hits (the last stage counts them) are the same on every stage."""
         run = self.run
         pipeline = run.layout.pipeline
         loss_sum, _ = pipeline.step(x, global_count=count, scale=scale)
@@ -233,7 +233,7 @@ class TrainStep:
             if run.dp.comm_wait_seconds:  # the stage's gradient reduction, in its last backward
                 self.timer.add("comm", run.dp.comm_wait_seconds, start=run.dp.comm_wait_start)
         loss = run.xp.asarray(loss_sum, dtype=numpy.float64)
-        return loss, run.objective.targets(x, None), 0
+        return loss, run.objective.targets(x, None), pipeline.hits
 
     def _measure_noise(self, params: list, scale: float, norm: Any) -> None:
         """One step of the gradient noise scale (:mod:`mpidl.train.noise`): this rank's

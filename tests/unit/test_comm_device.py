@@ -84,6 +84,19 @@ def test_float16_max_is_refused_with_the_fix_named_by_every_communicator():
         datatypes.reducible(numpy.ones(2, numpy.float16), "avg", "allreduce_")
 
 
+def test_a_bfloat16_reduction_is_refused_by_every_communicator_with_the_fix():
+    # MPI has no bfloat16 type: one process and thread ranks refuse it as MPI would, so a
+    # script tried on one rank does not fail first on two.
+    from ml_dtypes import bfloat16
+
+    from mpidl.comm import SingleCommunicator
+
+    with pytest.raises(TypeError, match=r"bfloat16 array.*astype\(numpy.float32\)"):
+        SingleCommunicator().allreduce(numpy.ones(2, bfloat16))
+    with pytest.raises(TypeError, match="bfloat16 array"):
+        SingleCommunicator().allreduce_(numpy.ones(2, bfloat16), op="max")
+
+
 def test_the_float16_sum_adds_as_float16_and_keeps_ieee_results():
     a = numpy.array([1.5, 65504.0, numpy.inf, 1e-4], dtype=numpy.float16)
     b = numpy.array([2.25, 65504.0, -numpy.inf, 1e-4], dtype=numpy.float16)

@@ -61,10 +61,10 @@ def test_fp16_and_bf16_track_the_fp32_loss(data):
         assert windows.max() <= tolerance, (precision, windows)
 
 
-def overflow(comm, data):
+def overflow(comm, data, layout):
     cache, directory = data
     config = load_config("gpt", [*TINY, f"--data.cache-dir={cache}", "--steps=2",
-                                 "--precision=fp16", "--zero=2"])
+                                 "--precision=fp16", *layout])
     run = build_run(config, comm, directory)
     step = TrainStep(run)
     run.loader.set_epoch(0)
@@ -85,8 +85,11 @@ def overflow(comm, data):
     return skipped.counted, same, scale, step.skipped_steps, taken.counted > 0, moved
 
 
-def test_a_loss_scale_overflow_skips_the_step_on_every_rank(data):
-    for counted, same, scale, skipped, taken, moved in run_ranks(2, overflow, data):
+# ZeRO 2: each rank checks its own gradient shard; a pipeline: each stage its own layers.
+@pytest.mark.parametrize("layout", [["--zero=2"], ["--pipeline-parallel=2", "--microbatches=2",
+                                                     "--model.layers=2"]])
+def test_a_loss_scale_overflow_skips_the_step_on_every_rank(data, layout):
+    for counted, same, scale, skipped, taken, moved in run_ranks(2, overflow, data, layout):
         assert counted == 0 and same and skipped == 1  # nothing changed on any rank
         assert scale == 2.0 ** 59  # backed off alike
         assert taken and moved  # the next step trains
@@ -116,20 +119,6 @@ def test_a_skipped_bf16_step_names_bfloat16(data):
 def test_precision_with_float16_model_parameters_is_refused(data):
     with pytest.raises(ConfigError, match="choose one"):
         losses(data, "bf16", extra=["--model.dtype=float16"])
-
-
-def split_model(comm, data):
-    cache, directory = data
-    config = load_config("gpt", [*TINY, f"--data.cache-dir={cache}", "--precision=bf16",
-                                 "--tensor-parallel=2"])
-    with pytest.raises(ConfigError) as raised:
-        build_run(config, comm, directory)
-    return str(raised.value)
-
-
-def test_precision_on_a_split_model_is_refused_on_every_rank(data):
-    for message in run_ranks(2, split_model, data):
-        assert "--tensor-parallel" in message and "--zero 1-3" in message
 
 
 def test_a_bf16_run_resumes_bit_for_bit_with_its_masters(data, tmp_path):

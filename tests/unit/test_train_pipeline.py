@@ -102,6 +102,32 @@ def test_a_pipelined_run_equals_single_rank_gradient_accumulation(reference, ran
     assert_same(once(tmp, ranks, *layout), one)
 
 
+def records(tmp, run_dir):
+    """The run's (kind, accuracy or test_accuracy) records, in order."""
+    with open(tmp / run_dir / "metrics.jsonl") as f:
+        found = [json.loads(line) for line in f]
+    return [(r["kind"], r.get("accuracy", r.get("test_accuracy")))
+            for r in found if r["kind"] in ("train", "eval")]
+
+
+@pytest.mark.parametrize("ranks, layout", [
+    (2, ["--pipeline-parallel=2"]),
+    (4, ["--pipeline-parallel=2", "--tensor-parallel=2", "--megatron-sequence-parallel"]),
+])
+def test_pipelined_records_carry_the_single_rank_next_token_accuracy(reference, ranks,
+                                                                     layout):
+    # The last stage counts the hits (vocabulary-sharded under tensor=2) and every stage
+    # reports them: train records each step, the eval record at the end.
+    tmp, _ = reference
+    once(tmp, ranks, *layout)  # the run of the test above (made here if alone)
+    got = records(tmp, f"{ranks}" + "".join(a.strip("-").replace("=", "") for a in layout))
+    want = records(tmp, "one")
+    assert [k for k, _ in got] == [k for k, _ in want] and "eval" in dict(want)
+    # Hits in step 3 and in the evaluation (none in steps 1-2: 0.0, not null).
+    assert all(a is not None for _, a in want) and want[-1][1] > 0 and want[-2][1] > 0
+    assert [a for _, a in got] == pytest.approx([a for _, a in want], abs=1e-12)
+
+
 def test_a_pipeline_checkpoint_resumes_at_other_layouts(reference):
     # p = 2 x tensor 2 saved, p = 4 (a layer a stage, 4 microbatches) resumes it, no
     # pipeline resumes that: the single-rank run to rounding (dropout off: the masks
