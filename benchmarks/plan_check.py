@@ -158,11 +158,15 @@ def across_nodes(args: argparse.Namespace, root: str) -> list[dict]:
     cores = len(os.sched_getaffinity(0))
     rows = []
     with cluster(max(nodes), args.rate, root) as env:
+        # A fresh profile: bench keeps an old one's curves at other rank counts.
+        old = os.path.join(env["MPIDL_PROFILE_DIR"], "network", f"{PROFILE}.toml")
+        if os.path.exists(old):
+            os.remove(old)
         # The network at 2 nodes, a rank on each of this machine's cores; --cores tells
         # the plan that 3 nodes share them (3 ranks benched on 2 cores would measure
         # the cores' sharing into the network's curve, and the plan would count it twice).
         bench = _cluster("mpiexec", "--nodes", "2", "-n", "2", *EXPORT, "mpidl", "bench",
-                         "--op", "allreduce", "--min-bytes", "4KiB", "--max-bytes", "16MiB",
+                         "--op", "allreduce,iallreduce", "--min-bytes", "4KiB", "--max-bytes", "16MiB",
                          "--factor", "2", "--windows", "3", "--save-profile", PROFILE, env=env)
         print("\n".join(line for line in bench.stdout.splitlines()
                         if line.startswith("#") or line.strip()[:1].isdigit()), flush=True)

@@ -53,7 +53,7 @@ import numpy as np
 
 from hpc.argtypes import nonnegative_float, nonnegative_int, output_file, positive_int
 
-OPS = ("allreduce", "allgather", "bcast", "reduce_scatter", "alltoall", "sendrecv")
+OPS = ("allreduce", "allgather", "bcast", "reduce_scatter", "alltoall", "sendrecv", "iallreduce")
 DTYPES = ("float32", "float64", "int32", "int64")
 GB = 1e9
 _UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2,
@@ -268,6 +268,12 @@ def _collective(op: str, comm: Any, MPI: Any, xp: ModuleType, dtype: str, count:
         send, recv = xp.ones(count, dtype), xp.zeros(count, dtype)
         call = lambda: comm.Allreduce(send, recv, op=MPI.SUM)  # noqa: E731
         out, want = recv, lambda: xp.full(count, n, dtype)
+    elif op == "iallreduce":
+        # What DataParallel's overlapped buckets run: MPI libraries implement the
+        # non-blocking allreduce apart (Open MPI's libnbc, not its tuned Allreduce).
+        send, recv = xp.ones(count, dtype), xp.zeros(count, dtype)
+        call = lambda: comm.Iallreduce(send, recv, op=MPI.SUM).Wait()  # noqa: E731
+        out, want = recv, lambda: xp.full(count, n, dtype)
     elif op == "allgather":
         send, recv = xp.full(count, r + 1, dtype), xp.zeros(n * count, dtype)
         call = lambda: comm.Allgather(send, recv)  # noqa: E731
@@ -340,7 +346,8 @@ def measure(comm: Any, MPI: Any, call: Callable[[], None], xp: ModuleType, iters
 
 
 def _header(op: str, args: argparse.Namespace, ranks: int, nodes: int, library: str) -> str:
-    factor = {"allreduce": "2(n-1)/n", "bcast": "1", "sendrecv": "1"}.get(op, "(n-1)/n")
+    factor = {"allreduce": "2(n-1)/n", "iallreduce": "2(n-1)/n", "bcast": "1",
+              "sendrecv": "1"}.get(op, "(n-1)/n")
     return (f"# hpc.bench {op}: {ranks} ranks on {nodes} node(s), {args.dtype}, "
             f"{args.device} buffers; {library}\n"
             f"# time = slowest rank's mean per iteration, median (min-max) of "

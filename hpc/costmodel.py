@@ -5,7 +5,7 @@ A link is two numbers: ``alpha``, the seconds a message costs before its first b
 collective of ``n`` bytes over ``p`` ranks follows from the algorithm MPI libraries use
 for large messages (Thakur, Rabenseifner & Gropp 2005; MPICH's comments)::
 
-    allreduce (ring)          2(p-1) alpha + 2 (p-1)/p  n / bandwidth
+    allreduce (ring)          2(p-1) alpha + 2 (p-1)/p  n / bandwidth   (iallreduce alike)
     allgather, reduce_scatter  (p-1) alpha +   (p-1)/p  n / bandwidth   (n: all blocks)
     alltoall (pairwise)        (p-1) alpha +   (p-1)/p  n / bandwidth   (n: the send buffer)
     bcast (binomial tree)  ceil(lg p) alpha +           n / bandwidth
@@ -48,7 +48,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 SHIPPED = Path(__file__).resolve().parent / "profiles"
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "sendrecv")
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "sendrecv",
+               "iallreduce")
 STAND_IN = "allreduce"  # whose numbers price a collective a profile lacks
 
 
@@ -56,7 +57,7 @@ def steps(op: str, ranks: int) -> int:
     """Messages on the critical path of ``op`` over ``ranks`` (the alpha terms)."""
     if ranks <= 1:
         return 0
-    if op == "allreduce":
+    if op in ("allreduce", "iallreduce"):
         return 2 * (ranks - 1)
     if op in ("allgather", "reduce_scatter", "alltoall"):
         return ranks - 1
@@ -74,7 +75,7 @@ def volume(op: str, ranks: int) -> float:
     alltoall ``(n-1)/n``, a broadcast or a ring shift all of it."""
     if ranks < 1:
         raise ValueError(f"size={ranks}: a communicator has at least 1 rank")
-    if op == "allreduce":
+    if op in ("allreduce", "iallreduce"):
         return 2.0 * (ranks - 1) / ranks
     if op in ("allgather", "reduce_scatter", "alltoall"):
         return (ranks - 1) / ranks

@@ -135,7 +135,12 @@ def comm_seconds(work: Workload, ranks: int, nodes: int, network: Any, node_link
     full, rest = divmod(wire, bucket)
     link = node_link if nodes <= 1 else network
     sizes = [bucket] * full + ([rest] if rest else [])
-    return sum(link.time("allreduce", n, ranks) for n in sizes)
+    # Overlapped buckets run the non-blocking allreduce (DataParallel's default across
+    # nodes): priced with its own curve where the profile has one (measured here, Open
+    # MPI's over TCP took twice the blocking one's time), else the allreduce's.
+    overlap = work.overlap if work.overlap is not None else nodes > 1
+    op = "iallreduce" if overlap and "iallreduce" in link.links else "allreduce"
+    return sum(link.time(op, n, ranks) for n in sizes)
 
 
 def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int],
