@@ -28,6 +28,10 @@ Not part of CI. Run from the repository root::
     mpiexec --oversubscribe -n 4 .venv/bin/python benchmarks/pipeline_bubble.py --compute hold
     .venv/bin/python benchmarks/pipeline_bubble.py --compute hold --thread-ranks 4
 
+Measured on a quiet 2-core machine (benchmarks/README.md, 2026-12-02): held stages
+1.00-1.04x the formula at p = 4 on MPI ranks, 1.02-1.08x on thread ranks; real stages
+at p = 2 1.07-1.52x, the excess their measured imbalance.
+
 On MPI a rank waiting for a message spins (Open MPI polls; oversubscribed it yields
 between polls), so p = 4 held ranks on 2 cores still share the cores while waiting;
 ``--thread-ranks`` runs the stages as threads of one process, whose waits block, the
