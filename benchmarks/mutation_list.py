@@ -38,6 +38,7 @@ COMM = "tests/mpi/test_comm.py::"
 SEQ = "tests/mpi/test_sequence_attention.py::"
 MODEL_PARALLEL = "tests/mpi/test_model_parallel.py::"
 SAMPLER = "tests/unit/test_data_sampler.py::"
+PLAN_COSTS = "tests/unit/test_plan_costs.py::"
 OPTIM = "tests/unit/test_optim.py::"
 ZERO_CONTRACTS = "tests/mpi/test_zero_contracts.py::"
 ZC = "test_zero_contracts::"
@@ -217,7 +218,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         name="megatron-f-backward-identity",
         file="mpidl/parallel/mappings.py",
-        original="    def backward(self, gy):\n        return self.comm.allreduce(gy)",
+        original="    def backward(self, gy):\n        return _allreduce(self.comm, gy)",
         mutated="    def backward(self, gy):\n        return gy",
         why="Megatron's f (copy to the region) does not sum the input gradient in backward",
         tests=(MODEL_PARALLEL + "test_parallel_gpt_trains_like_the_single_rank_gpt[tensor]",),
@@ -1141,8 +1142,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         name="train-pipeline-counts-sequences",
         file="mpidl/train/step.py",
-        original="        return loss, run.objective.targets(x, None), 0",
-        mutated="        return loss, len(x), 0",
+        original="        return loss, run.objective.targets(x, None), pipeline.hits",
+        mutated="        return loss, len(x), pipeline.hits",
         why="a pipelined step counts its sequences, not their targets, under its loss sum",
         tests=(TRAIN_PIPE + "test_a_pipelined_run_equals_single_rank_gradient_accumulation",),
     ),
@@ -1452,5 +1453,100 @@ MUTATIONS: list[Mutation] = [
         why="windows with gaps between them (stride > kernel) are cropped to kernel x "
             "outputs, cutting the last windows short",
         tests=(POOL + "test_max_pool_with_a_stride_beyond_the_window_reads_every_window",),
+    ),
+    # -- the planner against a network and the fixed cost (#32, #30: hpc/costmodel.py's
+    #    measured curves, mpidl/plan_step.py, plan_probe.py); tests/unit, seconds -----------
+    Mutation(
+        name="costmodel-curve-interpolated-linearly",
+        file="hpc/costmodel.py",
+        original="    w = math.log(nbytes / n0) / math.log(n1 / n0)",
+        mutated="    w = (nbytes - n0) / (n1 - n0)",
+        why="a measured curve is interpolated linearly in bytes, not in log-log: between "
+            "64 KB and 256 KB the price leans on the far end",
+        tests=(PLAN_COSTS + "test_a_measured_curve_gives_its_own_times_at_its_sizes_and_rank_count",),
+    ),
+    Mutation(
+        name="costmodel-curve-ignores-the-rank-count",
+        file="hpc/costmodel.py",
+        original="        if ranks == at:\n            return measured",
+        mutated="        if True:\n            return measured",
+        why="a curve measured at 2 ranks prices 3 ranks as if they were 2",
+        tests=(PLAN_COSTS + "test_at_another_rank_count_the_curve_scales_by_the_lines_ratio",),
+    ),
+    Mutation(
+        name="costmodel-save-drops-the-other-rank-counts",
+        file="hpc/costmodel.py",
+        original="            kept[op] = [(r, c) for r, c in link.curves if r != ranks]",
+        mutated="            kept[op] = []",
+        why="saving the 3-node sweep loses the 2-node curve of the same profile",
+        tests=(PLAN_COSTS + "test_a_saved_sweep_is_loaded_back_as_its_curve_beside_those_at_"
+               "other_rank_counts",),
+    ),
+    Mutation(
+        name="plan-fixed-cost-on-one-rank",
+        file="mpidl/plan.py",
+        original="        fixed = costs.fixed_s if r > 1 else 0.0",
+        mutated="        fixed = costs.fixed_s",
+        why="the fixed cost of a distributed step is charged to the single-process step too",
+        tests=(PLAN_COSTS + "test_predict_adds_the_fixed_cost_to_distributed_rows_and_shares_cores",),
+    ),
+    Mutation(
+        name="plan-shared-cores-leave-the-exchange-alone",
+        file="mpidl/plan.py",
+        original="        comm = shared_cores(comm_seconds(work, r, nodes, network, node_link), r, "
+                 "costs.cores)",
+        mutated="        comm = comm_seconds(work, r, nodes, network, node_link)",
+        why="ranks beyond the cores stretch compute but not the exchange's protocol work",
+        tests=(PLAN_COSTS + "test_predict_adds_the_fixed_cost_to_distributed_rows_and_shares_cores",),
+    ),
+    Mutation(
+        name="plan-achieved-overlap-goes-negative",
+        file="mpidl/plan_step.py",
+        original="    return min(max((comm_s - waited_s) / backward, 0.0), 1.0)",
+        mutated="    return min((comm_s - waited_s) / backward, 1.0)",
+        why="a run that waited longer than the priced exchange gives a negative overlap",
+        tests=(PLAN_COSTS + "test_the_achieved_share_is_what_the_run_did_not_wait_for_over_its_"
+               "backward",),
+    ),
+    Mutation(
+        name="probe-counts-one-node",
+        file="mpidl/plan_probe.py",
+        original="    nodes = sum(comm.allgather_obj(comm.local_rank == 0))",
+        mutated="    nodes = 1",
+        why="the probe says one node when its ranks span several, and the fixed cost is "
+            "priced against the node's link",
+        tests=(PLAN_COSTS + "test_the_probe_takes_its_steps_on_every_rank_and_agrees_on_one_"
+               "result[3-2-2-6]",),
+    ),
+    # -- #26's last gaps: a stage built alone, pipelined accuracy, 16-bit sums widened ----
+    Mutation(
+        name="stage-build-skips-no-draws",
+        file="mpidl/nn/init.py",
+        original='    if mode == "draw":',
+        mutated="    if False:",
+        why="a layer another stage keeps is built without drawing its values: every layer "
+            "after it differs from the whole build's",
+        tests=("tests/unit/test_pipeline_build.py::test_a_stage_built_gpt_keeps_the_whole_"
+               "builds_values_and_nothing_else",),
+    ),
+    Mutation(
+        name="pipeline-hits-not-from-the-last-stage",
+        file="mpidl/parallel/pipeline.py",
+        original="        self.hits = int(total[1])",
+        mutated="        self.hits = hits",
+        why="each stage reports its own next-token hits (none but the last's), not the "
+            "last stage's broadcast",
+        tests=("tests/unit/test_train_pipeline.py::test_pipelined_records_carry_the_single_"
+               "rank_next_token_accuracy",),
+    ),
+    Mutation(
+        name="tensor-parallel-sums-half-activations-in-half",
+        file="mpidl/parallel/mappings.py",
+        original="    if is_half(x.dtype):\n        return comm.allreduce(",
+        mutated="    if False:\n        return comm.allreduce(",
+        why="a row-parallel layer's 16-bit partial sums are reduced in 16 bits (bfloat16: "
+            "no MPI type)",
+        tests=("tests/unit/test_precision_layouts.py::test_half_precision_on_a_split_model_"
+               "equals_one_rank",),
     ),
 ]
