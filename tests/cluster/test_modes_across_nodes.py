@@ -2,7 +2,8 @@
 
 `mpidl train gpt` (the tiny float64 configuration of the single-machine layout tests)
 at 2 nodes x 2 ranks and 3 nodes x 1 rank: data parallelism flat and overlapped, ZeRO
-1-3, tensor parallelism inside a node with data or sequence parallelism across nodes;
+1-3, tensor parallelism inside a node with data or sequence parallelism across nodes,
+pipeline stages across nodes (with data or tensor parallelism inside);
 a checkpoint written on one layout resumes on another. The hierarchical exchange, which
 `mpidl train` does not offer, runs tests/mpi's own checks of it on the nodes. Traffic
 between nodes is TCP over the veth links; inside a node, shared memory.
@@ -43,6 +44,11 @@ MODES = [
     ((2, 2), ["--zero=3"]),
     ((2, 2), ["--tensor-parallel=2"]),                               # tensor in, data across
     ((2, 2), ["--tensor-parallel=2", "--sequence-parallel=ring"]),   # ... sequence across
+    # The pipeline is the outermost axis: its two stages on the two nodes, activations
+    # and their gradients point to point over TCP (the single run with the same batch:
+    # two microbatches' gradients summed equal the batch's to rounding).
+    ((2, 2), ["--pipeline-parallel=2", "--microbatches=2"]),          # stages across, data in
+    ((2, 2), ["--pipeline-parallel=2", "--tensor-parallel=2", "--microbatches=2"]),
     ((3, 1), ["--overlap=false"]),
     ((3, 1), ["--overlap=true"]),
     ((3, 1), ["--zero=1"]),
