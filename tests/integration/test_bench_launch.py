@@ -45,10 +45,11 @@ def test_table_of_every_op_on_three_ranks():
     headers = re.findall(r"^# hpc\.bench (\w+): 3 ranks on 1 node\(s\)", out, re.M)
     assert headers == list(bench.OPS), out
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s", out, re.M)
-    # allreduce, bcast and sendrecv: every size; allgather/reduce_scatter/alltoall:
-    # whole vectors of 3 x elements, so 4 B and 16 B both round to 12 B and appear once.
-    assert len(rows) == 3 * 8 + 3 * 7, out
-    assert len(re.findall(r"^# fit over \d+ sizes", out, re.M)) == 6, out
+    # allreduce, iallreduce, bcast and sendrecv: every size; allgather/reduce_scatter/
+    # alltoall: whole vectors of 3 x elements, so 4 B and 16 B both round to 12 B and
+    # appear once.
+    assert len(rows) == 4 * 8 + 3 * 7, out
+    assert len(re.findall(r"^# fit over \d+ sizes", out, re.M)) == 7, out
 
 
 def test_bad_argument_is_reported_once_and_fails_every_rank():

@@ -91,7 +91,7 @@ RUN = {
     r"mpidl plan --ranks 1,2,4,10 --network 10gbe": "verdict:",
     r"mpidl plan reviews-transformer --samples 50000 --epochs 3 --step-time 4\.6 .*--plot plan\.png":
         "verdict: 10 ranks: 9.1x faster, 20 min instead of 3.0 h; with 40 h of setup it pays "
-        "off after 24 trainings: not worth it for one training",
+        "off after 25 trainings: not worth it for one training",
     r"mpidl plan gpt --layouts .* --network ib-ndr":
         "proposal: 1024 ranks: t4 x p32 x d8 (192 microbatches, bubble 16.1%), 32.1 GB per "
         "rank of 80, step 7.85 s, 425 TFLOP/s per rank, MFU 42.6%",

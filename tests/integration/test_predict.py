@@ -220,8 +220,12 @@ def test_eval_needs_only_the_test_split(dense_run, tmp_path):
         old = str(tmp_path / "old-run")  # a run from before dataset.json: the test split alone
         shutil.copytree(run_dir, old)
         os.remove(os.path.join(old, "dataset.json"))
-        assert evaluated(1, old) == {**expected, "checkpoint": expected["checkpoint"].replace(
-            run_dir, old)}
+        # At 1 rank the float32 loss sums its batches in another order than at 2 (BLAS
+        # kernels differ by machine: equal on some, 4e-8 apart on others); the rest is exact.
+        alone = evaluated(1, old)
+        assert alone.pop("test_loss") == pytest.approx(expected["test_loss"], rel=1e-6)
+        assert alone == {**{k: v for k, v in expected.items() if k != "test_loss"},
+                         "checkpoint": expected["checkpoint"].replace(run_dir, old)}
     finally:
         shutil.move(aside, os.path.join(data, "train"))
     # An empty train split beside the same test rows.
