@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy
 
+from mpidl import names
+
 _cupy: ModuleType | None = None
 _cupy_checked = False
 
@@ -102,7 +104,8 @@ def to_device(x: Any, xp: ModuleType) -> Any:
 # bfloat16 arrays returns float32, and a bfloat16 ``sum`` of 10,000 uniforms returns 256
 # (every add rounds to 8 bits). So matrix products and sums of 16-bit floats are done
 # in float32 at the boundary (:func:`matmul`, :func:`compute_dtype`) and rounded once.
-PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# --precision (mpidl.names.PRECISIONS) -> the dtype of the parameters and activations.
+PRECISIONS = dict(zip(names.PRECISIONS, ("float32", "float16", "bfloat16")))
 
 
 def bfloat16() -> numpy.dtype:

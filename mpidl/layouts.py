@@ -63,9 +63,8 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterable
 
-PRECISIONS = ("fp32", "fp16", "bf16")
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from mpidl.names import PIPELINE_SCHEDULES as SCHEDULES
+from mpidl.names import PRECISIONS, RECOMPUTE
 ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}       # bytes of a parameter / activation
 GRAD = {"fp32": 4, "fp16": 2, "bf16": 4}          # bytes of a reduced gradient element
 

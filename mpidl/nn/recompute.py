@@ -48,9 +48,8 @@ import numpy
 
 from mpidl.autograd import (Function, Tensor, enable_grad, fresh_grads, is_grad_enabled,
                             no_grad)
+from mpidl.names import RECOMPUTE
 from mpidl.nn.module import Module
-
-RECOMPUTE = ("none", "selective", "full")
 
 
 def check_recompute(mode: str) -> str:

@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from mpidl.names import PIPELINE_SCHEDULES as SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from mpidl.data.sampler import DEFAULT_BLOCK_SIZE
+from mpidl.names import PIPELINE_SCHEDULES, PRECISIONS, RECOMPUTE
 from mpidl.train import optimizer_defaults
 from mpidl.train.config_checks import validate
 from mpidl.train.schema import (
@@ -62,10 +63,9 @@ __all__ = ["Config", "ModelConfig", "DataConfig", "ConfigError", "load_config", 
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
 DEFAULT_PRESET = "reviews"
-# The pipeline schedules (mpidl.parallel.pipeline_schedule.SCHEDULES, not imported: reading
-# a config loads no engine). Disjoint from the learning-rate schedules, so `schedule`
-# takes both: a pipeline schedule's name sets `pipeline_schedule` (_schedule_alias).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# The pipeline schedules' names are disjoint from the learning-rate schedules', so
+# `schedule` takes both: a pipeline schedule's name sets `pipeline_schedule`
+# (_schedule_alias).
 
 
 @dataclass
@@ -173,12 +173,12 @@ class Config:
     virtual_stages: int = 1
     # Activation recomputation of transformer blocks: none, selective (the attention
     # scores and probabilities), full (each block keeps its input); mpidl.nn.recompute
-    recompute: str = choices("none", "selective", "full", default="none")
+    recompute: str = choices(*RECOMPUTE, default="none")
     # Mixed precision: fp16 or bf16 parameters and activations, fp32 master weights and
     # optimizer state (sharded under ZeRO), gradients reduced in fp32
     # (mpidl.optim.MasterWeights). loss_scale: auto is dynamic for fp16 (and for
     # --model.dtype=float16 parameters), none for bf16 and fp32 (as Megatron)
-    precision: str = choices("fp32", "fp16", "bf16", default="fp32")
+    precision: str = choices(*PRECISIONS, default="fp32")
     loss_scale: str = choices("auto", "dynamic", "none", default="auto")
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
     keep_freed_memory: bool = True           # glibc keeps freed memory (no page faults
