@@ -63,7 +63,9 @@ def test_the_sampler_gives_every_sample_once_and_the_single_rank_batches(comm, m
     # fewer samples than ranks, a step of fewer than the ranks, blocks, a larger set
     for n, g, block in [(7, 4, 2), (101, 8, 3), (257, 16, 5), (1000, 64, 32)]:
         test_sampler_mpi.test_ranks_together_see_every_sample_once(comm, mode, n, g, block)
-    test_sampler_mpi.test_global_batches_equal_the_single_rank_batches(comm, mode)
+    # the old order (a window as large as the set) and windows of 16 blocks (64 ids)
+    for window in (16384, 64) if mode == "block" else (16384,):
+        test_sampler_mpi.test_global_batches_equal_the_single_rank_batches(comm, mode, window)
 
 
 @pytest.mark.parametrize("kind,stage", [("mlp", 1), ("mlp", 2), ("mlp", 3), ("gpt", 3)])
