@@ -134,8 +134,9 @@ def test_chunked_unfolding_gives_the_one_chunk_results(xp, monkeypatch, budget, 
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypatch, case):
-    # 'same' layers with stride 1 on the last two axes unfold planes as flat runs
+def test_every_unfolding_geometry_and_gemm_gives_the_same_results(xp, monkeypatch, case):
+    # 'Same' layers with stride 1 unfold whole samples as one shifted run per channel
+    # (conv.FlatPlanes), or else, with stride 1 on the last two axes, planes as flat runs
     # (conv.FlatRows); the general strided views (conv.Windows) must agree everywhere,
     # as must the forward's GEMM per sample (large maps) and over the batch (small ones).
     x, w, b, kw = _case(xp, case)
@@ -143,10 +144,16 @@ def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypat
     stride, dilation = conv.ntuple(kw["stride"], d, "s"), conv.ntuple(kw["dilation"], d, "d")
     geometry = SimpleNamespace(stride=stride, dilation=dilation, pads=conv.conv_padding(
         kw["padding"], w.shape[2:], dilation, stride))
-    flat = conv.FlatRows.applies(geometry, x.shape, w.shape[2:])
+    geometry.out = tuple(conv.output_size(n, k, st, p, dd) for n, k, st, p, dd in zip(
+        x.shape[2:], w.shape[2:], stride, geometry.pads, dilation))
+    whole = [(0, x.shape[0], 0, geometry.out[0])]
+    planes = conv.FlatPlanes.applies(geometry, x.shape, w.shape[2:], whole)
+    rows = conv.FlatRows.applies(geometry, x.shape, w.shape[2:])
     results = []
-    for force_windows in (False, True):
-        if force_windows:
+    for mode in ("planes", "rows", "windows"):
+        if mode == "rows":
+            monkeypatch.setattr(conv.FlatPlanes, "applies", staticmethod(lambda *a: False))
+        if mode == "windows":
             monkeypatch.setattr(conv.FlatRows, "applies", staticmethod(lambda *a: False))
             # and the other GEMMs: one per sample for these small maps too
             monkeypatch.setattr(conv, "_PER_SAMPLE_GEMM_FROM", 1)
@@ -157,9 +164,11 @@ def test_both_unfolding_geometries_and_gemms_give_the_same_results(xp, monkeypat
         y = CONV[case[0]](*ts, **kw)
         y.backward(_randn(xp, *y.shape, seed=6))
         results.append([y.data] + [t.grad for t in ts])
-    for got, want in zip(*results):
-        assert allclose(got, want)
-    assert flat == (case in (CASES[3], CASES[6], CASES[7], CASES[10]))
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            assert allclose(got, want)
+    assert planes == (case in (CASES[0], CASES[3], CASES[6], CASES[7], CASES[10]))
+    assert rows == (case in (CASES[3], CASES[6], CASES[7], CASES[10]))
 
 
 @pytest.mark.parametrize("keep", [0, conv.KEEP_COLS_BYTES])
