@@ -178,3 +178,25 @@ def test_a_job_that_lost_a_node_never_exits_0(tmp_path, said, status):
     assert proc.returncode == status, proc.stderr
     assert proc.stderr.startswith(said), proc.stderr  # passed on whole, as it came
     assert ("exited 0 after losing a node's daemon" in proc.stderr) == (status != 0)
+
+
+def _fake_launcher(path, says):
+    path.write_text(f"#!/bin/sh\necho '{says}'\necho asked >> '{path}.log'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_launcher_is_asked_for_its_flavour_once_until_it_changes(tmp_path):
+    from hpc.launch import is_open_mpi
+
+    ompi = _fake_launcher(tmp_path / "mpiexec", "mpiexec (Open MPI) 5.0.11")
+    other = _fake_launcher(tmp_path / "mpiexec.hydra", "HYDRA build details:")
+    assert [is_open_mpi(ompi) for _ in range(3)] == [True] * 3
+    assert [is_open_mpi(other) for _ in range(2)] == [False] * 2
+    assert (tmp_path / "mpiexec.log").read_text().count("asked") == 1
+    assert (tmp_path / "mpiexec.hydra.log").read_text().count("asked") == 1
+    # Replaced in place (another MPI installed at the same path): asked again.
+    _fake_launcher(tmp_path / "mpiexec", "HYDRA build details:")
+    os.utime(ompi, ns=(0, 10**9))  # a new modification time, whatever the clock's grain
+    assert is_open_mpi(ompi) is False
+    assert not is_open_mpi(str(tmp_path / "absent"))
