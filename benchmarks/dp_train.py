@@ -160,7 +160,7 @@ def mpidl_step(args: argparse.Namespace, batches: list) -> tuple[Callable[[], No
         kwargs["overlap"] = args.overlap == "on"
     state = {"i": 0, "wait": [], "sparse": 0}
     if args.framework == "bare":  # the model alone, DataParallel's 1-rank cost measured
-        if comm.size != 1:
+        if comm.size != 1 and not getattr(args, "independent", False):
             raise SystemExit("dp_train.py: the bare model runs at 1 rank only")
         if kwargs["keep_freed_memory"]:
             from mpidl import backend
