@@ -1549,4 +1549,26 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_precision_layouts.py::test_half_precision_on_a_split_model_"
                "equals_one_rank",),
     ),
+    # -- 9d300fb's FlatPlanes unfolding ('same', stride 1, whole samples) -------------------
+    Mutation(
+        name="conv-flat-planes-padding-left-in",
+        file="mpidl/functions/conv.py",
+        original="            self._zero_padding(cols[(slice(None),) + offset], edges)\n"
+                 "        return cols",
+        mutated="            pass\n        return cols",
+        why="the positions a shift takes from the neighbouring row or sample are not "
+            "zeroed: the unfolding reads the next row's values where the padding is",
+        tests=(CONV + "test_every_unfolding_geometry_and_gemm_gives_the_same_results",
+               CONV + "test_conv_forward_matches_the_definition"),
+    ),
+    Mutation(
+        name="conv-flat-planes-shift-ignores-the-padding",
+        file="mpidl/functions/conv.py",
+        original="move = k * dl - lo  # output index i reads input index i + move",
+        mutated="move = k * dl  # output index i reads input index i + move",
+        why="a kernel offset's shift forgets the low padding: every output reads the input "
+            "one kernel radius off",
+        tests=(CONV + "test_every_unfolding_geometry_and_gemm_gives_the_same_results",
+               CONV + "test_conv_forward_matches_the_definition"),
+    ),
 ]
