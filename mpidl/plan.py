@@ -82,6 +82,11 @@ class Workload:
     def steps(self) -> int:
         return math.ceil(self.samples * self.epochs / self.global_batch)
 
+    def overlapped(self, nodes: int) -> bool:
+        """Whether the buckets overlap backward on ``nodes`` nodes (DataParallel's
+        default where :attr:`overlap` is None: across nodes, not within one)."""
+        return self.overlap if self.overlap is not None else nodes > 1
+
 
 @dataclasses.dataclass
 class Prediction:
@@ -138,8 +143,8 @@ def comm_seconds(work: Workload, ranks: int, nodes: int, network: Any, node_link
     # Overlapped buckets run the non-blocking allreduce (DataParallel's default across
     # nodes): priced with its own curve where the profile has one (measured here, Open
     # MPI's over TCP took twice the blocking one's time), else the allreduce's.
-    overlap = work.overlap if work.overlap is not None else nodes > 1
-    op = "iallreduce" if overlap and "iallreduce" in link.links else "allreduce"
+    op = "iallreduce" if work.overlapped(nodes) and "iallreduce" in link.links \
+        else "allreduce"
     return sum(link.time(op, n, ranks) for n in sizes)
 
 
@@ -170,7 +175,7 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
         b = per_rank_batch(work.global_batch, r)
         c = shared_cores(compute(b), r, costs.cores)
         comm = shared_cores(comm_seconds(work, r, nodes, network, node_link), r, costs.cores)
-        overlap = work.overlap if work.overlap is not None else nodes > 1
+        overlap = work.overlapped(nodes)
         exposed = exposed_comm(comm, c, overlap, costs.overlap_share)
         fixed = costs.fixed_s if r > 1 else 0.0
         step = c + exposed + fixed + input_s

@@ -145,7 +145,7 @@ def _step_costs(args: argparse.Namespace, work: Workload, compute: Any, network:
     share, share_from = base.overlap_share, base.overlap_from
     if run is not None and run["ranks"] > 1:
         nodes = -(-run["ranks"] // args.ranks_per_node)
-        if (work.overlap if work.overlap is not None else nodes > 1):
+        if work.overlapped(nodes):
             comm = plan.comm_seconds(work, run["ranks"], nodes, network, node_link)
             share = achieved_overlap_share(comm, run["comm_wait_s"], run["compute_s"])
             share_from = (f"achieved by the run at {run['ranks']} ranks: waited "
