@@ -13,7 +13,7 @@ import sys
 
 import numpy
 import pytest
-from trainjob import (EPOCH, SLOW, SMALL, evals, final_parameters, train,
+from trainjob import (EPOCH, SLOW, SMALL, copy_run, evals, final_parameters, train,
                       wait_for_first_record)
 
 from mpidl.testing import tolerance
@@ -22,15 +22,12 @@ from mpidl.testing.launch import mpiexec, mpiexec_command, start
 pytestmark = [pytest.mark.timeout(300)]
 
 
-# Two runs several tests compare with, made once per module (each about 12 s at 2 ranks on
-# the 2-core CI machine) and copied where a test writes into its run directory.
+# Two runs several tests compare with, made once (each about 12 s at 2 ranks on the 2-core
+# CI machine) and copied where a test writes into its run directory.
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory, cache):
-    """An uninterrupted 2-epoch run at 2 ranks (checkpoints at both epoch ends)."""
-    run = str(tmp_path_factory.mktemp("whole") / "run")
-    result = train(2, run, cache, "--epochs=2")
-    assert result.returncode == 0, result.output
-    return run
+def whole(two_epoch_run):
+    """An uninterrupted 2-epoch run at 2 ranks (conftest.py; shared with other files)."""
+    return two_epoch_run
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +38,6 @@ def half(tmp_path_factory, cache):
     assert result.returncode == 0, result.output
     assert f"stopped at step {EPOCH}" in result.stdout
     return run
-
-
-def copy_run(run, tmp_path, name="run"):
-    import shutil
-
-    return str(shutil.copytree(run, tmp_path / name))
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

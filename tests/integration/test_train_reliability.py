@@ -18,7 +18,7 @@ import numpy
 import pytest
 
 from mpidl.testing.launch import mpiexec
-from trainjob import (EPOCH, SLOW, SMALL, evals, final_parameters, train,
+from trainjob import (EPOCH, SLOW, SMALL, copy_run, evals, final_parameters, train,
                       wait_for_first_record)
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -41,20 +41,9 @@ def checkpoints(run_dir):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, cache):
-    """A finished 2-epoch run (checkpoints at both epoch ends), to copy per test."""
-    run = str(tmp_path_factory.mktemp("trained") / "run")
-    result = train(2, run, cache, "--epochs=2")
-    assert result.returncode == 0, result.output
-    return run
-
-
-def copy_run(trained, tmp_path):
-    import shutil
-
-    run = str(tmp_path / "run")
-    shutil.copytree(trained, run)
-    return run
+def trained(two_epoch_run):
+    """A finished 2-epoch run at 2 ranks (conftest.py), to copy per test."""
+    return two_epoch_run
 
 
 # -- divergence ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -19,6 +20,11 @@ def train(n, run_dir, cache, *args, timeout=240):
     cmd = [sys.executable, "-m", "mpidl", "train", *SMALL, f"--data.cache-dir={cache}",
            f"--run-dir={run_dir}", *args]
     return mpiexec(n, cmd, timeout=timeout)
+
+
+def copy_run(run, tmp_path, name="run"):
+    """A copy of run directory ``run`` under ``tmp_path`` (for a test that writes into it)."""
+    return str(shutil.copytree(run, tmp_path / name))
 
 
 def final_parameters(run_dir):
