@@ -42,12 +42,17 @@ def test_a_run_in_this_environment_passes_the_installation_check():
     assert result.stdout.splitlines()[-1] == "suite: 0 passed, 0 failed, 0 skipped"
 
 
-def _tiers(*argv):
+def _run_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("suite_run", RUN)
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
+    return run
+
+
+def _tiers(*argv):
+    run = _run_module()
     parser = argparse.ArgumentParser()
     for flag in ("--quick", "--slurm", "--cluster", "--many", "--all"):
         parser.add_argument(flag, action="store_true")
@@ -72,3 +77,40 @@ def test_each_flag_runs_its_tiers_and_all_runs_every_test_folder():
     folders = {f"tests/{d}" for d in os.listdir(tests) if os.path.isdir(os.path.join(tests, d))
                and any(f.startswith("test_") for f in os.listdir(os.path.join(tests, d)))}
     assert folders - {"tests/gpu"} == set(single) | {"tests/mpi"}, folders
+
+
+def _compile_in_child(module_dir):
+    # A child process imports a module from module_dir, as the suite's launches import mpidl.
+    return subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                           "import probe_module; print(sys.pycache_prefix or '')", module_dir],
+                          capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+
+
+def test_the_run_keeps_compiled_bytecode_in_a_folder_of_its_own_then_removes_it(
+        tmp_path, monkeypatch):
+    run = _run_module()
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "probe_module.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    with run.bytecode_cache():
+        prefix = os.environ["PYTHONPYCACHEPREFIX"]
+        assert "PYTHONDONTWRITEBYTECODE" not in os.environ
+        assert _compile_in_child(str(sources)) == prefix
+        compiled = [f for _, _, files in os.walk(prefix) for f in files]
+        assert any(f.startswith("probe_module.") and f.endswith(".pyc") for f in compiled), compiled
+    # Nothing beside the sources, the folder gone, the environment as it was.
+    assert sorted(os.listdir(sources)) == ["probe_module.py"]
+    assert not os.path.exists(prefix)
+    assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert "PYTHONPYCACHEPREFIX" not in os.environ
+    # A prefix the caller chose is theirs; without PYTHONDONTWRITEBYTECODE nothing changes.
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "theirs"))
+    with run.bytecode_cache():
+        assert os.environ["PYTHONPYCACHEPREFIX"] == str(tmp_path / "theirs")
+        assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    with run.bytecode_cache():
+        assert "PYTHONPYCACHEPREFIX" not in os.environ
