@@ -26,6 +26,12 @@ of (``--variants``):
   parameters (here into a flat copy: the prototype does not rewire the model's arrays,
   so its model stops training; the time per step is what it measures). Its optimizer
   phase is only ``zero_grad``: the update is part of the exchange.
+- ``window-zero1``: ZeRO stage 1 within the node's shared window, as a prototype: each rank
+  sums its share of the gradients out of all copies (as ``dataparallel``), applies SGD
+  to its share of a flat copy of the parameters kept in a second window, and writes the
+  updated share into every rank's copy; no summed gradient is written back and each
+  rank's optimizer pass covers 1/N of the parameters. Measures what moving the update
+  into the exchange would save on one node (mlp only, like ``zero1``).
 
 Median milliseconds per phase over the timed steps, the slowest rank's. Prototypes, not
 library code: they show where a step's time goes and what another exchange would save
@@ -39,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,11 +82,37 @@ def ring_allgather(w, flat, own: int) -> None:
         w.Sendrecv(flat[a:b], right, 1, flat[c:d], left, 1)
 
 
+def window_zero1_step(grads: Any, params: Any, scratch: Any, lr: float) -> None:
+    """ZeRO-1 within the node's windows: each rank sums its share of every gradient
+    bucket out of all copies (as ``NodeSharedArrays.allreduce_``), applies SGD to its
+    share of the parameters, and writes the updated share into every rank's parameter
+    copy; nobody writes the summed gradient back, and each rank's optimizer pass covers
+    1/N of the parameters."""
+    r = grads.rank
+    grads._fence()
+    params.win.Sync()
+    for copies, pcopies in zip(grads.copies, params.copies):
+        s = grads._share(copies[r].size, r)
+        mine, pmine = copies[r][s], pcopies[r][s]
+        for q, other in enumerate(copies):
+            if q != r:
+                mine += other[s]
+        for a in range(0, mine.size, scratch.size):
+            e = min(mine.size, a + scratch.size)
+            numpy.multiply(mine[a:e], -lr, out=scratch[:e - a])
+            pmine[a:e] += scratch[:e - a]
+        for q, other in enumerate(pcopies):
+            if q != r:
+                other[s] = pmine
+    params._fence()
+
+
 def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
     from mpi4py import MPI
 
     import mpidl.comm
     import mpidl.models as models
+    from mpidl.comm.shared import NodeSharedArrays
     from mpidl import functions as F
     from mpidl.optim import SGD
     from mpidl.parallel import DataParallel
@@ -88,9 +121,10 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
 
     w = MPI.COMM_WORLD
     case = CASES[model]
+    windowed_variant = variant in ("dataparallel", "window-zero1")
     dp = DataParallel(models.build(model, seed=0, **case.get("model", {})), mpidl.comm.world(),
                       keep_freed_memory=True,
-                      shared_memory=False if variant != "dataparallel" else None)
+                      shared_memory=None if windowed_variant else False)
     opt = SGD(dp.module.parameters(), lr=0.01)
     batches = make_batches(model, w.rank, "zipf")
     n = case["batch"] * w.size * (case["tokens"] - 1 if "model" in case else 1)
@@ -101,6 +135,12 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
     times: dict[str, list[float]] = {k: [] for k in PHASES}
     cpu: dict[str, list[float]] = {k: [] for k in PHASES}
     windowed = dp.transport.row_masks is not None
+    if variant == "window-zero1" and w.size > 1 and not windowed:
+        raise SystemExit("window-zero1 needs the buckets in a node-shared window (one node)")
+    # window-zero1's parameters: flat copies in a second window (the prototype does not
+    # rewire the model's arrays, as zero1); at 1 rank it is the plain step
+    param_window = (NodeSharedArrays(mpidl.comm.world(), params)
+                    if variant == "window-zero1" and windowed else None)
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -113,10 +153,12 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
         t2, c2 = time.perf_counter(), time.thread_time()
         if variant == "dataparallel" and windowed:
             dp.sync_gradients()  # the window sums buckets and tables in one go
+        elif param_window is not None:
+            window_zero1_step(dp.transport.window, param_window, scratch, lr=0.01)
         elif variant in ("dataparallel", "allreduce"):
             dp.launcher.finish()
         for k, b in enumerate(dp.buckets):
-            if w.size == 1 or variant in ("dataparallel", "allreduce"):
+            if w.size == 1 or variant in ("dataparallel", "allreduce", "window-zero1"):
                 break
             if variant == "ring":
                 ring_allgather(w, b.flat, ring_reduce_scatter(w, b.flat, tmp))
@@ -129,11 +171,11 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
                     params[k][s:e] += scratch[:e - s]
                 ring_allgather(w, params[k], own)
         t3, c3 = time.perf_counter(), time.thread_time()
-        if not (variant == "dataparallel" and windowed):
+        if not (windowed_variant and windowed):
             # embedding rows (none in the mlp) by MPI, as DataParallel.backward
             dp.sparse_tables.sync(dp.comm, dp._piece_bytes)
         t3s, c3s = time.perf_counter(), time.thread_time()
-        if variant != "zero1" or w.size == 1:
+        if variant != "zero1" and param_window is None or w.size == 1:
             opt.step()
         opt.zero_grad()
         t4, c4 = time.perf_counter(), time.thread_time()
@@ -144,6 +186,8 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
                 cpu[key].append(1e3 * c)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    if param_window is not None:
+        param_window.free()
     return {"ms": {k: w.allreduce(v, op=MPI.MAX) for k, v in med.items()},
             "per_rank_ms": w.allgather(med), "per_rank_cpu_ms": w.allgather(med_cpu),
             "transport": dp.transport.name}
@@ -153,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="dataparallel,allreduce,ring,zero1")
     p.add_argument("--model", default="mlp", help="mlp, bow, transformer or gpt (dp_train's "
-                   "batches); ring and zero1 are mlp only")
+                   "batches); ring, zero1 and window-zero1 are mlp only")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=100)
     args = p.parse_args(argv)
@@ -161,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for variant in [v for v in args.variants.split(",") if v]:
-        if variant not in ("dataparallel", "allreduce", "ring", "zero1"):
+        if variant not in ("dataparallel", "allreduce", "ring", "zero1", "window-zero1"):
             raise SystemExit(f"unknown variant {variant!r}")
-        if variant in ("ring", "zero1") and args.model != "mlp":
+        if variant in ("ring", "zero1", "window-zero1") and args.model != "mlp":
             continue  # prototypes over the buckets only: no sparse rows, no other model
         res = run(variant, args.steps, args.warmup, args.model)
         rec = {"bench": "dp_phases", "model": args.model, "variant": variant,

@@ -49,11 +49,14 @@ def test_gradsync_measures_every_case_on_two_ranks(flags):
 
 @pytest.mark.parametrize("n,model", [(1, "mlp"), (2, "mlp"), (2, "bow")])
 def test_dp_phases_times_each_variant(n, model):
+    variants = "dataparallel,allreduce,ring,zero1,window-zero1"
     result = mpiexec(n, [sys.executable, os.path.join(BENCH, "dp_phases.py"), "--steps", "3",
-                         "--warmup", "1", "--model", model], timeout=200, env=ENV, cwd=ROOT)
+                         "--warmup", "1", "--model", model, "--variants", variants],
+                     timeout=200, env=ENV, cwd=ROOT)
     assert result.returncode == 0, result.output
     records = _records(result.stdout)
-    expected = ["dataparallel", "allreduce"] + (["ring", "zero1"] if model == "mlp" else [])
+    expected = ["dataparallel", "allreduce"] + (
+        ["ring", "zero1", "window-zero1"] if model == "mlp" else [])
     assert [r["variant"] for r in records] == expected
     for r in records:
         assert (r["ranks"], r["model"]) == (n, model)
