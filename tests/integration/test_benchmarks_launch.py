@@ -62,3 +62,22 @@ def test_dp_phases_times_each_variant(n, model):
         assert (r["ranks"], r["model"]) == (n, model)
         assert r["ms"]["step"] >= r["ms"]["compute"] > 0
         assert all(r["ms"][k] >= 0 for k in ("skew", "sync", "sparse", "opt"))
+
+
+def test_conv_gemms_times_the_three_gemms_and_both_layers():
+    pytest.importorskip("torch")
+    result = subprocess.run([sys.executable, os.path.join(BENCH, "conv_gemms.py"), "--rounds",
+                             "1", "--reps", "1"], capture_output=True, text=True, timeout=200,
+                            cwd=ROOT, env=launch_env(ENV))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (record,) = _records(result.stdout)
+    ms = record["ms"]
+    assert set(ms) == {"forward W @ cols", "forward (cols^T @ W^T)^T",
+                       "weight gradient gy @ cols^T", "weight gradient (cols @ gy^T)^T",
+                       "input gradient W^T @ gy", "input gradient (gy^T @ W)^T",
+                       "mpidl layer", "PyTorch layer"}, ms
+    assert all(v > 0 for v in ms.values()), ms
+    floor = sum(min(v for k, v in ms.items() if k.startswith(kind))
+                for kind in ("forward", "weight gradient", "input gradient"))
+    assert record["gemm_floor_ms"] == pytest.approx(floor)
+    assert "GEMM floor / PyTorch's whole layer" in result.stdout
