@@ -82,6 +82,14 @@ def ring_allgather(w, flat, own: int) -> None:
         w.Sendrecv(flat[a:b], right, 1, flat[c:d], left, 1)
 
 
+def sgd_into(param, grad, scratch, lr: float) -> None:
+    """``param -= lr * grad`` through ``scratch`` a piece at a time (no temporary array)."""
+    for a in range(0, grad.size, scratch.size):
+        e = min(grad.size, a + scratch.size)
+        numpy.multiply(grad[a:e], -lr, out=scratch[:e - a])
+        param[a:e] += scratch[:e - a]
+
+
 def window_zero1_step(grads: Any, params: Any, scratch: Any, lr: float) -> None:
     """ZeRO-1 within the node's windows: each rank sums its share of every gradient
     bucket out of all copies (as ``NodeSharedArrays.allreduce_``), applies SGD to its
@@ -97,10 +105,7 @@ def window_zero1_step(grads: Any, params: Any, scratch: Any, lr: float) -> None:
         for q, other in enumerate(copies):
             if q != r:
                 mine += other[s]
-        for a in range(0, mine.size, scratch.size):
-            e = min(mine.size, a + scratch.size)
-            numpy.multiply(mine[a:e], -lr, out=scratch[:e - a])
-            pmine[a:e] += scratch[:e - a]
+        sgd_into(pmine, mine, scratch, lr)
         for q, other in enumerate(pcopies):
             if q != r:
                 other[s] = pmine
@@ -165,17 +170,15 @@ def run(variant: str, steps: int, warmup: int, model: str = "mlp") -> dict:
             else:  # zero1: update this rank's share, then gather the parameters
                 own = ring_reduce_scatter(w, b.flat, tmp)
                 lo, hi = _bounds(b.flat.size, w.size)[own]
-                for s in range(lo, hi, scratch.size):
-                    e = min(hi, s + scratch.size)
-                    numpy.multiply(b.flat[s:e], -0.01, out=scratch[:e - s])
-                    params[k][s:e] += scratch[:e - s]
+                sgd_into(params[k][lo:hi], b.flat[lo:hi], scratch, lr=0.01)
                 ring_allgather(w, params[k], own)
         t3, c3 = time.perf_counter(), time.thread_time()
         if not (windowed_variant and windowed):
             # embedding rows (none in the mlp) by MPI, as DataParallel.backward
             dp.sparse_tables.sync(dp.comm, dp._piece_bytes)
         t3s, c3s = time.perf_counter(), time.thread_time()
-        if variant != "zero1" and param_window is None or w.size == 1:
+        # zero1 and window-zero1 (at 2+ ranks) updated the parameters in the exchange
+        if w.size == 1 or not (variant == "zero1" or param_window is not None):
             opt.step()
         opt.zero_grad()
         t4, c4 = time.perf_counter(), time.thread_time()

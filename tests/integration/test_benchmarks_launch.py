@@ -81,3 +81,31 @@ def test_conv_gemms_times_the_three_gemms_and_both_layers():
                 for kind in ("forward", "weight gradient", "input gradient"))
     assert record["gemm_floor_ms"] == pytest.approx(floor)
     assert "GEMM floor / PyTorch's whole layer" in result.stdout
+
+
+_WINDOW_ZERO1 = """
+import sys, numpy
+import mpidl.comm
+from mpidl.comm.shared import NodeSharedArrays
+from dp_phases import window_zero1_step
+comm = mpidl.comm.world()
+sizes = [1001, 70000]  # a share smaller than the scratch, and one of several pieces
+grads = NodeSharedArrays(comm, [numpy.arange(n, dtype=numpy.float32) * (comm.rank + 1)
+                                for n in sizes])
+params = NodeSharedArrays(comm, [numpy.ones(n, numpy.float32) for n in sizes])
+window_zero1_step(grads, params, numpy.empty(4096, numpy.float32), lr=0.5)
+total = comm.size * (comm.size + 1) // 2  # the ranks' gradients, summed
+ok = all(numpy.allclose(copy, 1 - 0.5 * total * numpy.arange(n))
+         for n, copies in zip(sizes, params.copies) for copy in copies)
+grads.free(); params.free()
+print("verdict", comm.rank, ok)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_window_zero1_leaves_every_copy_of_the_parameters_updated_by_the_summed_gradient(n):
+    result = mpiexec(n, [sys.executable, "-c", _WINDOW_ZERO1], timeout=120, cwd=ROOT,
+                     env={"PYTHONPATH": os.pathsep.join([BENCH, ENV["PYTHONPATH"]])})
+    assert result.returncode == 0, result.output
+    verdicts = sorted(line for line in result.stdout.splitlines() if line.startswith("verdict"))
+    assert verdicts == [f"verdict {r} True" for r in range(n)], result.output
