@@ -191,7 +191,7 @@ down() {
         rm -rf "$dir"
         return 0
     fi
-    local kind name pids sig
+    local kind name pids pid sig
     while read -r kind name; do
         [[ $kind == netns ]] || continue
         ip netns list | grep -qw "^$name" || continue
@@ -223,7 +223,7 @@ down() {
             case $kind in
                 netns) ip netns list | grep -qw "^$name" && left+=" netns $name" ;;
                 link) ip link show "$name" >/dev/null 2>&1 && left+=" link $name" ;;
-                daemon) slurm_alive "$name" "$dir" && left+=" daemon $(<"$name")" ;;
+                daemon) pid=$(slurm_pid "$name" "$dir") && left+=" daemon $pid" ;;
             esac
         done <"$dir/made"
         [[ -n $left ]] || break

@@ -116,13 +116,13 @@ slurmd_start() {
 slurmd_() {
     need_up
     [[ -s $(slurm_dir)/slurm.conf ]] || die "slurmd: the cluster runs no Slurm (up --slurm)"
-    local node=${1:-} action=${2:-} pidfile
+    local node=${1:-} action=${2:-} pidfile pid
     pidfile=$(slurm_dir)/run/slurmd.$node.pid
     case $action in
         start) slurmd_start "$node" ;;
         stop)
-            slurm_alive "$pidfile" "$(slurm_dir)" || die "slurmd: $node's slurmd is not running"
-            kill -KILL "$(<"$pidfile")"
+            pid=$(slurm_pid "$pidfile" "$(slurm_dir)") || die "slurmd: $node's slurmd is not running"
+            kill -KILL "$pid"
             rm -f "$pidfile"
             ;;
         *) die "slurmd: usage: slurmd NODE start|stop" ;;
@@ -133,8 +133,7 @@ slurmd_() {
 # processes, slurmd among them, went with their namespaces).
 slurm_stop_daemon() {
     local pidfile=$1 pid
-    slurm_alive "$pidfile" "$dir" || return 0
-    pid=$(<"$pidfile")
+    pid=$(slurm_pid "$pidfile" "$dir") || return 0
     kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 50); do
         slurm_alive "$pidfile" "$dir" || return 0

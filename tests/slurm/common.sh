@@ -10,16 +10,23 @@
 #   MpiDefault=pmix: the Open MPI 5 wheel only speaks PMIx; pmi2 gives size-1 singletons.
 #   MailProg=/bin/true: without it slurmctld logs "Configured MailProg is invalid".
 
-# slurm_alive PIDFILE DIR: the pid in PIDFILE runs, is no zombie (a zombie waits for
-# pid 1 to reap it), and its command line names DIR (a reused pid is not ours).
-slurm_alive() {
+# slurm_pid PIDFILE DIR: print the pid in PIDFILE when it runs, is no zombie (a zombie
+# waits for pid 1 to reap it), and its command line names DIR (a reused pid is not
+# ours); else return 1. The file is read once, with cat: a daemon removes its pid file
+# as it exits, and under `set -e` a failed `$(<file)` ends the whole script even where
+# the caller tests the result (bash 5.2) -- which is how `cluster.sh down` once stopped
+# halfway and left the virtual nodes up (CI, 2026-12-02).
+slurm_pid() {
     local pidfile=$1 dir=$2 pid
-    [[ -s $pidfile ]] || return 1
-    pid=$(<"$pidfile")
+    pid=$(cat -- "$pidfile" 2>/dev/null) || return 1
     [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF "$dir" || return 1
-    [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]]
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$dir" || return 1
+    [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]] || return 1
+    echo "$pid"
 }
+
+# slurm_alive PIDFILE DIR: slurm_pid as a predicate.
+slurm_alive() { slurm_pid "$@" >/dev/null; }
 
 # slurm_wait_for SECONDS DESCRIPTION LOGDIR COMMAND...: poll COMMAND every 0.2 s; after
 # SECONDS say what was not ready, with the logs' tails, and fail.

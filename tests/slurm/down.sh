@@ -16,7 +16,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/common.sh"
 
 ours() {   # ours PIDFILE -> prints the pid if it is one of our running daemons
-    slurm_alive "$1" "$dir" && cat "$1"
+    slurm_pid "$1" "$dir"
 }
 
 # Jobs first, while slurmctld can still cancel them and slurmd kill their tasks.
