@@ -17,11 +17,13 @@
 # the caller tests the result (bash 5.2) -- which is how `cluster.sh down` once stopped
 # halfway and left the virtual nodes up (CI, 2026-12-02).
 slurm_pid() {
-    local pidfile=$1 dir=$2 pid
+    local pidfile=$1 dir=$2 pid state
     pid=$(cat -- "$pidfile" 2>/dev/null) || return 1
     [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$dir" || return 1
-    [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]] || return 1
+    # The process may end at any point here: each read that fails says "not ours".
+    { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null | grep -qF "$dir" || return 1
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || return 1
+    [[ -n $state && $state != Z ]] || return 1
     echo "$pid"
 }
 
