@@ -71,3 +71,33 @@ def test_json_report_is_machine_readable(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["ranks"] == 1
     assert report["cuda_aware"]["reason"] == "not probed (--no-probe)"
+
+
+def test_blas_kernel_hint_names_an_avx2_kernel_on_an_avx512_cpu_and_who_chose_it():
+    avx512 = {"fma", "avx2", "avx512f", "avx512bw"}
+    forced = info.blas_kernel_hint("Haswell", avx512, "Haswell")
+    assert "Haswell kernels on a CPU with AVX-512" in forced
+    assert "OPENBLAS_CORETYPE=Haswell is set" in forced
+    assert "as OpenBLAS chose" in info.blas_kernel_hint("Zen", avx512, None)
+    # Nothing to say: an AVX-512 kernel, a CPU without AVX-512, an unknown kernel.
+    assert info.blas_kernel_hint("SkylakeX", avx512, None) is None
+    assert info.blas_kernel_hint("Cooperlake", avx512, "Cooperlake") is None
+    assert info.blas_kernel_hint("Haswell", {"fma", "avx2"}, "Haswell") is None
+    assert info.blas_kernel_hint(None, avx512, "Haswell") is None
+
+
+def test_text_report_shows_the_blas_kernel_and_its_note():
+    blas = [{"name": "openblas", "version": "0.3.31", "threading": "pthreads", "threads": 1,
+             "kernel": "Haswell", "hint": "OpenBLAS runs its Haswell kernels on a CPU ..."}]
+    lines = info.format_report(dict(REPORT, blas=blas)).splitlines()
+    at = lines.index("BLAS: openblas 0.3.31, pthreads threading, 1 threads, Haswell kernels")
+    assert lines[at + 1] == "  note: OpenBLAS runs its Haswell kernels on a CPU ..."
+    assert not any(line.startswith("  note:") for line in info.format_report(REPORT).splitlines())
+
+
+def test_this_process_reports_the_kernel_openblas_runs():
+    from threadpoolctl import threadpool_info  # a dependency (setup.cfg)
+
+    blas = info._blas()
+    expected = [p.get("architecture") for p in threadpool_info() if p.get("user_api") == "blas"]
+    assert [b["kernel"] for b in blas] == expected
