@@ -1,0 +1,41 @@
+"""tests/run.py's MPI workers, launched as the MPI tiers launch them: one pytest per rank."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from mpidl.testing.launch import mpiexec
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = os.path.join(ROOT, "tests", "run.py")
+
+# Each rank writes where its tmp_path is, into a file named after its rank.
+PROBE = '''
+import os
+
+
+def test_where_tmp_path_is(tmp_path):
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0"
+    with open(os.path.join(os.environ["PROBE_OUT"], f"rank-{rank}"), "w") as f:
+        f.write(str(tmp_path))
+'''
+
+
+def test_each_rank_keeps_its_tmp_paths_in_a_folder_of_its_own(tmp_path):
+    # Ranks that share pytest's default root prune each other's folders at exit (CI: one
+    # of 16 ranks failed after every test passed).
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    report, out = tmp_path / "report", tmp_path / "out"
+    report.mkdir()
+    out.mkdir()
+    result = mpiexec(3, [sys.executable, RUN, "--worker", str(report), "--",
+                         str(tmp_path / "test_probe.py"), "-p", "no:cacheprovider"],
+                     timeout=120, env={"PROBE_OUT": str(out)}, cwd=ROOT)
+    assert result.returncode == 0, result.output
+    where = {r: (out / f"rank-{r}").read_text() for r in range(3)}
+    for r, path in where.items():
+        assert path.startswith(str(report / f"tmp-rank-{r}") + os.sep), where
