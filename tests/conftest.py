@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,37 @@ def pytest_configure(config):
     # runs after the others, alone (one that needs the cores or a fixed port to itself).
     config.addinivalue_line("markers", "serial: runs alone, after the tier's parallel tests "
                                        "(tests/run.py)")
+    _basetemp_of_this_rank(config)
+
+
+def _basetemp_of_this_rank(config):
+    """Under ``--with-mpi`` on several ranks (tests/run.py's MPI tiers, slurm/test.sbatch,
+    ``mpiexec -n 3 python -m pytest --with-mpi``), each rank's pytest keeps its tmp_path
+    folders in a folder of its own, named after the job and the rank, removed at the end.
+
+    Every rank is a pytest of its own; on the shared default root (/tmp/pytest-of-USER)
+    they prune each other's numbered folders and its ``pytest-current`` link at exit,
+    and one of 16 ranks failed on that in CI (FileNotFoundError after every test had
+    passed). The job comes from the launcher's environment (no collective here): PMIx's
+    namespace (Open MPI 5, Slurm's pmix), else Slurm's job and step. A ``--basetemp``
+    given wins; without a job name the default root stays.
+    """
+    import tempfile
+
+    from hpc.env import detect
+
+    if config.option.basetemp or not config.getoption("--with-mpi", default=False):
+        return
+    place = detect()
+    job = os.environ.get("PMIX_NAMESPACE") or (
+        f"{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+        if "SLURM_JOB_ID" in os.environ else "")
+    if place.size < 2 or not job:
+        return
+    safe = "".join(c if c.isalnum() or c in "-." else "-" for c in job)
+    config.option.basetemp = os.path.join(tempfile.gettempdir(),
+                                          f"mpidl-pytest-{safe}-rank{place.rank}")
+    config.add_cleanup(lambda: shutil.rmtree(config.option.basetemp, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")

@@ -169,13 +169,7 @@ def worker(report_dir: str, pytest_args: list[str]) -> int:
     import pytest
 
     xml = os.path.join(report_dir, f"rank-{rank}.xml")
-    # Each rank's tmp_path under a folder of its own: pytest processes that share the
-    # default root (/tmp/pytest-of-USER) prune each other's numbered folders and its
-    # `pytest-current` link at exit, and one of 16 ranks once failed on that (CI,
-    # FileNotFoundError after every test had passed). A --basetemp the caller gave wins.
-    own = [] if any(a.startswith("--basetemp") for a in pytest_args) else \
-        [f"--basetemp={os.path.join(report_dir, f'tmp-rank-{rank}')}"]
-    return int(pytest.main(["--with-mpi", f"--junitxml={xml}", *own, *pytest_args]))
+    return int(pytest.main(["--with-mpi", f"--junitxml={xml}", *pytest_args]))
 
 
 def workers(name: str) -> list[str]:

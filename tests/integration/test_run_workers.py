@@ -25,17 +25,27 @@ def test_where_tmp_path_is(tmp_path):
 '''
 
 
-def test_each_rank_keeps_its_tmp_paths_in_a_folder_of_its_own(tmp_path):
+def test_each_rank_keeps_its_tmp_paths_in_a_folder_of_its_own_then_removes_it(tmp_path):
     # Ranks that share pytest's default root prune each other's folders at exit (CI: one
-    # of 16 ranks failed after every test passed).
+    # of 16 ranks failed after every test passed). tests/conftest.py gives each rank a
+    # root of its own; the probe lies outside the tests folder, so it is loaded by name
+    # (run.py runs from tests/, where `conftest` is tests/conftest.py).
     (tmp_path / "test_probe.py").write_text(PROBE)
     report, out = tmp_path / "report", tmp_path / "out"
     report.mkdir()
     out.mkdir()
     result = mpiexec(3, [sys.executable, RUN, "--worker", str(report), "--",
-                         str(tmp_path / "test_probe.py"), "-p", "no:cacheprovider"],
+                         str(tmp_path / "test_probe.py"), "-p", "no:cacheprovider",
+                         "-p", "conftest"],
                      timeout=120, env={"PROBE_OUT": str(out)}, cwd=ROOT)
     assert result.returncode == 0, result.output
     where = {r: (out / f"rank-{r}").read_text() for r in range(3)}
+    roots = set()
     for r, path in where.items():
-        assert path.startswith(str(report / f"tmp-rank-{r}") + os.sep), where
+        assert f"-rank{r}{os.sep}" in path, where
+        root = path[:path.index(f"-rank{r}{os.sep}") + len(f"-rank{r}")]
+        assert os.path.basename(root).startswith("mpidl-pytest-"), where
+        assert "pytest-of-" not in path, where
+        assert not os.path.exists(root), f"{root} left behind"
+        roots.add(root)
+    assert len(roots) == 3, where
