@@ -1571,4 +1571,15 @@ MUTATIONS: list[Mutation] = [
         tests=(CONV + "test_every_unfolding_geometry_and_gemm_gives_the_same_results",
                CONV + "test_conv_forward_matches_the_definition"),
     ),
+    # -- mpidl info's BLAS kernel note ----------------------------------------------------------
+    Mutation(
+        name="info-blas-hint-ignores-the-kernel",
+        file="mpidl/info.py",
+        original='"avx512f" not in flags or kernel.lower() in _AVX512_KERNELS:',
+        mutated='"avx512f" not in flags:',
+        why="the note warns on every AVX-512 CPU, also where OpenBLAS already runs its "
+            "AVX-512 kernels",
+        tests=("tests/unit/test_info.py::test_blas_kernel_hint_names_an_avx2_kernel_on_an_"
+               "avx512_cpu_and_who_chose_it",),
+    ),
 ]

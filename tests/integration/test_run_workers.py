@@ -17,9 +17,11 @@ RUN = os.path.join(ROOT, "tests", "run.py")
 PROBE = '''
 import os
 
+from hpc.env import detect
+
 
 def test_where_tmp_path_is(tmp_path):
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0"
+    rank = detect().rank
     with open(os.path.join(os.environ["PROBE_OUT"], f"rank-{rank}"), "w") as f:
         f.write(str(tmp_path))
 '''
