@@ -8,6 +8,7 @@ Usage (from the repository root, in the environment mpidl is installed in)::
     python tests/run.py --slurm          # the local Slurm (tests/slurm) only
     python tests/run.py --cluster        # the virtual cluster (tests/cluster) only
     python tests/run.py --many           # the many-rank tier (tests/many) only, 8 and 16 ranks
+    python tests/run.py --extras         # only the tests that need an extra (torch, matplotlib)
     python tests/run.py --all            # all of them (what CI runs)
     python tests/run.py --sizes 2        # only the MPI tests, at 2 ranks
     python tests/run.py --many-sizes 16  # only the many-rank tier, at 16 ranks
@@ -204,11 +205,17 @@ def _pytest(name: str, cmd: list[str], timeout: float) -> int:
 
 
 def run_single(name: str, paths: list[str], pytest_args: list[str], report_dir: str,
-               timeout: float) -> tuple[int, dict]:
+               timeout: float, select: str | None = None) -> tuple[int, dict]:
+    """One single-process tier; ``select``, a marker expression, keeps only its tests."""
     xml = os.path.join(report_dir, f"single-{name.replace(' ', '-')}.xml")
     parallel = workers(name)
+
+    def only(marks: str | None) -> list[str]:
+        both = " and ".join(f"({m})" for m in (select, marks) if m)
+        return ["-m", both] if both else []
+
     if not parallel or not _marked_serial(paths):
-        code = _pytest(name, [sys.executable, "-m", "pytest", *paths, *parallel,
+        code = _pytest(name, [sys.executable, "-m", "pytest", *paths, *parallel, *only(None),
                               f"--junitxml={xml}", *pytest_args], timeout)
         # pytest exits 5 when nothing was collected: not a failure for a partial checkout.
         return (0 if code == 5 else code), _counts(xml)
@@ -217,7 +224,7 @@ def run_single(name: str, paths: list[str], pytest_args: list[str], report_dir: 
     for part, marks, extra in (("", "not serial", parallel), (", serial", "serial", [])):
         part_xml = xml.replace(".xml", f"{part.replace(', ', '-')}.xml")
         code = _pytest(name + part, [sys.executable, "-m", "pytest", *paths, *extra,
-                                     "-m", marks, f"--junitxml={part_xml}", *pytest_args],
+                                     *only(marks), f"--junitxml={part_xml}", *pytest_args],
                        timeout)
         worst = worst or (0 if code == 5 else code)
         for k, v in _counts(part_xml).items():
@@ -261,6 +268,8 @@ def tiers(args: argparse.Namespace) -> tuple[dict[str, list[str]], list[int], li
 
     if args.quick:
         return {"unit": CORE["unit"]}, parse(args.sizes, "2"), []
+    if args.extras:  # README's install skips these; CI runs them once the extras are in
+        return dict(CORE), [], []
     named = args.all or args.slurm or args.cluster or args.many
     if not named and (args.sizes is not None or args.many_sizes is not None):
         # `--sizes 2` asks for the MPI tests at 2 ranks, not for the whole suite too.
@@ -294,6 +303,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--many", action="store_true",
                         help="the many-rank tier (tests/many): its single-process test and "
                              "8 and 16 ranks (or --many-sizes)")
+    parser.add_argument("--extras", action="store_true",
+                        help="only the single-process tests marked `extra`: those that need "
+                             "an extra beyond [mpi,test] (torch, matplotlib) and skip without it")
     parser.add_argument("--all", action="store_true",
                         help="the core tiers, Slurm, the virtual cluster and the many-rank "
                              "tier (what CI runs)")
@@ -324,7 +336,8 @@ def main(argv: list[str]) -> int:
     installed_before = not installation_problems()
     with bytecode_cache(), tempfile.TemporaryDirectory(prefix="mpidl-tests-") as report_dir:
         runs = [(f"single-process, {name}", lambda name=name, paths=paths: run_single(
-                    name, paths, args.pytest_args, report_dir, args.timeout))
+                    name, paths, args.pytest_args, report_dir, args.timeout,
+                    "extra" if args.extras else None))
                 for name, paths in single.items()]
         runs += [(f"MPI at {n} ranks", lambda n=n: run_mpi(
                     n, args.pytest_args, report_dir, args.timeout)) for n in sizes]

@@ -73,11 +73,11 @@ def _line_plot(plt, path: str, title: str, ylabel: str,
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write the plots of ``run_dir``'s metrics into ``out_dir`` (default: run_dir);
     return paths."""
-    plt = _matplotlib()
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(metrics):
         raise FileNotFoundError(f"{metrics} does not exist; is {run_dir!r} a run directory "
                                 "of `mpidl train`?")
+    plt = _matplotlib()  # after the input's check: a wrong path is told before a missing extra
     records = read_metrics(metrics)
     out_dir = out_dir or run_dir
     os.makedirs(out_dir, exist_ok=True)

@@ -64,6 +64,7 @@ def test_dp_phases_times_each_variant(n, model):
         assert all(r["ms"][k] >= 0 for k in ("skew", "sync", "sparse", "opt"))
 
 
+@pytest.mark.extra("torch")
 def test_conv_gemms_times_the_three_gemms_and_both_layers():
     pytest.importorskip("torch")
     result = subprocess.run([sys.executable, os.path.join(BENCH, "conv_gemms.py"), "--rounds",

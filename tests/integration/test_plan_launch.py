@@ -10,7 +10,7 @@ import pytest
 from mpidl.testing.launch import mpiexec
 from trainjob import SMALL
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.extra("matplotlib")]
 
 pytest.importorskip("matplotlib")
 

@@ -203,6 +203,7 @@ def test_running_statistics_survive_a_checkpoint(tmp_path):
     assert int(dst[0].num_batches_tracked) == 1
 
 
+@pytest.mark.extra("torch")
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_layers_match_pytorch_over_training_and_eval_steps(shape, momentum):

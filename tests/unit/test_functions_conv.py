@@ -95,6 +95,7 @@ def test_conv_without_bias_gradchecks(xp, case):
     assert gradcheck(lambda a, v: CONV[case[0]](a, v, None, **kw), [x, w])
 
 
+@pytest.mark.extra("torch")
 @pytest.mark.filterwarnings("ignore:Using padding='same':UserWarning")
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_conv_matches_pytorch_forward_and_backward(case):

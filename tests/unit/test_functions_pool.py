@@ -120,6 +120,7 @@ def test_max_pool_ties_send_the_gradient_to_the_first_maximum_and_nan_wins(xp):
     assert numpy.isnan(as_numpy(z.data)[0, 0, 0]) and as_numpy(z.data)[0, 0, 1] == 5.0
 
 
+@pytest.mark.extra("torch")
 @pytest.mark.parametrize("d", [1, 2, 3])
 @pytest.mark.parametrize("window", WINDOWS, ids=IDS)
 def test_pooling_matches_pytorch_forward_and_backward(d, window):

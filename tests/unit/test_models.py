@@ -129,6 +129,7 @@ class TorchTransformer:
         return self.head(x.mean(dim=1))
 
 
+@pytest.mark.extra("torch")
 def test_transformer_logits_and_gradients_match_pytorch():
     torch = pytest.importorskip("torch")
     ours = models.transformer(vocab=40, seq_len=6, dim=8, layers=2, heads=2, ffn=12,
@@ -310,6 +311,7 @@ def torch_cnn(torch, ours):
     return ref
 
 
+@pytest.mark.extra("torch")
 def test_cnn_matches_pytorch_in_training_and_eval_mode():
     torch = pytest.importorskip("torch")
     ours = models.cnn(in_shape=(2, 10, 9), outputs=3, channels=(4, 6), dtype=F64, seed=0)

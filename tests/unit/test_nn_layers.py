@@ -155,6 +155,7 @@ def torch_encoder_layer(torch, ours):
     return ref.eval()
 
 
+@pytest.mark.extra("torch")
 @pytest.mark.parametrize("causal", [False, True])
 def test_encoder_layer_matches_pytorch(causal):
     torch = pytest.importorskip("torch")

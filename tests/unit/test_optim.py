@@ -182,6 +182,7 @@ def test_constructor_errors_name_the_value():
     ("Adam", {"lr": 0.01, "weight_decay": 0.01}),
     ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
 ])
+@pytest.mark.extra("torch")
 def test_matches_torch_optim_in_float32(name, kwargs):
     torch = pytest.importorskip("torch")
     import mpidl.optim

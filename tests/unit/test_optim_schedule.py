@@ -64,6 +64,7 @@ def test_clip_grad_norm_leaves_small_gradients_alone():
     numpy.testing.assert_array_equal(ps[0].grad, numpy.array([0.3, 0.4], dtype=numpy.float32))
 
 
+@pytest.mark.extra("torch")
 def test_clip_grad_norm_matches_torch():
     torch = pytest.importorskip("torch")
     rng = numpy.random.default_rng(1)

@@ -6,6 +6,7 @@ import pytest
 from mpidl.train.metrics import MetricsWriter
 from mpidl.train.plot import main
 
+pytestmark = pytest.mark.extra("matplotlib")
 pytest.importorskip("matplotlib")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

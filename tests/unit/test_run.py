@@ -54,7 +54,7 @@ def _run_module():
 def _tiers(*argv):
     run = _run_module()
     parser = argparse.ArgumentParser()
-    for flag in ("--quick", "--slurm", "--cluster", "--many", "--all"):
+    for flag in ("--quick", "--slurm", "--cluster", "--many", "--extras", "--all"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--sizes")
     parser.add_argument("--many-sizes")
@@ -68,6 +68,7 @@ def test_each_flag_runs_its_tiers_and_all_runs_every_test_folder():
     assert _tiers("--slurm") == (["tests/slurm"], [], [])
     assert _tiers("--cluster") == (["tests/cluster"], [], [])
     assert _tiers("--many") == (["tests/many"], [], [8, 16])
+    assert _tiers("--extras") == (["tests/integration", "tests/unit"], [], [])  # marked `extra`
     assert _tiers("--sizes", "2") == ([], [2], [])  # the MPI tests only
     assert _tiers("--many-sizes", "16") == ([], [], [16])
     single, sizes, many = _tiers("--all")
