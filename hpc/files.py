@@ -43,7 +43,7 @@ def _is_read(path: str, read: str) -> bool:
 
 
 def check_output(path: str | os.PathLike, *, force: bool, reads: Iterable[str] = (),
-                 flag: str = "--force") -> str:
+                 flag: str = "--force", instead: str = "another file") -> str:
     """``path``, a file the command is about to write, if it may; else OutputError naming
     the file and the fix. Not collective; call it before any work.
 
@@ -51,6 +51,7 @@ def check_output(path: str | os.PathLike, *, force: bool, reads: Iterable[str] =
         force: whether the user asked to write over an existing file (``flag``).
         reads: the files and directories the command reads (a directory: every file in
             it). Never written over, even with ``force``.
+        instead: what the message asks to name instead (``"another OUT_DIR"``).
     """
     path = os.fspath(path)
     if not path:
@@ -60,9 +61,9 @@ def check_output(path: str | os.PathLike, *, force: bool, reads: Iterable[str] =
             what = "lies in" if os.path.isdir(read) and os.path.realpath(path) != \
                 os.path.realpath(read) else "is"
             raise OutputError(f"{path} {what} {read}, which this command reads: it is never "
-                              f"written over, even with {flag}; name another file")
+                              f"written over, even with {flag}; name {instead}")
     if os.path.lexists(path) and not force:
-        raise OutputError(f"{path} already exists; name another file, or pass "
+        raise OutputError(f"{path} already exists; name {instead}, or pass "
                           f"{flag} to write over it")
     return path
 
