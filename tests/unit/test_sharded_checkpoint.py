@@ -451,3 +451,30 @@ def test_consolidate_falls_back_past_a_newest_checkpoint_that_does_not_load(tmp_
     assert "Warning" not in err and "warnings.warn" not in err, err
     assert "holds 2 checkpoint(s) and none loads" in err and "lacks 1 of its parts" in err, err
     assert not (tmp_path / "none.h5").exists()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 16 KiB filesystem (tmpfs): needs root, else skipped."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_consolidate_onto_a_full_disk_exits_1_before_writing(tmp_path, full_disk, capfd):
+    # HDF5 running out of space mid-file crashed the process (signal 11, exit 139); the
+    # storage is not the input: 1, with the room needed and free.
+    run, _ = two_checkpoints(tmp_path)
+    assert consolidate_main(run, full_disk / "out.h5") == 1
+    err = capfd.readouterr().err
+    assert f"cannot write {full_disk / 'out.h5'}: it needs about" in err, err
+    assert "free space there" in err and os.listdir(full_disk) == []
