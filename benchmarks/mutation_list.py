@@ -1582,4 +1582,45 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_info.py::test_blas_kernel_hint_names_an_avx2_kernel_on_an_"
                "avx512_cpu_and_who_chose_it",),
     ),
+    # -- the overwrite rule (hpc.files.check_output) and consolidate's fallback -------------
+    Mutation(
+        name="check-output-forgets-the-files-read",
+        file="hpc/files.py",
+        original="        if _is_read(path, os.fspath(read)):",
+        mutated="        if False:",
+        why="--force writes over the checkpoint or dataset the command reads",
+        tests=("tests/unit/test_files.py::test_a_file_the_command_reads_is_refused_even_"
+               "with_force",
+               SHARDED_UNIT + "test_consolidate_never_writes_over_a_file_of_the_checkpoints_"
+               "it_reads"),
+    ),
+    Mutation(
+        name="check-output-compares-names-not-files",
+        file="hpc/files.py",
+        original="        return os.path.samefile(path, read)",
+        mutated="        return False",
+        why="a hard link to the file read passes as another file and is written over",
+        tests=("tests/unit/test_files.py::test_a_link_or_a_hard_link_to_a_file_read_is_the_"
+               "file_read",),
+    ),
+    Mutation(
+        name="check-output-ignores-force",
+        file="hpc/files.py",
+        original="    if os.path.lexists(path) and not force:",
+        mutated="    if False:",
+        why="an existing file the user did not name for writing is written over",
+        tests=("tests/unit/test_files.py::test_an_existing_file_needs_force_and_the_message_"
+               "names_it_and_the_flag",
+               SHARDED_UNIT + "test_consolidate_writes_over_an_existing_file_only_with_force"),
+    ),
+    Mutation(
+        name="consolidate-stops-at-a-damaged-newest-checkpoint",
+        file="mpidl/train/consolidate.py",
+        original="                bad.append((path, str(e)))  # a damaged part: the next older one",
+        mutated="                raise",
+        why="consolidate refuses a run whose newest checkpoint has a damaged part instead "
+            "of falling back to the next older one, as training does",
+        tests=(SHARDED_UNIT + "test_consolidate_falls_back_past_a_newest_checkpoint_that_"
+               "does_not_load",),
+    ),
 ]

@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-profile", metavar="NAME", type=_profile_name, default=None,
                    help="store the fits as network profile NAME for `mpidl plan --network "
                         "NAME` (in $MPIDL_PROFILE_DIR or ~/.config/mpidl/network)")
+    p.add_argument("--force", action="store_true",
+                   help="write over an existing --plot file, and update an existing "
+                        "--save-profile (its curves at other rank counts are kept)")
     return p
 
 
@@ -244,6 +247,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: install the [plot] extra (pip install 'mpidl[plot]')")
+    from hpc import costmodel
+    from hpc.files import OutputError, check_output
+
+    try:  # before the sweep, not after it
+        if args.plot:
+            check_output(args.plot, force=args.force)
+        if args.save_profile:
+            check_output(costmodel.network_profile_path(args.save_profile), force=args.force)
+    except OutputError as e:
+        p.error(str(e))
     return args
 
 

@@ -318,6 +318,12 @@ def check_profile_name(name: str) -> str:
     return name
 
 
+def network_profile_path(name: str) -> Path:
+    """Where :func:`save_network_profile` writes profile ``name`` (a plain name)."""
+    check_profile_name(name)
+    return profile_dir() / "network" / f"{name}.toml"
+
+
 def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: int,
                          source: str,
                          curves: Mapping[str, Sequence[tuple[float, float]]] | None = None
@@ -329,8 +335,7 @@ def save_network_profile(name: str, fits: Mapping[str, Any], ranks: int, nodes: 
     (measure the same network at 2 and at 3 nodes, save both under one name); the
     fits and the curves at ``ranks`` are replaced. Delete the file to start over.
     """
-    check_profile_name(name)
-    path = profile_dir() / "network" / f"{name}.toml"
+    path = network_profile_path(name)
     kept: dict[str, list[tuple[int, Curve]]] = {}
     if path.is_file():
         try:

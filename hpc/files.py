@@ -1,7 +1,13 @@
-"""Text files replaced atomically: readers see the old file or the new one, never half.
+"""Files a command writes: never over one it was not told to replace, and atomically.
 
 Here in ``hpc`` (which knows nothing of deep learning) so that both ``hpc`` and
 ``mpidl`` write their files one way.
+
+:func:`check_output` is the one rule for every file a command is about to write (a
+consolidated checkpoint, a dataset's files, a plan's JSON, plot or batch script, a
+benchmark's plot or profile, a run's plots): an existing file is written over only with
+``--force``, and a file the command reads (a checkpoint, a dataset, a run's metrics) is
+never written over, even with ``--force``: the input would be gone, or half-read.
 
 The text goes to a temporary file beside the target (same file system, so the rename
 is atomic), is flushed and fsynced, then renamed over the target. If anything fails (a
@@ -11,6 +17,55 @@ it was; the error is raised as it came (an ``OSError`` naming the cause).
 from __future__ import annotations
 
 import os
+from typing import Iterable
+
+
+class OutputError(ValueError):
+    """A file the command must not write (a bad input: exit 2, docs/exit-status.md)."""
+
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
+
+
+def _is_read(path: str, read: str) -> bool:
+    """Whether writing ``path`` would touch ``read`` (a file, or any file under a
+    directory): the same name after links are resolved, or the same file (a hard link)."""
+    real, target = os.path.realpath(path), os.path.realpath(read)
+    if os.path.isdir(target):
+        return _inside(real, target)
+    if real == target:
+        return True
+    try:
+        return os.path.samefile(path, read)
+    except OSError:  # one of them does not exist: not the same file
+        return False
+
+
+def check_output(path: str | os.PathLike, *, force: bool, reads: Iterable[str] = (),
+                 flag: str = "--force", instead: str = "another file") -> str:
+    """``path``, a file the command is about to write, if it may; else OutputError naming
+    the file and the fix. Not collective; call it before any work.
+
+    Args:
+        force: whether the user asked to write over an existing file (``flag``).
+        reads: the files and directories the command reads (a directory: every file in
+            it). Never written over, even with ``force``.
+        instead: what the message asks to name instead (``"another OUT_DIR"``).
+    """
+    path = os.fspath(path)
+    if not path:
+        raise OutputError("an empty file name; name the file to write")
+    for read in reads:
+        if _is_read(path, os.fspath(read)):
+            what = "lies in" if os.path.isdir(read) and os.path.realpath(path) != \
+                os.path.realpath(read) else "is"
+            raise OutputError(f"{path} {what} {read}, which this command reads: it is never "
+                              f"written over, even with {flag}; name {instead}")
+    if os.path.lexists(path) and not force:
+        raise OutputError(f"{path} already exists; name {instead}, or pass "
+                          f"{flag} to write over it")
+    return path
 
 
 def write_text(path: str | os.PathLike, text: str) -> str:

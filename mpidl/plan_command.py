@@ -76,7 +76,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="draw speedup and time to train (PNG)")
     p.add_argument("--sbatch", metavar="FILE", type=output_file, help="write a batch script "
                    "for the best rank count (`mpidl sbatch` templates)")
+    p.add_argument("--force", action="store_true", help="write over existing --json, --plot "
+                   "and --sbatch files (never over the run, config or dataset read)")
     return p
+
+
+def check_outputs(args: argparse.Namespace, reads: Sequence[str]) -> None:
+    """OutputError (:func:`hpc.files.check_output`) if a --json, --plot or --sbatch file
+    exists without --force, or is one of ``reads``: before anything is measured."""
+    from hpc.files import check_output
+
+    for path in (args.json, args.plot, args.sbatch):
+        if path is not None:
+            check_output(path, force=args.force, reads=reads)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -126,9 +138,10 @@ def _probe(argv: Sequence[str], comm: Any) -> Probe | None:
         if args.layouts or args.from_run or args.device or args.step_time is not None:
             return None
         preset, overrides = split_args(rest)
+        check_outputs(args, [p for p in (preset,) if p and os.path.exists(p)])
         config = load_config(preset, overrides)
         check_layout(config)
-    except (SystemExit, ConfigError, ValueError, OSError):
+    except (SystemExit, ConfigError, ValueError, OSError):  # rank 0's plan reports it
         return None
     try:
         data_dir = prepare_data(config, comm, Logger())  # raises on every rank or none
@@ -216,6 +229,11 @@ def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
     problem = plan_layouts.flags_problem(args)
     if problem:
         parser.error(problem)
+    try:  # the config file and the run read; the dataset once it is known, below
+        check_outputs(args, [p for p in (*rest[:1], args.from_run) if p and os.path.exists(p)])
+    except ValueError as e:
+        print(f"mpidl plan: error: {e}", file=sys.stderr)
+        return 2
     if args.layouts:
         return plan_layouts.plan_layouts(args, rest)
     try:
@@ -234,6 +252,7 @@ def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
         notes = _stand_in_note([network, node_link], _priced_ops(config))
         device = costmodel.load_device(args.device) if args.device else None
         data_dir = plan.data_dir_for(config)
+        check_outputs(args, [data_dir])
         dataset = ShardedDataset(os.path.join(data_dir, "train"))
         model = build_model(config, dataset)
     except (ConfigError, costmodel.ProfileError, ValueError, OSError, DataError,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Any, Sequence
 
@@ -240,6 +241,21 @@ def _delimiter(args: argparse.Namespace) -> str | None:
     return {"\\t": "\t", "tab": "\t"}.get(args.delimiter, args.delimiter)
 
 
+def _check_inputs_kept(args: argparse.Namespace) -> None:
+    """OutputError (a ValueError: exit 2) when the input is a file of the dataset that
+    OUT_DIR holds, which the new one replaces: never written over, even with --force
+    (:func:`hpc.files.check_output`; --force is checked when the splits are published)."""
+    from hpc.files import check_output
+    from mpidl.data.publish import dataset_files
+
+    reads = [p for p in (args.from_csv, args.from_folder, args.from_npz, args.from_h5) if p]
+    for split in ("train", "test"):
+        folder = os.path.join(args.out_dir, split)
+        for name in dataset_files(folder):
+            check_output(os.path.join(folder, name), force=True, reads=reads,
+                         instead="another OUT_DIR")
+
+
 def _write(args: argparse.Namespace, comm: Any) -> dict[str, Manifest]:
     """Read the input and write the dataset: as one process, or, on several ranks, each
     rank its share (:mod:`mpidl.data.parallel`)."""
@@ -372,6 +388,7 @@ def main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        _check_inputs_kept(args)
         manifests = _write(args, comm)
         length = _length_line(manifests)
         if length:

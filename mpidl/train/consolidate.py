@@ -14,18 +14,26 @@ written one tensor at a time (the process holds one tensor, never the state). Wi
 the run's own checkpoints. Every part's blocks are checked against their CRC-32s on the
 way. An older checkpoint (format 1 or 2) is written as format 2 too.
 
-Exit codes: 0 written; 2 no such checkpoint, one that does not load (named), or a bad
-``OUT``.
+``OUT`` is never a file of the checkpoint read, nor of its run's checkpoints (not even
+with ``--force``); an existing ``OUT`` is written over only with ``--force``
+(:func:`hpc.files.check_output`). Under a launcher rank 0 writes the file while the other
+ranks wait; every rank exits with its status.
+
+Exit codes (docs/exit-status.md): 0 written; 2 no such checkpoint, none that loads (each
+named), or an ``OUT`` that must not or cannot be written; 1 the storage failed while
+writing (a full disk: nothing is left behind).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
+from hpc.files import OutputError, check_output
 from mpidl.train import checkpoint as ckpt
-from mpidl.train import checkpoint_file, sharded
+from mpidl.train import checkpoint_file, retention, sharded
 
 EXIT_USAGE = 2
 
@@ -38,15 +46,49 @@ def run_dir_of(path: str) -> str:
 def find_checkpoint(target: str) -> str:
     """``target`` itself when it is a file, else the newest checkpoint of the run or
     checkpoint directory that loads. FileNotFoundError when there is none."""
+    for path in candidates(target, []):
+        return path
+    raise AssertionError("unreachable")  # candidates() raises when there is none
+
+
+def candidates(target: str, bad: list[tuple[str, str]]) -> Iterator[str]:
+    """The checkpoints to try for ``target``: ``target`` itself when it is a file, else
+    each checkpoint of the run or checkpoint directory whose index loads, newest first
+    (an older one is tried when a newer one's parts turn out damaged, as training falls
+    back). Those passed over go to ``bad`` as ``(path, reason)``; the caller adds the
+    ones it finds damaged. Not collective.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        CheckpointError: checkpoints there, and none loads (each in ``bad``, named).
+    """
     if os.path.isfile(target):
-        return target
+        yield target
+        return
     for directory in (os.path.join(target, ckpt.CHECKPOINT_DIR), target):
-        if os.path.isdir(directory):
-            path = ckpt.latest_checkpoint(directory)
-            if path is not None:
-                return path
+        listed = retention.listed_checkpoints(directory) if os.path.isdir(directory) else []
+        for path in reversed(listed):
+            try:
+                ckpt.load_checkpoint(path, "none")  # the index, and that every part exists
+            except (ckpt.CheckpointError, FileNotFoundError) as e:
+                bad.append((path, str(e)))
+                continue
+            yield path
+        if listed:
+            raise ckpt.CheckpointError(f"{directory} holds {len(listed)} checkpoint(s) and "
+                                       "none loads:\n" + "\n".join(f"  {r}" for _, r in bad))
     raise FileNotFoundError(f"{target}: no such checkpoint file, and no checkpoint that "
                             f"loads in {target} or {os.path.join(target, ckpt.CHECKPOINT_DIR)}")
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """What ``consolidate`` never writes over when it reads ``path``: a run's whole
+    checkpoint directory, else every checkpoint beside ``path`` with its parts."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(directory) == ckpt.CHECKPOINT_DIR:
+        return [directory]
+    listed = set(retention.listed_checkpoints(directory)) | {os.path.abspath(path)}
+    return [f for cp in sorted(listed) for f in (cp, *retention.companions(cp))]
 
 
 def consolidate(path: str, out: str) -> str:
@@ -86,31 +128,114 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("out", metavar="OUT", nargs="?",
                    help="the file to write, or a directory for it (default: "
                         "RUN_DIR/consolidated/)")
+    c.add_argument("--force", action="store_true",
+                   help="write over an existing OUT (never over a checkpoint's file)")
     return parser
 
 
 def main(argv: Sequence[str]) -> int:
-    """``mpidl checkpoint consolidate RUN_DIR|CHECKPOINT [OUT]``."""
+    """``mpidl checkpoint consolidate RUN_DIR|CHECKPOINT [OUT] [--force]``.
+
+    One process's work: under a launcher rank 0 consolidates while the other ranks
+    wait (the ranks would otherwise all write one file), then every rank exits with
+    rank 0's status.
+    """
+    from hpc.env import detect
+
+    if detect().size <= 1:
+        return _main(argv)
+    from mpidl.comm import world
+    from mpidl.comm.ledger import patience
+
+    comm = world()
+    code = _main(argv) if comm.rank == 0 else None
+    with patience("rank 0 consolidates the checkpoint"):
+        return comm.bcast_obj(code)
+
+
+_STORAGE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # exit 1: not the input
+
+
+def _main(argv: Sequence[str]) -> int:
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as e:
         return int(e.code or 0)
+    say = "mpidl checkpoint consolidate: error:"
+    out = args.out
     try:
-        path = find_checkpoint(args.source)
-        out = args.out or os.path.join(run_dir_of(path), "consolidated")
-        if os.path.isdir(out) or out.endswith(os.sep) or args.out is None:
-            out = os.path.join(out, os.path.basename(path))
-        if os.path.abspath(out) == os.path.abspath(path):
-            raise ValueError(f"OUT {out} is the checkpoint itself; name another file")
-        written = consolidate(path, out)
-    except (FileNotFoundError, ValueError, ckpt.CheckpointError) as e:
-        print(f"mpidl checkpoint consolidate: error: {e}", file=sys.stderr)
+        if out == "":
+            raise OutputError("OUT '' is an empty file name; name the file to write, or "
+                              "leave OUT out for RUN_DIR/consolidated/")
+        bad: list[tuple[str, str]] = []
+        for path in candidates(args.source, bad):
+            out = _out_path(args.out, path, args.force)
+            room = _room(path, out)
+            if room:
+                print(f"{say} {room}", file=sys.stderr)
+                return 1
+            try:
+                written = consolidate(path, out)
+            except ckpt.CheckpointError as e:
+                if os.path.isfile(args.source):
+                    raise
+                bad.append((path, str(e)))  # a damaged part: the next older one
+                continue
+            for skipped, reason in bad:
+                print(f"mpidl checkpoint consolidate: note: skipped {skipped}: {reason}",
+                      file=sys.stderr)
+            print(f"{path} -> {written}")
+            return 0
+    except (FileNotFoundError, OutputError, ckpt.CheckpointError) as e:
+        print(f"{say} {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
-        print(f"mpidl checkpoint consolidate: error: cannot write {out}: {e}", file=sys.stderr)
-        return 1
-    print(f"{path} -> {written}")
-    return 0
+        from mpidl.data.publish import write_error
+
+        e = write_error(e, out)
+        if e.errno in _STORAGE:
+            print(f"{say} cannot write {out} ({e.strerror}); nothing was left behind: free "
+                  "space there or name another OUT", file=sys.stderr)
+            return 1
+        print(f"{say} {out} cannot be written ({e.strerror}); name a file in a directory you "
+              "can write", file=sys.stderr)
+        return EXIT_USAGE
+    raise AssertionError("unreachable")  # candidates() yields, or raises
 
 
-__all__ = ["consolidate", "find_checkpoint", "main"]
+def _room(path: str, out: str) -> str | None:
+    """What is wrong when the filesystem of ``out`` lacks room for checkpoint ``path``
+    written whole (about the size of its files: the same arrays), else None. Checked
+    first: HDF5 that runs out of space mid-file can crash the process (signal 11)."""
+    need = sum(os.path.getsize(f) for f in (path, *retention.companions(path)))
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    fs = os.statvfs(parent)
+    free = fs.f_bavail * fs.f_frsize
+    if free >= need:
+        return None
+    return (f"cannot write {out}: it needs about {need / 1e6:.3g} MB and its filesystem has "
+            f"{free / 1e6:.3g} MB free; free space there (`df {parent}`) or name another OUT")
+
+
+def _out_path(given: str | None, path: str, force: bool) -> str:
+    """The file to write for checkpoint ``path`` (OUT, a directory for it, or the default),
+    checked: OutputError when it must not be written."""
+    out = given or os.path.join(run_dir_of(path), "consolidated")
+    if os.path.isdir(out) or out.endswith(os.sep) or given is None:
+        out = os.path.join(out, os.path.basename(path))
+    check_output(out, force=force, reads=checkpoint_files(path))
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):  # the nearest folder that exists must take files
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise OutputError(f"OUT {out} cannot be written: {parent} is a file, not a directory; "
+                          "name a file in a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"OUT {out} cannot be written: {parent} is not writable (permission "
+                          "denied); name a file in a directory you can write")
+    return out
+
+
+__all__ = ["candidates", "checkpoint_files", "consolidate", "find_checkpoint", "main"]

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from hpc.files import OutputError, check_output
 from mpidl.train.metrics import read_metrics
 
 
@@ -70,9 +71,10 @@ def _line_plot(plt, path: str, title: str, ylabel: str,
     return drawn
 
 
-def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
+def plot_run(run_dir: str, out_dir: str | None = None, force: bool = False) -> list[str]:
     """Write the plots of ``run_dir``'s metrics into ``out_dir`` (default: run_dir);
-    return paths."""
+    return paths. An existing plot is written over only with ``force``
+    (:func:`hpc.files.check_output`: OutputError)."""
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(metrics):
         raise FileNotFoundError(f"{metrics} does not exist; is {run_dir!r} a run directory "
@@ -80,6 +82,8 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     plt = _matplotlib()  # after the input's check: a wrong path is told before a missing extra
     records = read_metrics(metrics)
     out_dir = out_dir or run_dir
+    for png in ("loss.png", "accuracy.png", "throughput.png"):
+        check_output(os.path.join(out_dir, png), force=force, reads=[metrics])
     os.makedirs(out_dir, exist_ok=True)
     name = os.path.basename(os.path.normpath(run_dir))
     written = []
@@ -128,10 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpidl plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory (with metrics.jsonl)")
     parser.add_argument("--out", help="where to write the PNG files (default: RUN_DIR)")
+    parser.add_argument("--force", action="store_true", help="write over existing plots")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        paths = plot_run(args.run_dir, args.out)
-    except (ImportError, OSError) as e:  # no run there, no extra: refused before any work
+        paths = plot_run(args.run_dir, args.out, args.force)
+    except (ImportError, OSError, OutputError) as e:  # refused before any work
         print(f"mpidl plot: error: {e}", file=sys.stderr)
         return 2
     for path in paths:

@@ -10,6 +10,7 @@ A new command adds its rows: a command without any fails
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import h5py
@@ -62,6 +63,8 @@ def tiny(tmp_path_factory):
         f["x"] = rows
     with h5py.File(inputs / "linked.h5", "w") as f:
         f["x"] = h5py.ExternalLink(str(inputs / "target.h5"), "/x")
+    (inputs / "loss.png").write_bytes(b"a plot of mine")
+    shutil.copytree(data, inputs / "ds")  # a dataset whose shard is also an --from-h5 input
     profiles = inputs / "profiles" / "network"
     profiles.mkdir(parents=True)
     (profiles / "allreduce-only.toml").write_text(
@@ -99,6 +102,9 @@ ROWS = [
     ("shard --from-npz {inputs}/nan.npz --seed -1 {inputs}/out", "", 2,
      "argument --seed: '-1' must be an integer >= 0"),
     ("shard --verify {inputs}/nowhere", "", 2, "no such dataset directory"),
+    ("shard --from-h5 {inputs}/ds/train/shard-00000.h5 --force {inputs}/ds", "", 2,
+     "shard-00000.h5 is {inputs}/ds/train/shard-00000.h5, which this command reads: it is "
+     "never written over, even with --force; name another OUT_DIR"),
     # -- eval
     ("eval {inputs}/nowhere", "", 2, "is '{inputs}/nowhere' a run directory?"),
     ("eval {run} --checkpoint {inputs}/garbage.bin", "", 2,
@@ -147,6 +153,11 @@ ROWS = [
     ("plan --json /", "", 2, "argument --json: '/' is a directory"),
     ("plan --plot /nonexist/x.png", "", 2, "the directory /nonexist does not exist"),
     ("plan --sbatch /nonexist/x", "", 2, "the directory /nonexist does not exist"),
+    ("plan --json {inputs}/bad.toml", "", 2, "bad.toml already exists; name another file, "
+     "or pass --force to write over it"),
+    ("plan --step-time 0.1 --data={data} " + " ".join(TINY_MODEL) + " --force --json "
+     "{data}/train/manifest.json", "", 2, "manifest.json lies in {data}, which this command "
+     "reads: it is never written over, even with --force"),
     ("plan --network allreduce-only --step-time 0.1 --ranks 1,2 --data={data} "
      + " ".join(TINY_MODEL), "", 0,
      "network profile 'allreduce-only' has no numbers for reduce_scatter, allgather: priced "
@@ -157,6 +168,9 @@ ROWS = [
     ("bench --window-s nan", "", 2, "argument --window-s: 'nan' must be a finite number >= 0"),
     ("bench --plot /nonexist/x.png", "", 2, "the directory /nonexist does not exist"),
     ("bench --save-profile ../x", "", 2, "profile name '../x': use a plain name"),
+    ("bench --plot {inputs}/bad.toml", "", 2, "bad.toml already exists; name another file, "
+     "or pass --force"),
+    ("bench --save-profile allreduce-only", "", 2, "allreduce-only.toml already exists"),
     # -- info, demo
     ("info --nonsense", "", 2, "unrecognized arguments: --nonsense"),
     ("demo --nonsense", "", 2, "unrecognized arguments: --nonsense"),
@@ -175,9 +189,18 @@ ROWS = [
      "checkpoint that loads in"),
     ("checkpoint consolidate {inputs}/garbage.npz {inputs}/out.h5", "", 2,
      "garbage.npz cannot be opened: it is truncated, corrupt or not an HDF5 file"),
+    ("checkpoint consolidate {run} {run}/checkpoints/ --force", "", 2,
+     "lies in {run}/checkpoints, which this command reads: it is never written over, even "
+     "with --force; name another file"),
+    ("checkpoint consolidate {run} {inputs}/bad.toml", "", 2,
+     "bad.toml already exists; name another file, or pass --force to write over it"),
+    ("checkpoint consolidate {run} {inputs}/bad.toml/x.h5", "", 2,
+     "bad.toml is a file, not a directory; name a file in a directory"),
     # -- plot, run
     ("plot", "", 2, "the following arguments are required: run_dir"),
     ("plot {inputs}/nowhere", "", 2, "metrics.jsonl does not exist"),
+    ("plot {run} --out {inputs}", "", 2, "loss.png already exists; name another file, or "
+     "pass --force"),
     ("run", "", 2, "usage: mpidl run SCRIPT.py"),
     ("run {inputs}/nowhere.py", "", 2, "is not a file; name a Python script"),
 ]

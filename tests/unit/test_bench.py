@@ -158,6 +158,23 @@ def test_parse_args_names_the_bad_value(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
+def test_an_existing_plot_or_profile_needs_force_before_the_sweep(tmp_path, monkeypatch,
+                                                                 capsys):
+    monkeypatch.setenv("MPIDL_PROFILE_DIR", str(tmp_path))
+    (tmp_path / "network").mkdir()
+    (tmp_path / "network" / "mine.toml").write_text("kept")
+    (tmp_path / "net.png").write_bytes(b"kept")
+    for argv, path in ((["--plot", str(tmp_path / "net.png")], tmp_path / "net.png"),
+                       (["--save-profile", "mine"], tmp_path / "network" / "mine.toml")):
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args(argv)
+        assert exc.value.code == 2
+        assert f"{path} already exists; name another file, or pass --force" in \
+            capsys.readouterr().err
+        assert bench.parse_args([*argv, "--force"]).force
+    assert (tmp_path / "network" / "mine.toml").read_text() == "kept"
+
+
 @pytest.mark.parametrize("op, nbytes, n, elements", [
     ("allreduce", 4, 8, 1), ("allreduce", 4096, 8, 1024), ("bcast", 64, 3, 16),
     ("allgather", 4096, 4, 256), ("reduce_scatter", 4096, 4, 256),

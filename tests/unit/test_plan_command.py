@@ -134,7 +134,9 @@ def test_the_configs_pipeline_keys_are_the_layout_flags_defaults(tmp_path):
     assert (doc["options"]["schedule"], doc["options"]["virtual"],
             doc["options"]["recompute"]) == ("interleaved", 4, "full")
     assert {(r["tensor"], r["pipeline"]) for r in doc["layouts"]} == {(8, 8)}
-    assert plan_command.main([*argv, "--pipeline-parallel", "4", "--recompute", "none"]) == 0
+    again = [*argv, "--pipeline-parallel", "4", "--recompute", "none"]
+    assert plan_command.main(again) == 2  # plan.json is there: written over only with --force
+    assert plan_command.main([*again, "--force"]) == 0
     doc = json.loads(path.read_text())
     assert doc["options"]["recompute"] == "none"
     assert {r["pipeline"] for r in doc["layouts"]} == {4}

@@ -42,3 +42,14 @@ def test_plot_to_another_directory(tmp_path):
 def test_missing_metrics_is_a_clear_error(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2  # bad input: docs/exit-status.md
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_plot_writes_over_its_own_plots_only_with_force(tmp_path, capsys):
+    run = _run(tmp_path)
+    (run / "loss.png").write_bytes(b"mine")
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'loss.png'} already exists; name another file, or pass --force" in err
+    assert (run / "loss.png").read_bytes() == b"mine" and not (run / "accuracy.png").exists()
+    assert main([str(run), "--force"]) == 0
+    assert (run / "loss.png").read_bytes()[:8] == PNG_MAGIC

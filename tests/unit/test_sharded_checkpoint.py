@@ -379,3 +379,102 @@ def test_consolidate_names_a_damaged_part_and_writes_nothing(tmp_path, capsys):
     assert "part-00001 is corrupt" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out.h5")
     assert main(["consolidate", str(tmp_path / "nothing")]) == 2
+
+
+def consolidate_main(*argv):
+    from mpidl.train.consolidate import main
+
+    return main(["consolidate", *map(str, argv)])
+
+
+def two_checkpoints(tmp_path):
+    """A run with sharded checkpoints at steps 2 and 4 (2 ranks, ZeRO-1)."""
+    directory = str(tmp_path / "run" / "checkpoints")
+    run_ranks(2, M.save_at, directory, 1)
+    return tmp_path / "run", run_ranks(2, M.save_at, directory, 1, 4)[0]
+
+
+def test_consolidate_never_writes_over_a_file_of_the_checkpoints_it_reads(tmp_path, capfd):
+    run, newest = two_checkpoints(tmp_path)
+    older = str(run / "checkpoints" / "checkpoint-00000002.h5")
+    for out in (newest + ".part-00000", older, older + ".part-00001", newest):
+        for force in ((), ("--force",)):
+            assert consolidate_main(run, out, *force) == 2, out
+            err = capfd.readouterr().err
+            assert f"{out} lies in {run / 'checkpoints'}, which this command reads: it is " \
+                   "never written over, even with --force; name another file" in err, err
+    # a checkpoint named outside a run: its own files and its neighbours' are refused too
+    assert consolidate_main(older, newest + ".part-00001", "--force") == 2
+    assert "never written over" in capfd.readouterr().err
+    for path in (older, newest):
+        assert ckpt.load_checkpoint(path).step in (2, 4)  # both still load, whole
+
+
+def test_consolidate_writes_over_an_existing_file_only_with_force(tmp_path, capfd):
+    run, _ = two_checkpoints(tmp_path)
+    precious = tmp_path / "precious.csv"
+    precious.write_text("a,b\n")
+    assert consolidate_main(run, precious) == 2
+    err = capfd.readouterr().err
+    assert f"{precious} already exists; name another file, or pass --force" in err, err
+    assert precious.read_text() == "a,b\n"
+    assert consolidate_main(run, precious, "--force") == 0
+    assert ckpt.load_checkpoint(str(precious)).step == 4
+    assert consolidate_main(run) == 0  # the default file, then again: refused
+    assert consolidate_main(run) == 2
+    assert "checkpoint-00000004.h5 already exists" in capfd.readouterr().err
+
+
+def test_consolidate_refuses_an_empty_or_unwritable_out_with_status_2(tmp_path, capfd):
+    run, _ = two_checkpoints(tmp_path)
+    assert consolidate_main(run, "") == 2
+    assert "OUT '' is an empty file name" in capfd.readouterr().err
+    assert not (tmp_path / "consolidated").exists() and not os.path.exists("consolidated")
+    (tmp_path / "plain").write_text("")
+    assert consolidate_main(run, tmp_path / "plain" / "sub" / "out.h5") == 2
+    err = capfd.readouterr().err
+    assert f"{tmp_path / 'plain'} is a file, not a directory" in err and "Traceback" not in err
+
+
+def test_consolidate_falls_back_past_a_newest_checkpoint_that_does_not_load(tmp_path, capfd):
+    run, newest = two_checkpoints(tmp_path)
+    flip_a_byte(newest + ".part-00001", "0")
+    assert consolidate_main(run) == 0
+    err = capfd.readouterr().err
+    assert f"note: skipped {newest}" in err and "part-00001 is corrupt" in err, err
+    assert ckpt.load_checkpoint(str(run / "consolidated" / "checkpoint-00000002.h5")).step == 2
+    assert not (run / "consolidated" / "checkpoint-00000004.h5").exists()
+    # a missing part: passed over with a plain note, no RuntimeWarning and its source line
+    os.remove(str(run / "checkpoints" / "checkpoint-00000002.h5.part-00000"))
+    assert consolidate_main(run, tmp_path / "none.h5") == 2
+    err = capfd.readouterr().err
+    assert "Warning" not in err and "warnings.warn" not in err, err
+    assert "holds 2 checkpoint(s) and none loads" in err and "lacks 1 of its parts" in err, err
+    assert not (tmp_path / "none.h5").exists()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 16 KiB filesystem (tmpfs): needs root, else skipped."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_consolidate_onto_a_full_disk_exits_1_before_writing(tmp_path, full_disk, capfd):
+    # HDF5 running out of space mid-file crashed the process (signal 11, exit 139); the
+    # storage is not the input: 1, with the room needed and free.
+    run, _ = two_checkpoints(tmp_path)
+    assert consolidate_main(run, full_disk / "out.h5") == 1
+    err = capfd.readouterr().err
+    assert f"cannot write {full_disk / 'out.h5'}: it needs about" in err, err
+    assert "free space there" in err and os.listdir(full_disk) == []
