@@ -38,7 +38,7 @@ import functools
 import sys
 from typing import Any, Sequence
 
-from hpc.argtypes import nonnegative_int, positive_int
+from hpc.argtypes import nonnegative_int, output_dir_problem, positive_int
 from mpidl.comm import world
 from mpidl.data import partition, sources
 from mpidl.data.format import DataError, Manifest
@@ -240,6 +240,14 @@ def _delimiter(args: argparse.Namespace) -> str | None:
     return {"\\t": "\t", "tab": "\t"}.get(args.delimiter, args.delimiter)
 
 
+def _check_out_dir(path: str) -> None:
+    # Before the input is read: a conversion of an hour must not end in a failed write.
+    # On every rank (agreed): under mpiexec each rank writes its own shards into it.
+    problem = output_dir_problem(path)
+    if problem is not None:
+        raise DataError(f"OUT_DIR {problem}")
+
+
 def _write(args: argparse.Namespace, comm: Any) -> dict[str, Manifest]:
     """Read the input and write the dataset: as one process, or, on several ranks, each
     rank its share (:mod:`mpidl.data.parallel`)."""
@@ -372,6 +380,7 @@ def main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        agreed(comm, _check_out_dir, args.out_dir)
         manifests = _write(args, comm)
         length = _length_line(manifests)
         if length:
