@@ -1633,4 +1633,41 @@ MUTATIONS: list[Mutation] = [
                "file_offset_and_line",
                PSHARD + "test_a_byte_that_is_not_utf8_is_named_alike_at_any_rank_count"),
     ),
+    Mutation(
+        name="plan-time-unit-stops-at-hours",
+        file="mpidl/plan.py",
+        original='return ("h", 1) if hours < 48 else ("days", 1 / 24)',
+        mutated='return "h", 1',
+        why="a training of weeks is drawn and told in hundreds of hours",
+        tests=("tests/unit/test_plan.py::test_time_unit_is_chosen_from_the_longest_time",),
+    ),
+    Mutation(
+        name="plan-plot-time-axis-in-hours",
+        file="mpidl/plan.py",
+        original="ax_t.plot(r, [row.train_hours * per_hour for row in rows], marker=\"o\")",
+        mutated="ax_t.plot(r, [row.train_hours for row in rows], marker=\"o\")",
+        why="the plot's time axis names seconds but draws hours (0.0003 for a 1-second "
+            "training)",
+        tests=("tests/unit/test_plan.py::test_the_plots_time_axis_takes_its_unit_from_the_"
+               "times",),
+    ),
+    Mutation(
+        name="plot-image-suffix-case-sensitive",
+        file="mpidl/train/plot.py",
+        original='suffix = os.path.splitext(out)[1].lower().lstrip(".")',
+        mutated='suffix = os.path.splitext(out)[1].lstrip(".")',
+        why="mpidl plot --out RUN.SVG makes a directory of that name instead of one image",
+        tests=("tests/unit/test_plot.py::test_out_naming_an_image_writes_one_file_of_the_three_"
+               "panels",),
+    ),
+    Mutation(
+        name="plot-directory-with-image-suffix-becomes-a-file",
+        file="mpidl/train/plot.py",
+        original="and not os.path.isdir(out)",
+        mutated="",
+        why="an existing directory named like an image (old.png/, as mpidl plot made "
+            "before) is written as a file over: savefig fails on the directory",
+        tests=("tests/unit/test_plot.py::test_out_naming_an_existing_directory_with_an_image_"
+               "suffix_writes_into_it",),
+    ),
 ]
