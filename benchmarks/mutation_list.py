@@ -1623,4 +1623,92 @@ MUTATIONS: list[Mutation] = [
         tests=(SHARDED_UNIT + "test_consolidate_falls_back_past_a_newest_checkpoint_that_"
                "does_not_load",),
     ),
+    # -- output paths checked before any work; input errors named where they are (#38) -------
+    Mutation(
+        name="out-dir-check-misses-a-file-on-the-way",
+        file="hpc/argtypes.py",
+        original="    if not os.path.isdir(existing):\n",
+        mutated="    if not os.path.exists(existing):\n",
+        why="OUT_DIR or a run directory under a regular file is taken for a directory: "
+            "the message blames permissions instead of naming the file in the way",
+        tests=("tests/unit/test_argtypes.py::test_an_output_directory_under_or_at_a_file_is_"
+               "a_problem_naming_it",),
+    ),
+    Mutation(
+        name="shard-checks-out-dir-after-the-conversion",
+        file="mpidl/data/command.py",
+        original="        agreed(comm, _check_out_dir, args.out_dir)\n",
+        mutated="",
+        why="mpidl shard converts the whole input before it finds that OUT_DIR cannot be "
+            "made, and fails with a traceback (exit 1)",
+        tests=(PSHARD + "test_an_out_dir_under_a_file_is_refused_before_the_input_is_read",),
+    ),
+    Mutation(
+        name="train-checks-run-dir-after-the-work",
+        file="mpidl/train/command.py",
+        original="    if _config_error(comm, _run_dir_problem(run_dir, comm)):\n"
+                 "        return EXIT_CONFIG\n",
+        mutated="",
+        why="a --run-dir that is a file is found only when the run directory is claimed, "
+            "after the data and the model, as exit 1 advising to free space",
+        tests=("tests/unit/test_train_resume.py::test_a_run_directory_at_or_under_a_file_is_"
+               "bad_input_before_the_data_is_made",),
+    ),
+    Mutation(
+        name="csv-bad-byte-offset-forgets-held-bytes",
+        file="mpidl/data/csv_source.py",
+        original="at = offset - held + e.start",
+        mutated="at = offset + e.start",
+        why="a character cut by the search's block boundary shifts the reported offset of "
+            "a byte that is not UTF-8",
+        tests=("tests/unit/test_data_errors.py::test_a_byte_that_is_not_utf8_is_named_by_its_"
+               "file_offset_and_line",),
+    ),
+    Mutation(
+        name="csv-bad-byte-line-from-the-block",
+        file="mpidl/data/csv_source.py",
+        original='lines += e.object[:e.start].count(b"\\n")',
+        mutated="pass",
+        why="the line of a byte that is not UTF-8 is the line where its block starts",
+        tests=("tests/unit/test_data_errors.py::test_a_byte_that_is_not_utf8_is_named_by_its_"
+               "file_offset_and_line",
+               PSHARD + "test_a_byte_that_is_not_utf8_is_named_alike_at_any_rank_count"),
+    ),
+    Mutation(
+        name="plan-time-unit-stops-at-hours",
+        file="mpidl/plan.py",
+        original='return ("h", 1) if hours < 48 else ("days", 1 / 24)',
+        mutated='return "h", 1',
+        why="a training of weeks is drawn and told in hundreds of hours",
+        tests=("tests/unit/test_plan.py::test_time_unit_is_chosen_from_the_longest_time",),
+    ),
+    Mutation(
+        name="plan-plot-time-axis-in-hours",
+        file="mpidl/plan.py",
+        original="ax_t.plot(r, [row.train_hours * per_hour for row in rows], marker=\"o\")",
+        mutated="ax_t.plot(r, [row.train_hours for row in rows], marker=\"o\")",
+        why="the plot's time axis names seconds but draws hours (0.0003 for a 1-second "
+            "training)",
+        tests=("tests/unit/test_plan.py::test_the_plots_time_axis_takes_its_unit_from_the_"
+               "times",),
+    ),
+    Mutation(
+        name="plot-image-suffix-case-sensitive",
+        file="mpidl/train/plot.py",
+        original='suffix = os.path.splitext(out)[1].lower().lstrip(".")',
+        mutated='suffix = os.path.splitext(out)[1].lstrip(".")',
+        why="mpidl plot --out RUN.SVG makes a directory of that name instead of one image",
+        tests=("tests/unit/test_plot.py::test_out_naming_an_image_writes_one_file_of_the_three_"
+               "panels",),
+    ),
+    Mutation(
+        name="plot-directory-with-image-suffix-becomes-a-file",
+        file="mpidl/train/plot.py",
+        original="and not os.path.isdir(out)",
+        mutated="",
+        why="an existing directory named like an image (old.png/, as mpidl plot made "
+            "before) is written as a file over: savefig fails on the directory",
+        tests=("tests/unit/test_plot.py::test_out_naming_an_existing_directory_with_an_image_"
+               "suffix_writes_into_it",),
+    ),
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 
 
 def number_problem(value: float, minimum: float, strict: bool) -> str | None:
@@ -84,3 +85,34 @@ def output_file(text: str) -> str:
             f"{text!r} cannot be written (permission denied); name a file in a directory "
             "you can write")
     return text
+
+
+def output_dir_problem(path: str) -> str | None:
+    """What stops a command from making or writing the directory ``path`` (a dataset's
+    OUT_DIR, a run directory), or None when it can. Checked before any work, so that a
+    conversion or a training does not end in a failed write.
+
+    A regular file at ``path`` or on the way to it, and a directory that refuses a new
+    file (a read-only filesystem, no permission), are found here. The nearest existing
+    directory is tried by creating an unnamed temporary file in it (removed at once):
+    unlike ``os.access``, that answers for root too, on NFS with root squash and with
+    access control lists. The message starts with the path and ends with the fix.
+    """
+    if not path:
+        return "an empty directory name; name the directory to write"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return (f"{path!r} is a file, not a directory; name a directory (new or existing) "
+                f"to write into, e.g. {path + '.d'!r}")
+    existing = os.path.normpath(path)  # named as the user wrote it: relative stays so
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        return (f"{path!r}: {existing!r} is a file, so no directory can be made under it; "
+                "name a path whose parents are directories")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return (f"{path!r}: the directory {existing!r} cannot be written "
+                f"({e.strerror or e}); name a directory on a filesystem you can write")
+    return None

@@ -239,10 +239,20 @@ def caveats(rows: list[Prediction], probed: bool = False) -> list[str]:
             "them: run the plan under mpiexec -n 2 (or more)"]
 
 
+def time_unit(hours: float) -> tuple[str, float]:
+    """The unit to show a time of ``hours`` in, and how many of it make an hour: ``("s",
+    3600)`` under a minute, ``("min", 60)`` under an hour, ``("h", 1)`` under two days,
+    else ``("days", 1 / 24)``. For several times (a plot's axis), pass the longest."""
+    if hours < 1 / 60:
+        return "s", 3600
+    if hours < 1:
+        return "min", 60
+    return ("h", 1) if hours < 48 else ("days", 1 / 24)
+
+
 def _hours(h: float) -> str:
-    if h < 1 / 60:
-        return f"{h * 3600:.0f} s"
-    return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h"
+    unit, per_hour = time_unit(h)
+    return f"{h * per_hour:.0f} {unit}" if per_hour > 1 else f"{h * per_hour:.1f} {unit}"
 
 
 def format_table(rows: list[Prediction]) -> str:
@@ -393,8 +403,12 @@ def shared_memory_link() -> Any:
                           {"default": Link(2e-6, bandwidth)})
 
 
-def plot(rows: list[Prediction], path: str, title: str) -> str:
-    """Speedup (with the ideal line) and time to train against ranks, into ``path``."""
+_UNIT_WORDS = {"s": "seconds", "min": "minutes", "h": "hours", "days": "days"}
+
+
+def figure(rows: list[Prediction], title: str) -> Any:
+    """The matplotlib Figure of :func:`plot`: speedup (with the ideal line) and time to
+    train against ranks, the time in the unit its longest value reads best in."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 4))
@@ -403,11 +417,17 @@ def plot(rows: list[Prediction], path: str, title: str) -> str:
     ax_s.plot(r, [row.speedup for row in rows], marker="o", label="predicted")
     ax_s.plot(r, r, linestyle="--", color="grey", label="ideal")
     ax_s.set(xlabel="ranks", ylabel="speedup", title=title)
-    ax_t.plot(r, [row.train_hours for row in rows], marker="o")
-    ax_t.set(xlabel="ranks", ylabel="hours to train", title="time to train")
+    unit, per_hour = time_unit(max(row.train_hours for row in rows))
+    ax_t.plot(r, [row.train_hours * per_hour for row in rows], marker="o")
+    ax_t.set(xlabel="ranks", ylabel=f"{_UNIT_WORDS[unit]} to train", title="time to train")
     for ax in (ax_s, ax_t):
         ax.grid(True, alpha=0.3)
     ax_s.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot(rows: list[Prediction], path: str, title: str) -> str:
+    """Speedup (with the ideal line) and time to train against ranks, into ``path``."""
+    figure(rows, title).savefig(path, dpi=110)
     return path

@@ -39,7 +39,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from hpc.argtypes import nonnegative_int, positive_int
+from hpc.argtypes import nonnegative_int, output_dir_problem, positive_int
 from mpidl.comm import world
 from mpidl.data import partition, sources
 from mpidl.data.format import DataError, Manifest
@@ -244,9 +244,11 @@ def _delimiter(args: argparse.Namespace) -> str | None:
 def _check_inputs_kept(args: argparse.Namespace) -> None:
     """OutputError (a ValueError: exit 2) when the input is a file of the dataset that
     OUT_DIR holds, which the new one replaces: never written over, even with --force
-    (:func:`hpc.files.check_output`; --force is checked when the splits are published)."""
+    (:func:`hpc.files.check_output`); DataError when OUT_DIR holds a dataset and --force
+    is not given. Before the input is read: the same rule holds again when the splits
+    are published, but an hour's conversion must not end in it."""
     from hpc.files import check_output
-    from mpidl.data.publish import dataset_files
+    from mpidl.data.publish import dataset_files, old_files
 
     reads = [p for p in (args.from_csv, args.from_folder, args.from_npz, args.from_h5) if p]
     for split in ("train", "test"):
@@ -254,6 +256,15 @@ def _check_inputs_kept(args: argparse.Namespace) -> None:
         for name in dataset_files(folder):
             check_output(os.path.join(folder, name), force=True, reads=reads,
                          instead="another OUT_DIR")
+    old_files(args.out_dir, args.force, ("train", "test"))
+
+
+def _check_out_dir(path: str) -> None:
+    # Before the input is read: a conversion of an hour must not end in a failed write.
+    # On every rank (agreed): under mpiexec each rank writes its own shards into it.
+    problem = output_dir_problem(path)
+    if problem is not None:
+        raise DataError(f"OUT_DIR {problem}")
 
 
 def _write(args: argparse.Namespace, comm: Any) -> dict[str, Manifest]:
@@ -389,6 +400,7 @@ def main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
             )
             return 2
         _check_inputs_kept(args)
+        agreed(comm, _check_out_dir, args.out_dir)
         manifests = _write(args, comm)
         length = _length_line(manifests)
         if length:

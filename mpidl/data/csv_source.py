@@ -7,6 +7,7 @@ is skipped silently, except blank lines, which hold no record.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 from typing import Any, NamedTuple, Sequence
@@ -16,6 +17,7 @@ import numpy
 from mpidl.data.format import DataError
 
 _TSV_SUFFIXES = (".tsv", ".tab")
+_SCAN_BLOCK = 1 << 20  # bytes decoded at a time when looking for an undecodable one
 
 
 class Span(NamedTuple):
@@ -163,10 +165,37 @@ def _read_rows(path: str, delimiter: str | None, header: bool, quoting: str | No
     except FileNotFoundError as e:
         raise DataError(f"{path}: no such file") from e
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid {encoding} text ({e})") from e
+        # e.start counts from the start of whichever buffer the decoder held (4096 into
+        # a read-ahead block, or into a rank's span): find the byte in the file instead
+        raise DataError(_undecodable(path, encoding, e)) from e
     except csv.Error as e:
         raise DataError(f"{path}: CSV error ({e}); check --delimiter and --quoting") from e
     return names, rows
+
+
+def _undecodable(path: str, encoding: str, error: UnicodeDecodeError) -> str:
+    """The message for ``path``'s first byte that is not ``encoding``: its line, its
+    offset in the file and the fix; the same whichever rank or buffer met it."""
+    decoder = codecs.getincrementaldecoder(encoding)()
+    offset = lines = 0  # bytes decoded and newlines among them, before this block
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_SCAN_BLOCK)
+            held = len(decoder.getstate()[0])  # bytes of a character cut by the last block
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                at = offset - held + e.start
+                bad = e.object[e.start:e.end]
+                lines += e.object[:e.start].count(b"\n")  # the held bytes hold no newline
+                return (f"{path}:{lines + 1}: not valid {encoding} text: byte offset {at} "
+                        f"holds {bad!r} ({e.reason}); save the file as {encoding} (e.g. "
+                        f"`iconv -f latin1 -t {encoding} {path} > NEW.csv` if it is Latin-1)")
+            if not block:
+                break
+            offset += len(block)
+            lines += block.count(b"\n")
+    return f"{path}: not valid {encoding} text ({error})"  # the file changed since
 
 
 def _span_text(path: str, span: Span, encoding: str) -> str:

@@ -111,6 +111,18 @@ def _run_dir(config, comm) -> str:
     return default_run_dir(config, os.environ.get("SLURM_JOB_ID"), stamp)
 
 
+def _run_dir_problem(run_dir: str, comm) -> str | None:
+    # Before the data is made and the model built: a file there (or on the way to it) or
+    # a read-only filesystem is bad input, not a full disk found after the work. On every
+    # rank: each writes its pieces of a sharded checkpoint there.
+    from hpc.argtypes import output_dir_problem
+
+    problem = output_dir_problem(run_dir)
+    if problem is None:
+        return None
+    return (f"rank {comm.rank}: " if comm.size > 1 else "") + f"run directory {problem}"
+
+
 def main(argv: Sequence[str]) -> int:
     """``mpidl train [PRESET | CONFIG.toml] [--key=value ...]``. Collective."""
     if any(a in ("-h", "--help") for a in argv):
@@ -165,6 +177,8 @@ def _train(argv: Sequence[str], comm, preempt) -> int:
     if config.timeout is not None:
         watchdog.set_timeout(config.timeout or float("inf"))  # 0: no timeout
     run_dir = _run_dir(config, comm)
+    if _config_error(comm, _run_dir_problem(run_dir, comm)):
+        return EXIT_CONFIG
     text = to_toml(config)
     if comm.rank == 0:
         print(f"mpidl train on {comm.size} rank{'s' if comm.size > 1 else ''}, "

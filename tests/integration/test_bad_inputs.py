@@ -19,12 +19,13 @@ import pytest
 
 from hpc.launch import is_open_mpi, mpiexec_path
 from mpidl.cli import COMMANDS
-from mpidl.testing.launch import launch_env, mpiexec, run
+from mpidl.testing.launch import launch_env, mpiexec, mpiexec_command, run
 
 pytestmark = [pytest.mark.timeout(120)]
 
 MPIDL = os.path.join(os.path.dirname(sys.executable), "mpidl")  # the console script
 TINY_MODEL = ["--task=custom", "--model=mlp", "--model.sizes=[4,8,2]"]
+BAD_BYTE, BAD_LINE = 12288, 252  # where latin1.csv holds a byte that is not UTF-8
 
 
 def mpidl(*args, stdin="", timeout=60, env=None):
@@ -59,6 +60,14 @@ def tiny(tmp_path_factory):
     (inputs / "garbage.bin").write_bytes(b"garbage")
     (inputs / "bad.toml").write_text("epochs = \n")
     (inputs / "empty.csv").write_text("text,label\n")
+    # a Latin-1 byte deep in a UTF-8 file: offset 12288, on line 252 (past the first
+    # read-ahead block of 8 KiB, and in the second rank's half under mpiexec -n 2)
+    lines = "".join(f"review {i:04d} of one stay that was fine enough,{('neg', 'pos')[i % 2]}\n"
+                    for i in range(400))
+    latin1 = bytearray(("text,label\n" + lines).encode())
+    assert latin1[:BAD_BYTE].count(b"\n") + 1 == BAD_LINE and chr(latin1[BAD_BYTE]).isalpha()
+    latin1[BAD_BYTE] = 0xE9  # an é in Latin-1, where UTF-8 needs two bytes
+    (inputs / "latin1.csv").write_bytes(bytes(latin1))
     with h5py.File(inputs / "target.h5", "w") as f:
         f["x"] = rows
     with h5py.File(inputs / "linked.h5", "w") as f:
@@ -88,6 +97,10 @@ ROWS = [
     ("train --data={inputs}/nowhere", "", 2, "no manifest.json"),
     ("train --data={data} --task=custom --model=mlp --tensor-parallel=2", "", 2,
      "--tensor-parallel and --sequence-parallel split the gpt model"),
+    ("train --data={data} --run-dir={inputs}/garbage.bin " + " ".join(TINY_MODEL), "", 2,
+     "run directory '{inputs}/garbage.bin' is a file, not a directory"),
+    ("train --data={data} --run-dir={inputs}/garbage.bin/run " + " ".join(TINY_MODEL), "", 2,
+     "'{inputs}/garbage.bin' is a file, so no directory can be made under it"),
     # -- shard: bad data is bad input (2), as in train, eval and predict
     ("shard", "", 2, "one of the arguments --from-csv"),
     ("shard --from-npz {inputs}/nowhere.npz {inputs}/out", "", 2, "nowhere.npz: no such file"),
@@ -105,6 +118,15 @@ ROWS = [
     ("shard --from-h5 {inputs}/ds/train/shard-00000.h5 --force {inputs}/ds", "", 2,
      "shard-00000.h5 is {inputs}/ds/train/shard-00000.h5, which this command reads: it is "
      "never written over, even with --force; name another OUT_DIR"),
+    ("shard --from-npz {inputs}/nan.npz {inputs}/garbage.bin/out", "", 2,
+     "OUT_DIR '{inputs}/garbage.bin/out': '{inputs}/garbage.bin' is a file, so no directory "
+     "can be made under it; name a path whose parents are directories"),
+    # checked before the input is read: the garbage input is not what it reports
+    ("shard --from-npz {inputs}/garbage.npz {inputs}/garbage.bin", "", 2,
+     "OUT_DIR '{inputs}/garbage.bin' is a file, not a directory; name a directory"),
+    ("shard --from-csv {inputs}/latin1.csv --text-col text --label-col label {inputs}/out", "",
+     2, f"latin1.csv:{BAD_LINE}: not valid utf-8 text: byte offset {BAD_BYTE} holds b'\\xe9' "
+        "(invalid continuation byte); save the file as utf-8"),
     # -- eval
     ("eval {inputs}/nowhere", "", 2, "is '{inputs}/nowhere' a run directory?"),
     ("eval {run} --checkpoint {inputs}/garbage.bin", "", 2,
@@ -239,3 +261,69 @@ def test_predict_under_mpiexec_refuses_standard_input_at_once(tiny):
     assert result.stderr.count("mpidl predict: error: standard input does not reach rank "
                                "0") == 1, result.output
     assert "pass the inputs as a file" in result.stderr and "Traceback" not in result.output
+
+
+# Rows whose message must not depend on the rank count: run again at 2 ranks, where shard
+# converts in parallel (each rank writes into OUT_DIR, each reads its own bytes of a CSV)
+# and train's ranks each write their pieces of a checkpoint into the run directory.
+TWO_RANKS = [
+    ("shard --from-npz {inputs}/nan.npz {inputs}/garbage.bin/out",
+     "'{inputs}/garbage.bin' is a file, so no directory can be made under it"),
+    ("shard --from-csv {inputs}/latin1.csv --text-col text --label-col label {inputs}/out",
+     f"latin1.csv:{BAD_LINE}: not valid utf-8 text: byte offset {BAD_BYTE} holds b'\\xe9'"),
+    ("train --data={data} --run-dir={inputs}/garbage.bin " + " ".join(TINY_MODEL),
+     "run directory '{inputs}/garbage.bin' is a file, not a directory"),
+]
+
+
+@pytest.mark.parametrize("line, fragment", TWO_RANKS, ids=[r[0] for r in TWO_RANKS])
+def test_at_two_ranks_a_bad_output_path_or_byte_is_the_same_one_message(tiny, line, fragment):
+    args = [a.format(**tiny) for a in line.split()]
+    result = mpiexec(2, [MPIDL, *args], timeout=90)
+    assert result.returncode == 2, result.output
+    assert fragment.format(**tiny) in result.stderr, result.output
+    assert result.output.count(": error:") == 1 and "Traceback" not in result.output, \
+        result.output
+
+
+def _read_only_mount(tmp_path):
+    """A command prefix that runs its command with a read-only filesystem mounted on
+    ``tmp_path/ro``, in a user and mount namespace of its own (nothing to undo, and real
+    for root, whom no permission bit stops); None where the kernel allows no such
+    namespace."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    prefix = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+              'mount -t tmpfs -o ro,size=1m mpidl-ro "$0" && exec "$@"', str(ro)]
+    try:
+        probe = run([*prefix, "sh", "-c", f"! touch {ro}/x 2>/dev/null"], 30)
+    except OSError:
+        return None
+    return prefix if probe.returncode == 0 else None
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("line, fragment", [
+    ("shard --from-npz {inputs}/nan.npz {ro}/data", "OUT_DIR '{ro}/data': the directory "
+     "'{ro}' cannot be written (Read-only file system); name a directory on a filesystem you "
+     "can write"),
+    ("shard --from-npz {inputs}/nan.npz {ro}", "OUT_DIR '{ro}': the directory '{ro}' cannot "
+     "be written (Read-only file system)"),
+    ("train --data={data} --run-dir={ro}/run " + " ".join(TINY_MODEL),
+     "run directory '{ro}/run': the directory '{ro}' cannot be written (Read-only file "
+     "system)"),
+], ids=["shard-under-it", "shard-into-it", "train-run-dir"])
+def test_an_output_on_a_read_only_filesystem_is_refused_before_any_work(tiny, tmp_path, ranks,
+                                                                        line, fragment):
+    prefix = _read_only_mount(tmp_path)
+    if prefix is None:
+        pytest.skip("no user and mount namespace here (unshare) to mount a read-only "
+                    "filesystem in")
+    names = {**tiny, "ro": str(tmp_path / "ro")}
+    args = [MPIDL, *(a.format(**names) for a in line.split())]
+    command = [*prefix, *(mpiexec_command(ranks, args) if ranks > 1 else args)]
+    result = run(command, 90, launch_env())
+    assert result.returncode == 2, result.output
+    assert fragment.format(**names) in result.stderr, result.output
+    assert result.output.count(": error:") == 1 and "Traceback" not in result.output, \
+        result.output

@@ -76,6 +76,37 @@ def test_an_output_file_in_a_read_only_directory_is_refused(tmp_path):
         tmp_path.chmod(0o700)
 
 
+def test_an_output_directory_that_can_be_made_or_written_has_no_problem(tmp_path):
+    assert argtypes.output_dir_problem(str(tmp_path)) is None
+    assert argtypes.output_dir_problem(str(tmp_path / "new" / "deeper")) is None
+    assert not (tmp_path / "new").exists()  # the check makes nothing
+
+
+@pytest.mark.parametrize("name, words", [
+    ("", "an empty directory name"),
+    ("file", "'{d}/file' is a file, not a directory; name a directory"),
+    ("file/out", "'{d}/file/out': '{d}/file' is a file, so no directory can be made under it"),
+    ("file/out/deeper", "'{d}/file' is a file, so no directory can be made under it"),
+])
+def test_an_output_directory_under_or_at_a_file_is_a_problem_naming_it(tmp_path, name, words):
+    (tmp_path / "file").write_text("x")
+    path = str(tmp_path / name) if name else ""
+    assert words.format(d=tmp_path) in argtypes.output_dir_problem(path)
+    assert os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere a permission bit "
+                    "forbids (the read-only filesystem case: tests/integration/"
+                    "test_bad_inputs.py)")
+def test_an_output_directory_in_a_read_only_directory_is_a_problem(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        assert "cannot be written (Permission denied)" in \
+            argtypes.output_dir_problem(str(tmp_path / "out"))
+    finally:
+        tmp_path.chmod(0o700)
+
+
 def test_through_argparse_a_bad_value_exits_2_naming_the_option(capsys):
     parser = argparse.ArgumentParser(prog="mpidl plan")
     parser.add_argument("--step-time", type=argtypes.positive_float)

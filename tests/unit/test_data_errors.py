@@ -15,6 +15,7 @@ from mpidl.data import (
     write_shards,
     write_text_shards,
 )
+from mpidl.data import csv_source
 from mpidl.data.command import main as shard_main
 from mpidl.data.sources import read_csv, read_folder
 from mpidl.testing.datasets import edit_manifest, resync_shard
@@ -216,8 +217,26 @@ def test_bad_csv_inputs_name_file_and_line(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         read_csv(str(tmp_path / "absent.csv"), 0, 1)
     p.write_bytes(b"review,sentiment\n\xff\xfe,positive\n")
-    with pytest.raises(DataError, match="not valid utf-8"):
+    with pytest.raises(DataError, match="r.csv:2: not valid utf-8 text: byte offset 17 "):
         read_csv(str(p), "review", "sentiment")
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_its_file_offset_and_line(tmp_path, monkeypatch):
+    # Past the decoder's first read-ahead block, whose position the error used to give
+    # ("position 4096"), with characters of 2, 3 and 4 bytes cut by the search's blocks.
+    lines = [f"caf\u00e9 {i:05d} \u20ac\U0001d11e,pos" for i in range(800)]
+    data = bytearray("\n".join(["review,sentiment", *lines, ""]).encode())
+    at = data.index(b"caf\xc3\xa9 00500")
+    data[at] = 0xE9  # Latin-1's \u00e9 where the c was
+    p = tmp_path / "r.csv"
+    p.write_bytes(bytes(data))
+    for block in (1, 2, 3, 4096, 1 << 20):
+        monkeypatch.setattr(csv_source, "_SCAN_BLOCK", block)
+        with pytest.raises(DataError) as exc:
+            read_csv(str(p), "review", "sentiment")
+        assert str(exc.value).startswith(
+            f"{p}:502: not valid utf-8 text: byte offset {at} holds b'\\xe9' (invalid "
+            "continuation byte); save the file as utf-8"), (block, str(exc.value))
 
 
 def test_a_text_cut_by_an_unquoted_delimiter_is_an_error_naming_the_line(tmp_path):

@@ -77,6 +77,37 @@ def test_a_bad_line_on_one_rank_is_named_with_its_line_on_every_rank(tmp_path, c
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 
+def test_a_byte_that_is_not_utf8_is_named_alike_at_any_rank_count(tmp_path, capsys):
+    # Each rank decodes its own bytes: the error's position was within that rank's
+    # buffer (4096 at 1 rank, 2460 at 2), not in the file.
+    path = tmp_path / "latin1.csv"
+    data = bytearray(("text,label\n" + "".join(
+        f"review {i:04d} of one stay that was fine enough,{('neg', 'pos')[i % 2]}\n"
+        for i in range(400))).encode())
+    data[12288] = 0xE9  # Latin-1's \u00e9, on line 252
+    path.write_bytes(bytes(data))
+    argv = ["--from-csv", str(path), "--text-col", "text", "--label-col", "label"]
+    for size in (1, 2, 3):
+        assert shard_on(size, argv + [str(tmp_path / "out")]) == [2] * size
+        err = capsys.readouterr().err
+        assert err.count("error") == 1, err
+        assert f"{path}:252: not valid utf-8 text: byte offset 12288 holds b'\\xe9'" in err, err
+
+
+def test_an_out_dir_under_a_file_is_refused_before_the_input_is_read(tmp_path, capsys, inputs):
+    (tmp_path / "file").write_text("mine")
+    out = tmp_path / "file" / "data"
+    # a garbage input: the error names OUT_DIR, so OUT_DIR was checked first
+    (tmp_path / "garbage.npz").write_bytes(b"not a zip file")
+    for size in (1, 2, 3):
+        for argv in (inputs[1]["csv"], ["--from-npz", str(tmp_path / "garbage.npz")]):
+            assert shard_on(size, argv + [str(out)]) == [2] * size
+            err = capsys.readouterr().err
+            assert err.count("error") == 1, err
+            assert f"OUT_DIR '{out}': '{tmp_path / 'file'}' is a file, so no directory" in err
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_covering_counts_is_numpys_inverted_cdf_percentile():
     rng = numpy.random.default_rng(0)
     for n in (1, 2, 3, 10, 99, 100, 101, 1000):

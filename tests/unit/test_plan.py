@@ -163,3 +163,32 @@ def test_rank_counts_beyond_the_global_batch_name_the_largest_usable():
     with pytest.raises(ValueError, match="128 ranks for a global batch of 64: every rank "
                                          "needs a sample per step; use at most 64 ranks"):
         plan.check_rank_counts([1, 128], 64)
+
+
+@pytest.mark.parametrize("hours, unit, per_hour", [
+    ([1 / 3600, 1.3 / 3600], "s", 3600),          # a 1-second training
+    ([0.5 / 60, 59 / 3600], "s", 3600),
+    ([1 / 60, 0.4], "min", 60),
+    ([0.9, 1.0], "h", 1),
+    ([3.0, 47.0], "h", 1),
+    ([20.0, 100.0], "days", 1 / 24),
+])
+def test_time_unit_is_chosen_from_the_longest_time(hours, unit, per_hour):
+    assert plan.time_unit(max(hours)) == (unit, per_hour)
+
+
+def test_the_plots_time_axis_takes_its_unit_from_the_times(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    # 100 steps of 10 ms (64 samples, 0.16 ms each) at 1 rank: 1 s to train
+    work = plan.Workload(samples=6400, epochs=1, global_batch=64, params=10, grad_bytes=40,
+                         bucket_bytes=1024)
+    rows = plan.predict(work, lambda b: 0.01 * b / 64, [1, 2], _net(), _net())
+    assert rows[0].train_hours == pytest.approx(1 / 3600)
+    fig = plan.figure(rows, "test")
+    axis = fig.axes[1]
+    assert axis.get_ylabel() == "seconds to train"
+    assert axis.lines[0].get_ydata()[0] == pytest.approx(1.0)
+    path = plan.plot(rows, str(tmp_path / "plan.png"), "test")
+    assert matplotlib.image.imread(path).shape[2] in (3, 4)  # an image, read back

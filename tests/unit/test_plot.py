@@ -53,3 +53,36 @@ def test_plot_writes_over_its_own_plots_only_with_force(tmp_path, capsys):
     assert (run / "loss.png").read_bytes() == b"mine" and not (run / "accuracy.png").exists()
     assert main([str(run), "--force"]) == 0
     assert (run / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("name", ["run.png", "run.SVG"])
+def test_out_naming_an_image_writes_one_file_of_the_three_panels(tmp_path, capsys, name):
+    import matplotlib.image
+
+    run = _run(tmp_path)
+    out = tmp_path / "figures" / name
+    assert main([str(run), "--out", str(out)]) == 0
+    assert out.is_file(), f"{out} is not a file"
+    assert capsys.readouterr().out.split() == [str(out)]
+    assert not (run / "loss.png").exists()  # nothing else written
+    if name.endswith(".png"):  # read back by matplotlib's own reader
+        height, width = matplotlib.image.imread(out).shape[:2]
+        assert width > 1000 and height > 800, (width, height)
+
+
+def test_one_figure_holds_loss_accuracy_and_throughput():
+    from mpidl.train.plot import _matplotlib, run_figure
+
+    records = [{"kind": "train", "step": s, "loss": 1 / s, "accuracy": 0.5, "samples_per_s": 9.0,
+                "time_compute": 0.01, "time_comm": 0.0, "time_input": 0.0} for s in (1, 2)]
+    fig = run_figure(_matplotlib(), records, "run")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert [t.split(" — ")[0] for t in titles if t] == ["loss", "accuracy", "throughput"]
+    assert fig.axes[-1].get_ylabel() == "time per step (ms)"
+
+
+def test_out_naming_an_existing_directory_with_an_image_suffix_writes_into_it(tmp_path):
+    run = _run(tmp_path)
+    (tmp_path / "old.png").mkdir()  # a directory is a directory, whatever its name
+    assert main([str(run), "--out", str(tmp_path / "old.png")]) == 0
+    assert (tmp_path / "old.png" / "loss.png").read_bytes()[:8] == PNG_MAGIC

@@ -49,3 +49,17 @@ def test_a_run_stopped_mid_epoch_resumes_at_the_next_batch_of_the_epoch(train, t
     assert whole.model.keys() == split.model.keys()
     for name in whole.model:  # the same batches in the same order: the same numbers
         assert numpy.array_equal(whole.model[name], split.model[name]), name
+
+
+@pytest.mark.parametrize("run_dir, words", [
+    ("file", "run directory '{t}/file' is a file, not a directory; name a directory"),
+    ("file/run", "run directory '{t}/file/run': '{t}/file' is a file, so no directory can "
+                 "be made under it"),
+])
+def test_a_run_directory_at_or_under_a_file_is_bad_input_before_the_data_is_made(
+        train, tmp_path, capsys, run_dir, words):
+    (tmp_path / "file").write_text("mine")
+    assert train(run_dir) == 2  # was 1, after the data and the model, "free space"
+    assert words.format(t=tmp_path) in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()  # no corpus generated
+    assert (tmp_path / "file").read_text() == "mine"
