@@ -1,21 +1,23 @@
 #!/bin/sh
-# Open MPI's launch agent for the virtual cluster of tests/cluster/cluster.sh: ssh's
-# place, without ssh. PRRTE calls it as it would call ssh,
+# The launch agent of the virtual cluster of tests/cluster/cluster.sh: ssh's place,
+# without ssh. Open MPI's PRRTE and MPICH's Hydra call it as they would call ssh,
 #
 #     agent.sh [ssh options] HOST COMMAND...
 #
 # where HOST is a node's address (or name) from the cluster's hostfile and COMMAND is a
-# shell command line (PRRTE's `prted ...`). The agent enters that node's network
-# namespace (nsenter, not `ip netns exec`, which also remounts /sys) and a new UTS
-# namespace carrying the node's host name, then runs COMMAND with /bin/sh as sshd would.
+# shell command line (PRRTE's `prted ...`, Hydra's `hydra_pmi_proxy ...`). The agent
+# enters that node's network namespace (nsenter, not `ip netns exec`, which also
+# remounts /sys) and a new UTS namespace carrying the node's host name, then runs
+# COMMAND with /bin/sh as sshd would.
 #
 # The node table is $MPIDL_CLUSTER_DIR/nodes (lines "NAME NETNS ADDRESS VETH"), written
-# by `cluster.sh up`; cluster.sh mpiexec exports MPIDL_CLUSTER_DIR to prterun, whose
+# by `cluster.sh up`; cluster.sh mpiexec exports MPIDL_CLUSTER_DIR to mpiexec, whose
 # children (this agent, and prted where it spawns further) inherit it.
 set -eu
 
 dir=${MPIDL_CLUSTER_DIR:-${TMPDIR:-/tmp}/mpidl-cluster}
-# ssh's options, if PRRTE passes any (plm_ssh_args): skipped, with their values.
+# ssh's options, if the launcher passes any (PRRTE's plm_ssh_args, Hydra's -x): skipped,
+# with their values.
 while [ $# -gt 0 ]; do
     case $1 in
         -[bcDEeFIiJLlmOopQRSWw]) shift 2 ;;

@@ -4,8 +4,11 @@
 #   bash tests/cluster/cluster.sh up --nodes 2 [--rate 1gbit] [--slots 2] [--slurm]
 #   bash tests/cluster/cluster.sh mpiexec -n 4 mpidl train     # ranks 0-1 on n1, 2-3 on n2
 #   bash tests/cluster/cluster.sh mpiexec --nodes 1 -n 2 ...   # only the first K nodes
+#   bash tests/cluster/cluster.sh mpiexec --ppn 1 -n 2 ...     # ranks per node
+#   MPIEXEC=.venv-mpich/bin/mpiexec bash tests/cluster/cluster.sh mpiexec -n 4 ...  # MPICH
 #   eval "$(bash tests/cluster/cluster.sh env)"               # with --slurm: sbatch -N 2 ...
 #   bash tests/cluster/cluster.sh status
+#   bash tests/cluster/cluster.sh mpi                          # which MPI mpiexec runs
 #   bash tests/cluster/cluster.sh link n2 down|up              # cut or mend a node's link
 #   bash tests/cluster/cluster.sh slurmd n2 stop|start         # with --slurm: a node's slurmd
 #   bash tests/cluster/cluster.sh reap                         # stop orphaned daemons
@@ -13,14 +16,15 @@
 #
 # Each node nI is a network namespace mpidl-nI, holding one end of a veth pair (eth0,
 # address SUBNET.(I+1)); the other end, mpidl-vI, is on the bridge mpidl-br (address
-# SUBNET.1, this namespace's way in). mpiexec runs on a head node, the namespace
-# mpidl-h (SUBNET.254), whose kernel gives up on a silent TCP peer in seconds (see
-# up), and reaches the nodes through a launch agent (agent.sh) instead of ssh. The
-# subnet (MPIDL_CLUSTER_SUBNET, default 10.213.0, a /24) exists only on the bridge and in
-# these namespaces: the nodes have no default route and nothing is forwarded or NATed,
-# so no packet of theirs can leave the machine. A node's processes also get their own
-# UTS namespace with the host name nI and a TMPDIR of its own, so host names differ per
-# node as on a real cluster; /etc/hosts is never touched (the hostfile holds addresses).
+# SUBNET.1, this namespace's way in). mpiexec (Open MPI's, or MPICH's Hydra) runs on a
+# head node, the namespace mpidl-h (SUBNET.254), whose kernel gives up on a silent TCP
+# peer in seconds (see up), and reaches the nodes through a launch agent (agent.sh)
+# instead of ssh. The subnet (MPIDL_CLUSTER_SUBNET, default 10.213.0, a /24) exists
+# only on the bridge and in these namespaces: the nodes have no default route and
+# nothing is forwarded or NATed, so no packet of theirs can leave the machine. A node's
+# processes also get their own UTS namespace with the host name nI and a TMPDIR of its
+# own, so host names differ per node as on a real cluster; /etc/hosts is never touched
+# (the hostfile holds addresses).
 #
 # --rate RATE shapes both directions of every node's link (its eth0 and its bridge
 # port) with `tc`: htb by default, or tbf with --shaper tbf (this kernel has no netem,
@@ -56,7 +60,7 @@ die() { echo "cluster.sh: $*" >&2; exit 2; }
 source "$here/slurm.sh"
 
 usage() {
-    sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
 }
 
@@ -237,29 +241,98 @@ down() {
 # ---- use --------------------------------------------------------------------------
 need_up() { [[ -s $dir/nodes ]] || die "no cluster is up ($dir/nodes not found); run \`cluster.sh up --nodes N\`"; }
 
-mpiexec_() {
-    need_up
-    local use=0
-    if [[ ${1:-} == --nodes ]]; then
-        use=$2
-        shift 2
-        [[ $use =~ ^[0-9]+$ ]] && ((use >= 1 && use <= $(wc -l <"$dir/hostfile"))) \
-            || die "mpiexec: --nodes $use: the cluster has $(wc -l <"$dir/hostfile") nodes"
-    fi
-    local hostfile=$dir/hostfile
-    if ((use > 0)); then
-        hostfile=$dir/hostfile.$use
-        head -n "$use" "$dir/hostfile" >"$hostfile"
-    fi
+# The mpiexec to run: $MPIEXEC, else the one on PATH, else the repository's venv's.
+launcher() {
     local launcher=${MPIEXEC:-}
     if [[ -z $launcher ]]; then
         launcher=$(command -v mpiexec || true)
         [[ -n $launcher ]] || launcher=$root/.venv/bin/mpiexec
     fi
-    [[ -x $launcher ]] || die "mpiexec not found; set MPIEXEC or put Open MPI's mpiexec on PATH"
+    [[ -x $launcher ]] \
+        || die "mpiexec not found; set MPIEXEC or put Open MPI's or MPICH's mpiexec on PATH"
+    echo "$launcher"
+}
+
+# mpi_of LAUNCHER: which MPI's mpiexec LAUNCHER is, from its --version: openmpi, or
+# hydra (MPICH's process manager). The one place the launch options are chosen from.
+mpi_of() {
+    local launcher=$1 said
+    said=$(timeout 30 "$launcher" --version 2>&1 || true)
+    case $said in
+        *"Open MPI"* | *OpenRTE*) echo openmpi ;;
+        *HYDRA*) echo hydra ;;
+        *) die "mpiexec: $launcher is neither Open MPI's nor MPICH's (Hydra) mpiexec:" \
+            "its --version said \"$(head -n 1 <<<"$said")\"; set MPIEXEC to one of those" ;;
+    esac
+}
+
+# mpi: the MPI that `mpiexec` would run, and its path ("openmpi PATH" or "hydra PATH").
+mpi_() {
+    local launcher mpi
+    launcher=$(launcher) || exit 2
+    mpi=$(mpi_of "$launcher") || exit 2
+    echo "$mpi $launcher"
+}
+
+mpiexec_() {
+    need_up
+    local use=0 ppn=""
+    while [[ ${1:-} == --nodes || ${1:-} == --ppn ]]; do
+        case $1 in
+            --nodes) use=${2:-}; shift 2
+                [[ $use =~ ^[0-9]+$ ]] && ((use >= 1 && use <= $(wc -l <"$dir/hostfile"))) \
+                    || die "mpiexec: --nodes $use: the cluster has $(wc -l <"$dir/hostfile") nodes" ;;
+            --ppn) ppn=${2:-}; shift 2
+                [[ $ppn =~ ^[0-9]+$ ]] && ((ppn >= 1)) \
+                    || die "mpiexec: --ppn $ppn is not a positive number of ranks per node" ;;
+        esac
+    done
+    local launcher mpi
+    launcher=$(launcher) || exit 2
+    mpi=$(mpi_of "$launcher") || exit 2
+    # The hostfile of the first --nodes nodes (all by default), in the MPI's own format.
+    ((use > 0)) || use=$(wc -l <"$dir/hostfile")
+    local hostfile=$dir/hostfile.$mpi.$use
+    head -n "$use" "$dir/hostfile" >"$hostfile"
+    [[ $mpi == openmpi ]] || sed -i 's/ slots=/:/' "$hostfile"
     if [[ $(id -u) -eq 0 ]]; then
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     fi
+    local options=()
+    if [[ $mpi == openmpi ]]; then
+        open_mpi_options "$hostfile" "$ppn" "$@"
+    else
+        hydra_options "$hostfile" "$ppn"
+    fi
+    # mpiexec runs on the head node, through `mpidl launch`: measured with Open MPI
+    # 5.0.11, after MPI_Abort (the watchdog's, status 124) and then "PRTE has lost
+    # communication with a remote daemon" (a node's link cut), mpiexec exits 0;
+    # mpidl launch exits with the abort's code instead (1 if none), and turns a SIGTERM
+    # into a checkpoint (hpc/launch.py).
+    local python
+    for python in ${MPIDL_PYTHON:-} "$(dirname "$launcher")/python" "$root/.venv/bin/python" \
+        python3 ""; do
+        [[ -n $python ]] || die "mpiexec: no python that imports mpidl; set MPIDL_PYTHON"
+        "$python" -c 'import hpc.launch' 2>/dev/null && break
+    done
+    local status=0
+    # TMPDIR: Open MPI's session folder (/tmp/ompi.PID, left behind when mpiexec is
+    # killed) goes with `down`; the agent gives each node its own. Hydra's mpiexec gets
+    # none: it hands its whole environment to the ranks, whose TMPDIR would then be the
+    # head's instead of their node's.
+    mkdir -p "$dir/tmp/head"
+    local tmp=(env TMPDIR="$dir/tmp/head")
+    [[ $mpi == openmpi ]] || tmp=(env -u TMPDIR)
+    "${tmp[@]}" nsenter --net="/var/run/netns/$(<"$dir/head")" \
+        "$python" -m mpidl launch --launcher="$launcher" "${options[@]}" "$@" || status=$?
+    reap
+    return "$status"
+}
+
+# open_mpi_options HOSTFILE PPN ARGS...: Open MPI's options (into `options`).
+open_mpi_options() {
+    local hostfile=$1 ppn=$2
+    shift 2
     local net
     net=$(awk -F= '$1 == "subnet" {print $2}' "$dir/config").0/24
     # btl tcp,sm,self: ranks on one node talk through shared memory and ranks on
@@ -278,40 +351,44 @@ mpiexec_() {
     # --bind-to none: every node's prted thinks it owns the machine's cores and would
     # bind its first rank to core 0, so that the first ranks of all nodes shared one
     # core. Given explicitly, the caller's binding wins.
-    local bind=(--bind-to none) arg
+    local arg
+    options=(--hostfile "$hostfile" --bind-to none)
     for arg in "$@"; do
-        [[ $arg == --bind-to ]] && bind=()
+        [[ $arg == --bind-to ]] && options=(--hostfile "$hostfile")
     done
-    # mpiexec runs on the head node, through `mpidl launch`: measured with Open MPI
-    # 5.0.11, after MPI_Abort (the watchdog's, status 124) and then "PRTE has lost
-    # communication with a remote daemon" (a node's link cut), mpiexec exits 0;
-    # mpidl launch exits with the abort's code instead (1 if none), and turns a SIGTERM
-    # into a checkpoint (hpc/launch.py).
-    local python
-    for python in ${MPIDL_PYTHON:-} "$(dirname "$launcher")/python" "$root/.venv/bin/python" \
-        python3 ""; do
-        [[ -n $python ]] || die "mpiexec: no python that imports mpidl; set MPIDL_PYTHON"
-        "$python" -c 'import hpc.launch' 2>/dev/null && break
-    done
-    local status=0
-    # TMPDIR: mpiexec's session folder (/tmp/ompi.PID, left behind when it is killed)
-    # goes with `down`; the agent gives each node its own.
-    mkdir -p "$dir/tmp/head"
-    TMPDIR=$dir/tmp/head nsenter --net="/var/run/netns/$(<"$dir/head")" \
-        "$python" -m mpidl launch --launcher="$launcher" --hostfile "$hostfile" "${bind[@]}" \
-        --prtemca plm_ssh_agent "$here/agent.sh" \
-        --prtemca oob_tcp_if_include "$net" \
-        --mca btl "${MPIDL_CLUSTER_BTL:-tcp,sm,self}" --mca btl_tcp_if_include "$net" \
-        --mca mpi_yield_when_idle 1 \
-        "$@" || status=$?
-    reap
-    return "$status"
+    [[ -z $ppn ]] || options+=(--map-by "ppr:$ppn:node")
+    options+=(--prtemca plm_ssh_agent "$here/agent.sh"
+        --prtemca oob_tcp_if_include "$net"
+        --mca btl "${MPIDL_CLUSTER_BTL:-tcp,sm,self}" --mca btl_tcp_if_include "$net"
+        --mca mpi_yield_when_idle 1)
+}
+
+# hydra_options HOSTFILE PPN: MPICH's Hydra options (into `options`).
+hydra_options() {
+    local hostfile=$1 ppn=$2
+    # -launcher ssh -launcher-exec: Hydra calls the agent as ssh (`agent.sh -x HOST
+    # hydra_pmi_proxy --control-port ADDRESS:PORT ...`), one proxy per node.
+    # -iface eth0: the address the proxies call back is the head node's eth0. Without
+    # it Hydra gives them its host name, the machine's, which /etc/hosts here says is
+    # 127.0.0.1: inside a node that is the node's own loopback (seen: "unable to connect
+    # from n2 to vm (Connection refused)"). A node's namespace holds only lo and eth0, so
+    # the ranks' own traffic has no other way to take.
+    # MPIR_CVAR_ENABLE_HEAVY_YIELD: MPICH's mpi_yield_when_idle (a waiting rank sleeps
+    # between polls instead of sched_yield). Measured here at 2x2 on the 2 loaded cores:
+    # a 64-byte allreduce took 7.4-8.4 ms without and 0.9-2.1 ms with; 8 MB, 65-108 ms
+    # either way. Hydra hands its environment to the ranks, so the caller's setting wins.
+    # No binding: Hydra binds nothing unless asked.
+    export MPIR_CVAR_ENABLE_HEAVY_YIELD=${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}
+    options=(-launcher ssh -launcher-exec "$here/agent.sh" -iface eth0 -f "$hostfile")
+    [[ -z $ppn ]] || options+=(-ppn "$ppn")
 }
 
 # reap: stop the daemons (and their ranks) whose mpiexec has ended. A node cut off when
 # its mpiexec gave up keeps its prted, which holds mpiexec's standard output and error
 # open: whoever reads them (a test) would wait for ever. PRRTE names a job after its
-# launcher, "prterun-HOST-PID@0"; a daemon whose PID is gone is an orphan.
+# launcher, "prterun-HOST-PID@0"; a daemon whose PID is gone is an orphan. (Hydra's
+# proxies are not found here: one ends when its connection to mpiexec closes, but a
+# node cut off keeps it until TCP gives up, or until `down`.)
 reap() {
     [[ -s $dir/nodes ]] || return 0
     local name ns addr veth pid launcher orphans=()
@@ -370,5 +447,6 @@ case ${1:-} in
     slurmd) shift; slurmd_ "$@" ;;
     reap) reap ;;
     unavailable) unavailable ;;
+    mpi) mpi_ ;;
     *) usage ;;
 esac

