@@ -19,8 +19,8 @@ pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.timeout(180)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# A rank's wrapper: say what detect() knows before MPI, drop the local-rank variables,
-# name the node by the rank's parity, then become `mpidl info --json`.
+# A rank's wrapper: drop the local-rank variables, name the node by the rank's parity,
+# write what detect() then knows (in BEFORE_DIR), and become `mpidl info --json`.
 WRAPPER = """
 import json, os, sys
 from hpc import env
@@ -29,20 +29,21 @@ for name in env.LOCAL_VARS:
     os.environ.pop(name, None)
 os.environ["SLURMD_NODENAME"] = f"node{rank % 2}"
 after = env.detect()
-print(json.dumps({"rank": rank, "local_from": after.local_from}), file=sys.stderr, flush=True)
+with open(os.path.join(os.environ["BEFORE_DIR"], f"{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "local_from": after.local_from}, f)
 os.execv(sys.executable, [sys.executable, "-m", "mpidl", "info", "--json", "--no-probe"])
 """
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_local_ranks_without_launcher_variables_come_from_mpi(n):
+def test_local_ranks_without_launcher_variables_come_from_mpi(n, tmp_path):
     # Three devices per node: the device a rank binds is its local rank.
     result = mpiexec(n, [sys.executable, "-c", WRAPPER], timeout=150, cwd=ROOT,
-                     env={"PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "0,1,2"})
+                     env={"PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "0,1,2",
+                          "BEFORE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.output
     # Before MPI, nothing said where the ranks were: detect() assumed, and said so.
-    before = [json.loads(line) for line in result.stderr.splitlines()
-              if line.startswith('{"rank"')]
+    before = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
     assert sorted(b["rank"] for b in before) == list(range(n)), result.stderr
     assert all(b["local_from"] is None for b in before), before
     report = json.loads(result.stdout)
