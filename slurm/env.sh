@@ -9,11 +9,22 @@
 #   MPIDL_PYTHON      the python that runs mpidl; default: the environment the job was
 #                     submitted from ($VIRTUAL_ENV, else python3 on PATH)
 #   MPIDL_SRUN_FLAGS  extra flags for every srun step         ("--cpu-bind=cores")
+#   MPIDL_SRUN_MPI    srun's --mpi plugin, the PMI the site MPI speaks: pmix (default:
+#                     Open MPI, HPC-X), pmi2 (MPICH, MVAPICH, Intel MPI), cray_shasta
+#                     (HPE Cray MPICH), pmix_v3/v4/v5; `srun --mpi=list` shows the site's
+#   MPIDL_PMI_LIBRARY Intel MPI under srun: Slurm's PMI library for that plugin
+#                     (libpmi2.so for pmi2, libpmix.so for pmix), as I_MPI_PMI_LIBRARY
+#   MPIDL_PPN, MPIDL_DEPTH, MPIDL_PALS_FLAGS, MPIDL_MPIEXEC
+#                     PBS with HPE PALS (train_pals.pbs): ranks per node, cores per
+#                     rank (mpiexec --ppn, --depth), extra mpiexec flags, and PALS's
+#                     mpiexec where another is first on PATH (a venv with the [mpi] extra)
 #
 # Provides to the templates:
 #   MPIDL_PYTHON        checked to import mpidl
-#   OMP_NUM_THREADS     = --cpus-per-task (1 when not given); also for OpenBLAS/MKL
-#   mpidl_srun ARGS     srun --mpi=pmix $MPIDL_SRUN_FLAGS ARGS
+#   OMP_NUM_THREADS     = --cpus-per-task, or PALS's depth (1 when not given); also for
+#                       OpenBLAS/MKL
+#   mpidl_srun ARGS     srun --mpi=$MPIDL_SRUN_MPI $MPIDL_SRUN_FLAGS ARGS
+#   mpidl_pals ARGS     PALS's mpiexec -n NODES*PPN --ppn PPN --depth DEPTH --cpu-bind depth
 #   mpidl_job_start     prints the job's header and `mpidl info` (one line `ranks: N`)
 
 # ---- site: MPI, UCX and PMIx knobs (uncomment what your cluster needs) ------------
@@ -74,8 +85,8 @@ if [[ -z $MPIDL_PYTHON ]] || ! "$MPIDL_PYTHON" -c 'import mpidl' 2>/dev/null; th
     exit 2
 fi
 
-# One rank per task, each using the CPUs Slurm gave it.
-export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}
+# One rank per task, each using the CPUs Slurm (or PALS's --depth) gave it.
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${MPIDL_DEPTH:-${OMP_NUM_THREADS:-1}}}
 export OPENBLAS_NUM_THREADS=$OMP_NUM_THREADS MKL_NUM_THREADS=$OMP_NUM_THREADS
 # From Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task; this restores it.
 if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
@@ -85,14 +96,56 @@ fi
 export PYTHONUNBUFFERED=1
 
 read -ra mpidl_srun_flags <<<"${MPIDL_SRUN_FLAGS:-}"
+read -ra mpidl_pals_flags <<<"${MPIDL_PALS_FLAGS:-}"
 
-# srun with PMIx: the Open MPI 5 in mpidl's [mpi] extra speaks only PMIx; --mpi=pmi2
-# starts every rank as its own size-1 world and the job still exits 0.
+# srun's PMI plugin must be the one the MPI speaks: with any other (or none) every task
+# initialises MPI alone, a world of size 1, and `mpidl` refuses the launch (exit 2).
+# The Open MPI 5 of mpidl's [mpi] extra speaks only PMIx; MPICH's pmi2; Cray MPICH
+# Cray PMI (cray_shasta); Intel MPI the PMI library named by I_MPI_PMI_LIBRARY.
+MPIDL_SRUN_MPI=${MPIDL_SRUN_MPI:-pmix}
+case $MPIDL_SRUN_MPI in
+    pmix | pmix_v[345] | pmi2 | cray_shasta) ;;
+    *)
+        echo "env.sh: MPIDL_SRUN_MPI=$MPIDL_SRUN_MPI is not an srun --mpi plugin an MPI" \
+            "job can start with; use pmix (Open MPI, HPC-X), pmi2 (MPICH, MVAPICH, Intel" \
+            "MPI) or cray_shasta (HPE Cray MPICH); srun --mpi=list shows this site's" >&2
+        exit 2
+        ;;
+esac
+if [[ -n ${MPIDL_PMI_LIBRARY:-} ]]; then
+    if [[ ! -f $MPIDL_PMI_LIBRARY ]]; then
+        echo "env.sh: MPIDL_PMI_LIBRARY=$MPIDL_PMI_LIBRARY does not exist on" \
+            "$(hostname); name Slurm's PMI library for srun --mpi=$MPIDL_SRUN_MPI" \
+            "(libpmi2.so for pmi2, libpmix.so for pmix; ask your site where it lives)" >&2
+        exit 2
+    fi
+    export I_MPI_PMI_LIBRARY=$MPIDL_PMI_LIBRARY
+fi
+
 mpidl_srun() {
-    srun --mpi=pmix "${mpidl_srun_flags[@]}" "$@"
+    srun --mpi="$MPIDL_SRUN_MPI" "${mpidl_srun_flags[@]}" "$@"
+}
+
+# PBS with HPE PALS (ALCF's Polaris and Aurora): PALS's mpiexec runs PPN ranks on every
+# node of the job, each bound to DEPTH cores. It rejects Open MPI's options.
+mpidl_pals() {
+    local nodes
+    nodes=$(sort -u "${PBS_NODEFILE:?PBS_NODEFILE is not set: mpidl_pals runs in a PBS job}" |
+        wc -l)
+    "${MPIDL_MPIEXEC:-mpiexec}" -n $((nodes * ${MPIDL_PPN:-1})) --ppn "${MPIDL_PPN:-1}" \
+        --depth "${MPIDL_DEPTH:-1}" --cpu-bind depth \
+        --env OMP_NUM_THREADS="$OMP_NUM_THREADS" "${mpidl_pals_flags[@]}" "$@"
 }
 
 mpidl_job_start() {
+    if [[ -n ${PBS_JOBID:-} && -z ${SLURM_JOB_ID:-} ]]; then
+        echo "=== job $PBS_JOBID (${PBS_JOBNAME:-}), $(date -Is)," \
+            "$(sort -u "$PBS_NODEFILE" | wc -l) node(s), ${MPIDL_PPN:-1} rank(s) per node," \
+            "depth ${MPIDL_DEPTH:-1}, ${OMP_NUM_THREADS} thread(s) per rank"
+        echo "=== python: $MPIDL_PYTHON"
+        mpidl_pals "$MPIDL_PYTHON" -m mpidl info
+        return
+    fi
     echo "=== job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) attempt" \
         "$((${SLURM_RESTART_COUNT:-0} + 1)), $(date -Is)," \
         "${SLURM_JOB_NUM_NODES:-1} node(s) ${SLURM_JOB_NODELIST:-$(hostname)}," \

@@ -56,27 +56,27 @@ def _say_how_nodes_were_found(comm: Any) -> None:
               file=sys.stderr, flush=True)
 
 
-def _warn_if_alone(comm: Communicator) -> None:
-    """Say so when the launcher started several tasks but MPI sees a world of one.
+class LaunchError(RuntimeError):
+    """The launcher started N processes but each sees a world of size 1 (exit status 2).
 
-    The classic cause is ``srun --mpi=pmi2`` with an MPI built for PMIx only (the Open
-    MPI wheel): every task silently runs alone and the job still exits 0.
+    Attributes:
+        launcher_rank: this process's rank as the launcher numbered it, so that one of
+            the N copies (rank 0) reports it, not all N.
     """
-    if comm.size != 1:
-        return
-    import sys
 
-    from hpc.env import detect
+    def __init__(self, message: str, launcher_rank: int) -> None:
+        super().__init__(message)
+        self.launcher_rank = launcher_rank
 
-    try:
-        launched = detect().size
-    except ValueError:
-        return
-    if launched > 1:
-        print(f"mpidl: warning: the launcher started {launched} tasks, but MPI sees a world "
-              "of size 1 in this one: the tasks are not one job. Under Slurm launch with "
-              "`srun --mpi=pmix` (not pmi2); otherwise use the mpiexec of the MPI that "
-              "mpi4py was built with.", file=sys.stderr, flush=True)
+
+def _refuse_if_alone(size: int, library: str) -> None:
+    """Raise :class:`LaunchError` where the launcher started several processes but this
+    one's world has size 1 (:func:`hpc.env.world_mismatch` holds the rule)."""
+    from hpc.env import detect, world_mismatch
+
+    problem = world_mismatch(size, library)
+    if problem is not None:
+        raise LaunchError(problem, detect(hostname="").rank)
 
 
 def world() -> Communicator:
@@ -88,6 +88,11 @@ def world() -> Communicator:
     ``MPIDL_COMM=single`` forbids it. On several ranks it starts the watchdog when the
     job wants one (:mod:`mpidl.comm.watchdog`: every ``mpidl`` command, or
     ``MPIDL_TIMEOUT`` set).
+
+    Raises:
+        LaunchError: a launcher started N > 1 processes (``srun``, ``mpiexec``) but
+            MPI gives this one a world of its own, or mpi4py is missing: N separate
+            jobs. The message names the fix (the ``srun --mpi=`` plugin, the wheel).
     """
     global _world
     if _world is None:
@@ -100,14 +105,18 @@ def world() -> Communicator:
                         "MPIDL_COMM=mpi but mpi4py cannot be imported; install it with "
                         "`pip install mpidl[mpi]` (or mpi4py built against your site MPI)"
                     ) from e
+                _refuse_if_alone(1, "")
                 _world = SingleCommunicator()
             else:
                 from mpidl.comm.mpi import MpiCommunicator
 
                 from mpidl.comm import watchdog
 
+                if MPI.COMM_WORLD.Get_size() == 1:
+                    from hpc.env import library_name
+
+                    _refuse_if_alone(1, library_name(MPI.Get_library_version()))
                 _world = MpiCommunicator(MPI.COMM_WORLD)
-                _warn_if_alone(_world)
                 _say_how_nodes_were_found(_world)
                 watchdog.start_for(_world)
         else:
@@ -120,6 +129,7 @@ __all__ = [
     "Communicator",
     "SingleCommunicator",
     "DistributedError",
+    "LaunchError",
     "Request",
     "split_counts",
 ]

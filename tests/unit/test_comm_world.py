@@ -23,13 +23,12 @@ def test_plain_python_gets_a_single_communicator_without_importing_mpi():
     assert out.returncode == 0 and out.stdout.split() == ["SingleCommunicator", "1"]
 
 
-def test_slurm_tasks_that_mpi_does_not_join_are_warned_about():
+def test_slurm_tasks_that_mpi_does_not_join_are_refused():
     # What `srun --mpi=pmi2` with a PMIx-only MPI looks like from inside one task.
     pytest.importorskip("mpi4py")
     out = _run({"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
                 "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0",
                 "SLURM_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "MPIDL_COMM": "mpi"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["MpiCommunicator", "1"]
-    assert "the launcher started 2 tasks, but MPI sees a world of size 1" in out.stderr
-    assert "--mpi=pmix" in out.stderr
+    assert out.returncode == 1 and out.stdout == "", out.stderr
+    assert "LaunchError: the launcher (slurm) started 2 processes" in out.stderr
+    assert "sees a world of size 1 in each" in out.stderr and "--mpi=" in out.stderr

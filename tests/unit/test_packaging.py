@@ -80,4 +80,5 @@ def test_the_wheel_carries_templates_presets_and_profiles(wheel, tmp_path):
                          text=True, env=env, cwd=tmp_path, timeout=60, check=True)
     where, found = run.stdout.split()
     assert where.startswith(str(site))
-    assert found.split(",") == sorted(t[:-7] for t in templates if t.endswith(".sbatch"))
+    assert found.split(",") == sorted(os.path.splitext(t)[0] for t in templates
+                                      if t.endswith((".sbatch", ".pbs")))

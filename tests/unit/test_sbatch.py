@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from hpc import sbatch
+from hpc import pbs, sbatch
 from hpc.sbatch import RenderError, Request, load_profile, render
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "slurm"
 TEMPLATES = ["bench", "preemptible", "test", "train_cpu", "train_gpu"]
+PBS_TEMPLATES = ["train_pals"]
 ENV_SH = (SLURM / "env.sh").read_text()
 needs_shellcheck = pytest.mark.skipif(shutil.which("shellcheck") is None,
                                       reason="shellcheck not installed (tests/slurm/install.sh)")
@@ -44,6 +45,11 @@ def rendered(template: str, profile: str = "generic-cpu", **request) -> str:
     return render(text, load_profile(profile), Request(**request), ENV_SH, template)
 
 
+def rendered_pbs(template: str, profile: str = "pbs-pals", **request) -> str:
+    text = (SLURM / f"{template}.pbs").read_text()
+    return pbs.render(text, load_profile(profile), Request(**request), ENV_SH, template)
+
+
 def write_profile(tmp_path: Path, body: str) -> str:
     path = tmp_path / "site.toml"
     path.write_text(body)
@@ -51,8 +57,9 @@ def write_profile(tmp_path: Path, body: str) -> str:
 
 
 def test_the_shipped_templates_and_profiles_are_found():
-    assert set(TEMPLATES) <= set(sbatch.list_templates())
-    assert {"generic-cpu", "generic-gpu"} <= set(sbatch.list_profiles())
+    assert set(TEMPLATES + PBS_TEMPLATES) <= set(sbatch.list_templates())
+    assert {"generic-cpu", "generic-gpu", "cray-mpich", "intel-mpi", "pbs-pals"} <= \
+        set(sbatch.list_profiles())
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -74,9 +81,9 @@ def test_every_template_is_strict_portable_and_says_how_to_submit(name):
     assert "/home/" not in text and "/work/" not in text
 
 
-def test_env_sh_launches_with_pmix_never_pmi2():
-    assert re.search(r"^\s+srun --mpi=pmix ", ENV_SH, re.M)
-    assert "--mpi=pmi2" not in ENV_SH.replace("# ", "").split("mpidl_srun()")[1]
+def test_env_sh_launches_with_the_profiles_plugin_pmix_by_default():
+    assert re.search(r'^\s+srun --mpi="\$MPIDL_SRUN_MPI" ', ENV_SH, re.M)
+    assert "MPIDL_SRUN_MPI=${MPIDL_SRUN_MPI:-pmix}" in ENV_SH
 
 
 def test_preemptible_signals_requeues_and_appends():
@@ -157,8 +164,16 @@ NCCL_DEBUG = "WARN"
     ("[env]\n'BAD-NAME' = 'x'", "BAD-NAME"),
     ("[sbatch]\nqos = 'a b'", "values must be non-empty and free of spaces"),
     ("partition = ", "not valid TOML"),
+    ("srun_mpi = 'pmi'", "srun_mpi = 'pmi' is not an srun --mpi plugin.*cray_shasta"),
+    ("srun_mpi = 'none'", "srun_mpi = 'none' is not"),
+    ("pmi_library = 'libpmi2.so'", "pmi_library = 'libpmi2.so' must be an absolute path"),
+    ("[pbs]\nfilesystems = 'a b'", None),  # refused when a PBS template is rendered
 ])
 def test_bad_profiles_are_refused_with_the_key_and_the_fix(tmp_path, body, message):
+    if message is None:
+        with pytest.raises(RenderError, match="filesystems='a b'.*free of spaces"):
+            rendered_pbs("train_pals", write_profile(tmp_path, body))
+        return
     with pytest.raises(RenderError, match=message):
         rendered("train_cpu", write_profile(tmp_path, body))
 
@@ -209,11 +224,16 @@ def test_mpidl_sbatch_is_the_cli_command():
 
 
 def _all_scripts(tmp_path: Path) -> list[Path]:
-    scripts = [SLURM / f"{t}.sbatch" for t in TEMPLATES]
+    scripts = [SLURM / f"{t}.sbatch" for t in TEMPLATES] + \
+        [SLURM / f"{t}.pbs" for t in PBS_TEMPLATES]
     for t in TEMPLATES:
         path = tmp_path / f"{t}.rendered.sbatch"
         path.write_text(rendered(t, "generic-gpu" if t == "train_gpu" else "generic-cpu",
                                  nodes=1, args=["--epochs", "1", "it's quoted"]))
+        scripts.append(path)
+    for t in PBS_TEMPLATES:
+        path = tmp_path / f"{t}.rendered.pbs"
+        path.write_text(rendered_pbs(t, nodes=1, args=["--epochs", "1", "it's quoted"]))
         scripts.append(path)
     return scripts
 
@@ -248,10 +268,116 @@ def test_env_sh_gives_threads_from_cpus_per_task_and_a_pmix_launcher():
     assert proc.returncode == 0, proc.stderr
     first, *function = proc.stdout.splitlines()
     assert first == f"3 3 {sys.executable}"
-    assert 'srun --mpi=pmix "${mpidl_srun_flags[@]}" "$@"' in "\n".join(function)
+    assert 'srun --mpi="$MPIDL_SRUN_MPI" "${mpidl_srun_flags[@]}" "$@"' in "\n".join(function)
 
 
 def test_env_sh_stops_the_job_when_its_python_cannot_import_mpidl(tmp_path):
     proc = _source_env_sh("echo unreachable", MPIDL_PYTHON=str(tmp_path / "nope"))
     assert proc.returncode == 2 and "unreachable" not in proc.stdout
     assert "cannot import mpidl" in proc.stderr and "MPIDL_PYTHON" in proc.stderr
+
+
+def _fake(tmp_path: Path, name: str) -> Path:
+    """A ``name`` first on PATH that logs its arguments (and I_MPI_PMI_LIBRARY) and exits 0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / f"{name}.log"
+    tool = bin_dir / name
+    tool.write_text(f'#!/bin/bash\necho "$* | ${{I_MPI_PMI_LIBRARY:-}}" >> {log}\n')
+    tool.chmod(0o755)
+    return log
+
+
+def _run_script(tmp_path: Path, script: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "PBS_", "MPIDL_", "I_MPI_"))}
+    environ.update({"PYTHONPATH": str(ROOT), "MPIDL_PYTHON": sys.executable,
+                    "PATH": f"{tmp_path / 'bin'}{os.pathsep}{environ['PATH']}", **env})
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    return subprocess.run(["bash", str(path)], capture_output=True, text=True, cwd=tmp_path,
+                          env=environ, timeout=60)
+
+
+@pytest.mark.parametrize("profile, plugin, library", [
+    ("generic-cpu", "pmix", ""),
+    ("cray-mpich", "cray_shasta", ""),
+    ("intel-mpi", "pmi2", "LIB"),
+])
+def test_a_rendered_job_runs_srun_with_its_profiles_plugin_and_pmi_library(
+        tmp_path, profile, plugin, library):
+    log = _fake(tmp_path, "srun")
+    script = rendered("train_cpu", profile, nodes=1, args=["--epochs", "3"])
+    lib = tmp_path / "libpmi2.so"
+    lib.write_text("")
+    if library:  # the profile names the cluster's path; here it is a file of ours
+        assert "export MPIDL_PMI_LIBRARY=/usr/lib64/libpmi2.so" in script.splitlines()
+        script = script.replace("/usr/lib64/libpmi2.so", str(lib))
+    script = script.replace("export MPIDL_MODULES=cray-mpich-abi\n", "")  # no Lmod here
+    proc = _run_script(tmp_path, script, SLURM_CPUS_PER_TASK="1")
+    assert proc.returncode == 0, proc.stderr
+    expected = str(lib) if library else ""
+    assert log.read_text().splitlines() == [
+        f"--mpi={plugin} --overlap {sys.executable} -m mpidl info | {expected}",
+        f"--mpi={plugin} {sys.executable} -m mpidl train --epochs 3 | {expected}"]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MPIDL_SRUN_MPI": "none"}, "MPIDL_SRUN_MPI=none is not an srun --mpi plugin"),
+    ({"MPIDL_SRUN_MPI": "pmi2", "MPIDL_PMI_LIBRARY": "/nowhere/libpmi2.so"},
+     "MPIDL_PMI_LIBRARY=/nowhere/libpmi2.so does not exist"),
+])
+def test_env_sh_stops_a_job_whose_plugin_or_pmi_library_cannot_start_mpi(tmp_path, env, message):
+    log = _fake(tmp_path, "srun")
+    proc = _source_env_sh("mpidl_srun true", **env)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not log.exists()
+
+
+def test_pals_template_renders_pbs_directives_ppn_and_depth():
+    script = rendered_pbs("train_pals", nodes=3, tasks_per_node=2, time="00:30:00",
+                          partition="debug", account="proj", job_name="pals",
+                          extra={"filesystems": "home:grand"}, args=["--epochs", "2"])
+    lines = script.splitlines()
+    pbs_lines = [line for line in lines if line.startswith("#PBS")]
+    assert pbs_lines == ["#PBS -N pals", "#PBS -l select=3:system=polaris",
+                         "#PBS -l place=scatter", "#PBS -l walltime=00:30:00", "#PBS -j oe",
+                         "#PBS -l filesystems=home:grand", "#PBS -q debug", "#PBS -A proj"]
+    assert {"export MPIDL_PPN=2", "export MPIDL_DEPTH=8", "set -- --epochs 2 \"$@\""} <= \
+        set(lines)
+    assert "#SBATCH" not in script and "qsub THIS_FILE" in lines[1]
+
+
+def test_pals_template_takes_ppn_from_the_profiles_gpus_and_refuses_ntasks():
+    assert "export MPIDL_PPN=4" in rendered_pbs("train_pals", nodes=1).splitlines()
+    with pytest.raises(RenderError, match="--ntasks 8: PALS runs --nodes x --tasks-per-node"):
+        rendered_pbs("train_pals", ntasks=8)
+    with pytest.raises(RenderError, match="'1-00:00:00' is not a PBS walltime"):
+        rendered_pbs("train_pals", time="1-00:00:00")
+    with pytest.raises(RenderError, match="--set exclusive: a PBS resource needs a value"):
+        rendered_pbs("train_pals", extra={"exclusive": None})
+
+
+def test_rendered_pals_job_runs_pals_mpiexec_over_every_node(tmp_path):
+    log = _fake(tmp_path, "mpiexec")
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x3001\nx3001\nx3002\nx3002\n")  # 2 nodes, one line per chunk
+    script = rendered_pbs("train_pals", nodes=2, tasks_per_node=4, cpus_per_task=8,
+                          args=["--epochs", "3"])
+    proc = _run_script(tmp_path, script, PBS_JOBID="123.polaris", PBS_NODEFILE=str(nodefile),
+                       PBS_O_WORKDIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    pals = "-n 8 --ppn 4 --depth 8 --cpu-bind depth --env OMP_NUM_THREADS=8"
+    assert log.read_text().splitlines() == [
+        f"{pals} {sys.executable} -m mpidl info | ",
+        f"{pals} {sys.executable} -m mpidl train --epochs 3 | "]
+    assert proc.stdout.startswith("=== job 123.polaris (), ") and "2 node(s)" in proc.stdout
+
+
+def test_mpidl_sbatch_renders_the_pbs_template_and_says_qsub(tmp_path, capsys):
+    target = tmp_path / "job.pbs"
+    assert sbatch.main(["train_pals", "-N", "2", "-o", str(target), "--", "--epochs", "1"]) == 0
+    assert "#PBS -l select=2:system=polaris" in target.read_text().splitlines()
+    assert f"submit with: qsub {target}" in capsys.readouterr().err
+    assert sbatch.main(["train_pals", "-n", "4"]) == 2
+    assert "--ntasks 4: PALS runs" in capsys.readouterr().err
