@@ -1582,4 +1582,50 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_info.py::test_blas_kernel_hint_names_an_avx2_kernel_on_an_"
                "avx512_cpu_and_who_chose_it",),
     ),
+    # -- #38's blind spots: a metric no test read, node counts that divided evenly, a
+    # checkpoint read whole without its buffers -------------------------------------------
+    Mutation(
+        name="regression-mae-of-signed-errors",
+        file="mpidl/train/objective.py",
+        original="numpy.abs(e).sum(0), numpy.full(k, float(batch.loss) / k)]",
+        mutated="e.sum(0), numpy.full(k, float(batch.loss) / k)]",
+        why="the regression MAE sums the signed errors, which cancel: test_mae reads 0.0 "
+            "where it is 1.0",
+        tests=("tests/unit/test_evaluation.py::test_regression_scores_are_the_hand_worked_"
+               "mse_mae_and_r2_of_each_output",
+               "tests/mpi/test_evaluation_mpi.py::test_regression_scores_are_numpy_s_over_"
+               "every_row_at_any_number_of_ranks"),
+    ),
+    Mutation(
+        name="plan-nodes-rounded-down",
+        file="mpidl/plan.py",
+        original="nodes = -(-r // max(1, ranks_per_node))",
+        mutated="nodes = max(1, r // max(1, ranks_per_node))",
+        why="the planner's node count rounds down: 6 ranks at 4 a node price shared memory "
+            "instead of the network",
+        tests=("tests/unit/test_plan.py::test_ranks_that_do_not_fill_the_last_node_still_"
+               "count_it_and_cross_the_network",),
+    ),
+    Mutation(
+        name="plan-run-nodes-rounded-down",
+        file="mpidl/plan_command.py",
+        original='nodes = -(-run["ranks"] // args.ranks_per_node)',
+        mutated='nodes = max(1, run["ranks"] // args.ranks_per_node)',
+        why="--from-run's node count rounds down: a 3-rank run at 2 a node seems one node, "
+            "so its achieved overlap is ignored",
+        tests=("tests/unit/test_plan_costs.py::test_a_run_whose_last_node_is_not_full_spans_"
+               "the_network_and_its_overlap_counts",),
+    ),
+    Mutation(
+        name="sharded-whole-read-drops-buffers",
+        file="mpidl/train/sharded.py",
+        original='for n in order + buffers\n',
+        mutated='for n in order\n',
+        why="a sharded checkpoint read whole (consolidate, eval, predict) leaves out the "
+            "buffers: BatchNorm's running statistics lost",
+        tests=(SHARDED_UNIT + "test_batch_norm_statistics_come_back_from_a_sharded_checkpoint_"
+               "on_thread_ranks",
+               "tests/mpi/test_sharded_checkpoint.py::test_batch_norm_statistics_come_back_"
+               "from_a_sharded_checkpoint_whole_and_resharded"),
+    ),
 ]

@@ -12,6 +12,7 @@ from mpidl.autograd import no_grad
 from mpidl.comm.single import SingleCommunicator
 from mpidl.data import ShardedDataset, write_shards
 from mpidl.train.evaluation import evaluate, evaluation_loader
+from mpidl.testing import run_ranks
 from mpidl.train.objective import Classification, LanguageModel, Regression
 
 # name -> (the model, one sample's input shape and dtype)
@@ -135,3 +136,48 @@ def test_a_diverged_model_is_scored_without_runtime_warnings_and_as_strict_json(
                           comm)
     record = json.loads(_json(result.record), parse_constant=pytest.fail)
     assert record["test_loss"] is None  # not finite
+
+
+def regression_batch(predictions, targets):
+    from mpidl.train.objective_base import BatchScores
+
+    p, t = numpy.asarray(predictions, numpy.float64), numpy.asarray(targets, numpy.float64)
+    return BatchScores(numpy.float64(((p - t) ** 2).sum()), p, t)
+
+
+# Two outputs over four rows, worked by hand. Output 0: targets 0, 2, 0, 2 (mean 1,
+# variance 1), errors +1, -1, +1, -1: MSE 1, MAE 1 (the signed errors sum to 0), R² 0.
+# Output 1: targets 1, 3, 5, 7 (mean 4, variance 5), errors +2, -2, 0, 0: MSE 2, MAE 1,
+# R² 1 - 2/5 = 0.6. The loss (squared errors in standard units, scale 1): 4 + 8 over 8.
+TARGETS = [[0, 1], [2, 3], [0, 5], [2, 7]]
+PREDICTIONS = [[1, 3], [1, 1], [1, 5], [1, 7]]
+
+
+def test_regression_scores_are_the_hand_worked_mse_mae_and_r2_of_each_output():
+    sums = Regression(outputs=2).eval_sums(None, None, numpy)
+    sums.add(regression_batch(PREDICTIONS[:3], TARGETS[:3]))  # two batches add up
+    sums.add(regression_batch(PREDICTIONS[3:], TARGETS[3:]))
+    result = sums.reduce(SingleCommunicator())
+    record = result.record
+    assert record["test_mse_per_output"] == pytest.approx([1.0, 2.0])
+    assert record["test_mae_per_output"] == pytest.approx([1.0, 1.0])
+    assert record["test_r2_per_output"] == pytest.approx([0.0, 0.6])
+    assert (record["test_mse"], record["test_mae"], record["test_r2"]) == \
+        pytest.approx((1.5, 1.0, 0.3))
+    assert record["test_loss"] == pytest.approx(12 / 8)
+    assert result.line == "test loss 1.5000 (standard units), MSE 1.5, MAE 1, R² 0.3000"
+
+
+def test_regression_scores_over_uneven_thread_ranks_equal_one_process():
+    # 4 rows over 3 ranks: 2, 2 and none (a rank with an empty share adds nothing).
+    def body(comm):
+        sums = Regression(outputs=2).eval_sums(None, None, numpy)
+        rows = [slice(0, 2), slice(2, 4), slice(4, 4)][comm.rank]
+        sums.add(regression_batch(numpy.reshape(PREDICTIONS[rows], (-1, 2)),
+                                  numpy.reshape(TARGETS[rows], (-1, 2))))
+        return sums.reduce(comm).record
+
+    for record in run_ranks(3, body):
+        assert record["test_mae_per_output"] == pytest.approx([1.0, 1.0])
+        assert record["test_mse_per_output"] == pytest.approx([1.0, 2.0])
+        assert record["test_r2_per_output"] == pytest.approx([0.0, 0.6])

@@ -163,3 +163,19 @@ def test_rank_counts_beyond_the_global_batch_name_the_largest_usable():
     with pytest.raises(ValueError, match="128 ranks for a global batch of 64: every rank "
                                          "needs a sample per step; use at most 64 ranks"):
         plan.check_rank_counts([1, 128], 64)
+
+
+@pytest.mark.parametrize("ranks,per_node,nodes", [(6, 4, 2), (5, 2, 3), (3, 2, 2), (4, 4, 1)])
+def test_ranks_that_do_not_fill_the_last_node_still_count_it_and_cross_the_network(
+        ranks, per_node, nodes):
+    # 6 ranks at 4 a node take 2 nodes (the second half full): the gradient crosses the
+    # network, not the node's shared memory; a node count rounded down prices 1 node.
+    work = plan.Workload(samples=640, epochs=1, global_batch=60, params=250_000,
+                         grad_bytes=1_000_000, bucket_bytes=4 * 2**20)
+    network, shm = _net(alpha=10e-6, bandwidth=1e9), _net(alpha=1e-6, bandwidth=10e9, name="shm")
+    (row,) = plan.predict(work, lambda b: 1e-4 * b, [ranks], network, shm,
+                          ranks_per_node=per_node, costs=StepCosts(overlap_share=0.0))
+    link = network if nodes > 1 else shm
+    assert row.nodes == nodes
+    assert row.comm_s == pytest.approx(link.time("allreduce", 1_000_000, ranks))
+    assert row.step_s == pytest.approx(row.compute_s + row.comm_s)  # nothing hidden
