@@ -1628,4 +1628,34 @@ MUTATIONS: list[Mutation] = [
                "tests/mpi/test_sharded_checkpoint.py::test_batch_norm_statistics_come_back_"
                "from_a_sharded_checkpoint_whole_and_resharded"),
     ),
+    Mutation(
+        name="layouts-group-within-a-node-by-size-alone",
+        file="mpidl/layouts.py",
+        original="    return ranks <= per_node or per_node % span == 0\n",
+        mutated="    return span <= per_node\n",
+        why="a group no larger than a node is priced on the node link, though groups of 3 at "
+            "4 a node put ranks 3-5 on two nodes",
+        tests=(LAYOUTS + "test_a_group_within_one_node_is_priced_on_the_node_link_and_one_"
+                         "across_nodes_on_the_network",
+               LAYOUTS + "test_the_search_keeps_every_tensor_group_within_a_node"),
+    ),
+    Mutation(
+        name="layouts-full-node-priced-on-the-network",
+        file="mpidl/layouts.py",
+        original="    return ranks <= per_node or per_node % span == 0\n",
+        mutated="    return ranks < per_node or (span < per_node and per_node % span == 0)\n",
+        why="a group that fills its node exactly is priced on the network",
+        tests=(LAYOUTS + "test_a_group_within_one_node_is_priced_on_the_node_link_and_one_"
+                         "across_nodes_on_the_network",),
+    ),
+    Mutation(
+        name="layouts-data-group-spans-d-ranks",
+        file="mpidl/layouts.py",
+        original="    data_link = _span_link(t * d, n, ranks_per_node, node_time, network_time)\n",
+        mutated="    data_link = _span_link(d, n, ranks_per_node, node_time, network_time)\n",
+        why="a data group is taken as d consecutive ranks, not d ranks strided by t: t8 x d2 "
+            "at 8 a node seems one node",
+        tests=(LAYOUTS + "test_a_group_within_one_node_is_priced_on_the_node_link_and_one_"
+                         "across_nodes_on_the_network",),
+    ),
 ]
