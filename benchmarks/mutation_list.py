@@ -1658,4 +1658,24 @@ MUTATIONS: list[Mutation] = [
         tests=(LAYOUTS + "test_a_group_within_one_node_is_priced_on_the_node_link_and_one_"
                          "across_nodes_on_the_network",),
     ),
+    Mutation(
+        name="eval-record-macro-f1-over-absent-classes",
+        file="mpidl/data/evaluate.py",
+        original='"macro_f1": _defined(self.macro_f1),',
+        mutated='"macro_f1": _defined(float(self.f1.mean())),',
+        why="the record's macro-F1 averages every class id, an absent class's NaN too: null "
+            "in metrics.jsonl whenever a class has neither samples nor predictions",
+        tests=("tests/unit/test_data_evaluate.py::test_a_class_neither_present_nor_predicted_"
+               "is_left_out_of_macro_f1",),
+    ),
+    Mutation(
+        name="lm-perplexity-of-the-summed-loss",
+        file="mpidl/train/objective.py",
+        original='"test_perplexity": _perplexity(loss)',
+        mutated='"test_perplexity": _perplexity(totals[0])',
+        why="the eval record's perplexity exponentiates the summed loss, not the loss per "
+            "real target",
+        tests=("tests/unit/test_evaluation.py::test_language_model_scores_are_per_real_target_"
+               "over_every_batch_and_rank",),
+    ),
 ]

@@ -74,6 +74,11 @@ def test_a_class_neither_present_nor_predicted_is_left_out_of_macro_f1():
     assert record["recall"][3] is None and record["recall"][0] == pytest.approx(2 / 3)
     assert set(record) == {"test_loss", "test_accuracy", "majority_accuracy", "macro_f1",
                            "recall"}
+    # The record's values, not only its keys: what metrics.jsonl and mpidl eval --json show.
+    assert record["macro_f1"] == pytest.approx((0.5 + 0.5 + 0.75) / 3)
+    assert (record["test_accuracy"], record["majority_accuracy"], record["test_loss"]) == \
+        pytest.approx((0.6, 0.5, 1.0))
+    assert record["recall"][:3] == pytest.approx([2 / 3, 1 / 2, 3 / 5])
 
 
 def test_no_samples_give_undefined_scores_recorded_as_null():

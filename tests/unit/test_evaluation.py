@@ -2,6 +2,7 @@
 nothing; every reference model and objective takes a batch of no rows."""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy
@@ -181,3 +182,25 @@ def test_regression_scores_over_uneven_thread_ranks_equal_one_process():
         assert record["test_mae_per_output"] == pytest.approx([1.0, 1.0])
         assert record["test_mse_per_output"] == pytest.approx([1.0, 2.0])
         assert record["test_r2_per_output"] == pytest.approx([0.0, 0.6])
+
+
+def test_language_model_scores_are_per_real_target_over_every_batch_and_rank():
+    # Two batches (loss sums 3.0 and 1.5 over 4 and 2 real targets, 3 and 1 hits) on one
+    # rank, none on the others: loss 4.5 / 6 = 0.75 a target, perplexity e^0.75,
+    # next-token accuracy 4 / 6, 6 targets.
+    from mpidl.train.objective_base import BatchScores
+
+    def body(comm):
+        sums = LanguageModel(pad_id=0).eval_sums(None, None, numpy)
+        if comm.rank == comm.size - 1:
+            sums.add(BatchScores(numpy.float64(3.0), count=4, correct=numpy.int64(3)))
+            sums.add(BatchScores(numpy.float64(1.5), count=2, correct=numpy.int64(1)))
+        return sums.reduce(comm)
+
+    for size in (1, 3):
+        for result in run_ranks(size, body):
+            assert result.record == pytest.approx({
+                "test_loss": 0.75, "test_perplexity": math.exp(0.75), "test_targets": 6,
+                "test_accuracy": 4 / 6})
+            assert result.line == (f"test loss 0.7500, perplexity {math.exp(0.75):.3f}, "
+                                   "next-token accuracy 0.6667")
