@@ -1678,4 +1678,15 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_evaluation.py::test_language_model_scores_are_per_real_target_"
                "over_every_batch_and_rank",),
     ),
+    Mutation(
+        name="predict-round-offset-assumes-equal-shares",
+        file="mpidl/train/predict.py",
+        original="first = start + sum(counts[:comm.rank])",
+        mutated="first = start + comm.rank * counts[0]",
+        why="a rank's rows of a predict round start at rank x the first share: with an "
+            "uneven round (4 rows over 3 ranks) rank 2 scores past the round and an input "
+            "is never scored",
+        tests=("tests/unit/test_predict_inputs.py::test_every_input_is_scored_once_and_"
+               "written_in_order_when_rounds_split_unevenly",),
+    ),
 ]
