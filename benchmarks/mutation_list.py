@@ -1689,4 +1689,24 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_predict_inputs.py::test_every_input_is_scored_once_and_"
                "written_in_order_when_rounds_split_unevenly",),
     ),
+    Mutation(
+        name="tokens-shard-offset-assumes-equal-shares",
+        file="mpidl/parallel/transformer.py",
+        original="            start = sum(counts[:tensor.rank])\n",
+        mutated="            start = tensor.rank * counts[0]\n",
+        why="a tensor rank's tokens under sequence parallelism start at rank x the first "
+            "share: with an uneven split (3 ranks) the last rank reads the wrong positions",
+        tests=(THREADS.format("test_model_parallel::test_parallel_gpt_trains_like_the_single_"
+                              "rank_gpt[layout=tensor-sequence-parallel]", 3),),
+    ),
+    Mutation(
+        name="plan-noise-step-cut-not-per-rank",
+        file="mpidl/plan_noise.py",
+        original='"step_cut_efficiency": (1 / ratio) / r})',
+        mutated='"step_cut_efficiency": 1 / ratio})',
+        why="plan --json's share of the added ranks the steps' cut returns forgets to divide "
+            "by the ranks",
+        tests=("tests/unit/test_noise_train.py::test_the_noise_rows_give_the_steps_and_the_"
+               "share_of_the_added_ranks_they_return",),
+    ),
 ]
