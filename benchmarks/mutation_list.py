@@ -1709,4 +1709,13 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_noise_train.py::test_the_noise_rows_give_the_steps_and_the_"
                "share_of_the_added_ranks_they_return",),
     ),
+    Mutation(
+        name="eval-confusion-table-shows-f1-as-recall",
+        file="mpidl/train/inference.py",
+        original="for name, counts, recall in zip(short, scores.confusion, scores.recall)]",
+        mutated="for name, counts, recall in zip(short, scores.confusion, scores.f1)]",
+        why="mpidl eval's confusion table shows each class's F1 under the heading recall",
+        tests=("tests/unit/test_data_evaluate.py::test_mpidl_eval_reports_the_hand_worked_"
+               "scores_and_the_confusion_matrix_by_class",),
+    ),
 ]
