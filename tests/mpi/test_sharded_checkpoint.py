@@ -161,7 +161,7 @@ def save_batch_normed(comm, directory, layout):
     return path, expected
 
 
-@pytest.mark.parametrize("layout", [0, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_batch_norm_statistics_come_back_from_a_sharded_checkpoint_whole_and_resharded(
         comm, shared_dir, layout):
     path, expected = save_batch_normed(comm, os.path.join(shared_dir, f"bn-{layout}"), layout)
@@ -175,7 +175,8 @@ def test_batch_norm_statistics_come_back_from_a_sharded_checkpoint_whole_and_res
                              f"{what}: {name} is {numpy.asarray(got[name]).dtype}")
             assert_allclose_all_ranks(comm, numpy.asarray(got[name]), value,
                                       what=f"{what}: {name}")
-    # Resumed in the other layout: the buffers come back into the model.
+    # Resumed in another layout (data parallel <-> ZeRO 3, ZeRO 1 <-> 2): the buffers come
+    # back into the model.
     model, wrapper, opt = build_batch_normed(comm, 3 - layout, seed=9)
     choose_checkpointer(comm, None, wrapper, model, opt).load(ckpt.load_checkpoint(path, "none"))
     buffers = dict(model.named_buffers())
