@@ -1718,4 +1718,14 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_data_evaluate.py::test_mpidl_eval_reports_the_hand_worked_"
                "scores_and_the_confusion_matrix_by_class",),
     ),
+    Mutation(
+        name="regression-r2-mean-over-undefined-outputs",
+        file="mpidl/train/objective.py",
+        original='"test_r2": float(numpy.nanmean(r2))',
+        mutated='"test_r2": float(r2.mean())',
+        why="test_r2 averages every output's R², an output of constant targets (no R²) too: "
+            "NaN for the whole run",
+        tests=("tests/unit/test_evaluation.py::test_an_output_whose_targets_are_constant_has_"
+               "no_r2_and_the_mean_skips_it",),
+    ),
 ]

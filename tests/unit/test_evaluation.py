@@ -204,3 +204,19 @@ def test_language_model_scores_are_per_real_target_over_every_batch_and_rank():
                 "test_accuracy": 4 / 6})
             assert result.line == (f"test loss 0.7500, perplexity {math.exp(0.75):.3f}, "
                                    "next-token accuracy 0.6667")
+
+
+def test_an_output_whose_targets_are_constant_has_no_r2_and_the_mean_skips_it():
+    # Output 1's targets are all 5: no variance, R² undefined (null), not -inf or 1;
+    # test_r2 is output 0's alone (0, as in TARGETS); MSE and MAE are still defined.
+    sums = Regression(outputs=2).eval_sums(None, None, numpy)
+    sums.add(regression_batch([[1, 5], [1, 6], [1, 5], [1, 3]], [[0, 5], [2, 5], [0, 5], [2, 5]]))
+    record = sums.reduce(SingleCommunicator()).record
+    assert record["test_r2_per_output"][0] == pytest.approx(0.0)
+    assert record["test_r2_per_output"][1] is None and record["test_r2"] == pytest.approx(0.0)
+    assert record["test_mae_per_output"] == pytest.approx([1.0, 0.75])
+    assert record["test_mse_per_output"] == pytest.approx([1.0, 1.25])
+    # No output with variance: no R² at all.
+    flat = Regression(outputs=1).eval_sums(None, None, numpy)
+    flat.add(regression_batch([[1], [2]], [[3], [3]]))
+    assert flat.reduce(SingleCommunicator()).record["test_r2"] is None
