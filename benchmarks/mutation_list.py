@@ -1749,4 +1749,150 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_sbatch.py::test_a_rendered_job_runs_srun_with_its_profiles_"
                "plugin_and_pmi_library",),
     ),
+    # -- #38's blind spots: a metric no test read, node counts that divided evenly, a
+    # checkpoint read whole without its buffers -------------------------------------------
+    Mutation(
+        name="regression-mae-of-signed-errors",
+        file="mpidl/train/objective.py",
+        original="numpy.abs(e).sum(0), numpy.full(k, float(batch.loss) / k)]",
+        mutated="e.sum(0), numpy.full(k, float(batch.loss) / k)]",
+        why="the regression MAE sums the signed errors, which cancel: test_mae reads 0.0 "
+            "where it is 1.0",
+        tests=("tests/unit/test_evaluation.py::test_regression_scores_are_the_hand_worked_"
+               "mse_mae_and_r2_of_each_output",
+               "tests/mpi/test_evaluation_mpi.py::test_regression_scores_are_numpy_s_over_"
+               "every_row_at_any_number_of_ranks"),
+    ),
+    Mutation(
+        name="plan-nodes-rounded-down",
+        file="mpidl/plan.py",
+        original="nodes = -(-r // max(1, ranks_per_node))",
+        mutated="nodes = max(1, r // max(1, ranks_per_node))",
+        why="the planner's node count rounds down: 6 ranks at 4 a node price shared memory "
+            "instead of the network",
+        tests=("tests/unit/test_plan.py::test_ranks_that_do_not_fill_the_last_node_still_"
+               "count_it_and_cross_the_network",),
+    ),
+    Mutation(
+        name="plan-run-nodes-rounded-down",
+        file="mpidl/plan_command.py",
+        original='nodes = -(-run["ranks"] // args.ranks_per_node)',
+        mutated='nodes = max(1, run["ranks"] // args.ranks_per_node)',
+        why="--from-run's node count rounds down: a 3-rank run at 2 a node seems one node, "
+            "so its achieved overlap is ignored",
+        tests=("tests/unit/test_plan_costs.py::test_a_run_whose_last_node_is_not_full_spans_"
+               "the_network_and_its_overlap_counts",),
+    ),
+    Mutation(
+        name="sharded-whole-read-drops-buffers",
+        file="mpidl/train/sharded.py",
+        original='for n in order + buffers\n',
+        mutated='for n in order\n',
+        why="a sharded checkpoint read whole (consolidate, eval, predict) leaves out the "
+            "buffers: BatchNorm's running statistics lost",
+        tests=(SHARDED_UNIT + "test_batch_norm_statistics_come_back_from_a_sharded_checkpoint_"
+               "on_thread_ranks",
+               "tests/mpi/test_sharded_checkpoint.py::test_batch_norm_statistics_come_back_"
+               "from_a_sharded_checkpoint_whole_and_resharded"),
+    ),
+    Mutation(
+        name="layouts-group-within-a-node-by-size-alone",
+        file="mpidl/layouts.py",
+        original="    return ranks <= per_node or per_node % span == 0\n",
+        mutated="    return span <= per_node\n",
+        why="a group no larger than a node is priced on the node link, though groups of 3 at "
+            "4 a node put ranks 3-5 on two nodes",
+        tests=(LAYOUTS + "test_a_group_within_one_node_is_priced_on_the_node_link_and_one_"
+                         "across_nodes_on_the_network",
+               LAYOUTS + "test_the_search_keeps_every_tensor_group_within_a_node"),
+    ),
+    Mutation(
+        name="layouts-full-node-priced-on-the-network",
+        file="mpidl/layouts.py",
+        original="    return ranks <= per_node or per_node % span == 0\n",
+        mutated="    return ranks < per_node or (span < per_node and per_node % span == 0)\n",
+        why="a group that fills its node exactly is priced on the network",
+        tests=(LAYOUTS + "test_a_group_within_one_node_is_priced_on_the_node_link_and_one_"
+                         "across_nodes_on_the_network",),
+    ),
+    Mutation(
+        name="layouts-data-group-spans-d-ranks",
+        file="mpidl/layouts.py",
+        original="    data_link = _span_link(t * d, n, ranks_per_node, node_time, network_time)\n",
+        mutated="    data_link = _span_link(d, n, ranks_per_node, node_time, network_time)\n",
+        why="a data group is taken as d consecutive ranks, not d ranks strided by t: t8 x d2 "
+            "at 8 a node seems one node",
+        tests=(LAYOUTS + "test_a_group_within_one_node_is_priced_on_the_node_link_and_one_"
+                         "across_nodes_on_the_network",),
+    ),
+    Mutation(
+        name="eval-record-macro-f1-over-absent-classes",
+        file="mpidl/data/evaluate.py",
+        original='"macro_f1": _defined(self.macro_f1),',
+        mutated='"macro_f1": _defined(float(self.f1.mean())),',
+        why="the record's macro-F1 averages every class id, an absent class's NaN too: null "
+            "in metrics.jsonl whenever a class has neither samples nor predictions",
+        tests=("tests/unit/test_data_evaluate.py::test_a_class_neither_present_nor_predicted_"
+               "is_left_out_of_macro_f1",),
+    ),
+    Mutation(
+        name="lm-perplexity-of-the-summed-loss",
+        file="mpidl/train/objective.py",
+        original='"test_perplexity": _perplexity(loss)',
+        mutated='"test_perplexity": _perplexity(totals[0])',
+        why="the eval record's perplexity exponentiates the summed loss, not the loss per "
+            "real target",
+        tests=("tests/unit/test_evaluation.py::test_language_model_scores_are_per_real_target_"
+               "over_every_batch_and_rank",),
+    ),
+    Mutation(
+        name="predict-round-offset-assumes-equal-shares",
+        file="mpidl/train/predict.py",
+        original="first = start + sum(counts[:comm.rank])",
+        mutated="first = start + comm.rank * counts[0]",
+        why="a rank's rows of a predict round start at rank x the first share: with an "
+            "uneven round (4 rows over 3 ranks) rank 2 scores past the round and an input "
+            "is never scored",
+        tests=("tests/unit/test_predict_inputs.py::test_every_input_is_scored_once_and_"
+               "written_in_order_when_rounds_split_unevenly",),
+    ),
+    Mutation(
+        name="tokens-shard-offset-assumes-equal-shares",
+        file="mpidl/parallel/transformer.py",
+        original="            start = sum(counts[:tensor.rank])\n",
+        mutated="            start = tensor.rank * counts[0]\n",
+        why="a tensor rank's tokens under sequence parallelism start at rank x the first "
+            "share: with an uneven split (3 ranks) the last rank reads the wrong positions",
+        tests=(THREADS.format("test_model_parallel::test_parallel_gpt_trains_like_the_single_"
+                              "rank_gpt[layout=tensor-sequence-parallel]", 3),),
+    ),
+    Mutation(
+        name="plan-noise-step-cut-not-per-rank",
+        file="mpidl/plan_noise.py",
+        original='"step_cut_efficiency": (1 / ratio) / r})',
+        mutated='"step_cut_efficiency": 1 / ratio})',
+        why="plan --json's share of the added ranks the steps' cut returns forgets to divide "
+            "by the ranks",
+        tests=("tests/unit/test_noise_train.py::test_the_noise_rows_give_the_steps_and_the_"
+               "share_of_the_added_ranks_they_return",),
+    ),
+    Mutation(
+        name="eval-confusion-table-shows-f1-as-recall",
+        file="mpidl/train/inference.py",
+        original="for name, counts, recall in zip(short, scores.confusion, scores.recall)]",
+        mutated="for name, counts, recall in zip(short, scores.confusion, scores.f1)]",
+        why="mpidl eval's confusion table shows each class's F1 under the heading recall",
+        tests=("tests/unit/test_data_evaluate.py::test_mpidl_eval_reports_the_hand_worked_"
+               "scores_and_the_confusion_matrix_by_class",),
+    ),
+    Mutation(
+        name="regression-r2-mean-over-undefined-outputs",
+        file="mpidl/train/objective.py",
+        original='"test_r2": float(numpy.nanmean(r2))',
+        mutated='"test_r2": float(r2.mean())',
+        why="test_r2 averages every output's R², an output of constant targets (no R²) too: "
+            "NaN for the whole run",
+        tests=("tests/unit/test_evaluation.py::test_an_output_whose_targets_are_constant_has_"
+               "no_r2_and_the_mean_skips_it",),
+    ),
 ]

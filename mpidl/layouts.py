@@ -205,8 +205,19 @@ class LayoutCost:
         return {**dataclasses.asdict(self), "layout": self.layout}
 
 
-def _span_link(span: int, ranks_per_node: int, node: Callable, network: Callable) -> Callable:
-    return node if span <= ranks_per_node else network
+def within_a_node(span: int, ranks: int, ranks_per_node: int) -> bool:
+    """Whether every group of ``span`` consecutive ranks (groups starting at multiples of
+    ``span``) of a job of ``ranks`` lies in one node, nodes filled in rank order: the
+    whole job fits in one node, or a node holds a whole number of groups. Else some group
+    straddles two nodes (at 4 a node, ranks 3-5 of groups of 3) and, the slowest group
+    setting the pace, its exchange crosses the network."""
+    per_node = max(ranks_per_node, 1)
+    return ranks <= per_node or per_node % span == 0
+
+
+def _span_link(span: int, ranks: int, ranks_per_node: int, node: Callable,
+               network: Callable) -> Callable:
+    return node if within_a_node(span, ranks, ranks_per_node) else network
 
 
 def price(shape: GPTShape, opts: Options, t: int, p: int, d: int, rate: float,
@@ -222,9 +233,9 @@ def price(shape: GPTShape, opts: Options, t: int, p: int, d: int, rate: float,
     b, v, e = opts.microbatch, opts.virtual, ELEMENT[opts.precision]
     m = shape.global_batch // (d * b)
     per_stage = math.ceil(shape.layers / p)  # uneven splits: the heaviest stage
-    tensor_link = _span_link(t, ranks_per_node, node_time, network_time)
-    data_link = _span_link(t * d, ranks_per_node, node_time, network_time)
-    pipe_link = _span_link(n, ranks_per_node, node_time, network_time)
+    tensor_link = _span_link(t, n, ranks_per_node, node_time, network_time)
+    data_link = _span_link(t * d, n, ranks_per_node, node_time, network_time)
+    pipe_link = _span_link(n, n, ranks_per_node, node_time, network_time)
     # memory: the first stage (embeddings, most in flight) and the last (logits)
     per_param = state_bytes_per_param(opts.precision, d, opts.zero, opts.copies)
     blocks = per_stage * shape.layer_params() / t
@@ -302,7 +313,7 @@ def search(shape: GPTShape, opts: Options, ranks: int, ranks_per_node: int,
     each group by step time. ``tensors``/``pipelines`` restrict the degrees tried."""
     out = []
     for t in (tensors or _divisors(ranks)):
-        if ranks % t or t > max(ranks_per_node, 1):
+        if ranks % t or not within_a_node(t, ranks, ranks_per_node):
             continue
         for p in (pipelines or _divisors(ranks // t)):
             if (ranks // t) % p:

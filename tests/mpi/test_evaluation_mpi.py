@@ -154,3 +154,31 @@ def test_a_split_gpt_scores_a_batch_of_no_rows_as_nothing(comm, axis):
     scores = objective.score(model, numpy.zeros((0, 9), numpy.int64), None, numpy)
     assert_all_ranks(comm, float(scores.loss) == 0 and scores.count == 0
                      and float(scores.correct) == 0, f"scores of no rows: {scores}")
+
+
+def test_regression_scores_are_numpy_s_over_every_row_at_any_number_of_ranks(comm, shared_dir):
+    # 1201 rows in global batches of 256: the last uneven, and no rank count divides them.
+    if comm.rank == 0:
+        rng = numpy.random.default_rng(11)
+        x = rng.normal(size=(N, 3))
+        y = numpy.stack([x[:, 0] * 2.0, rng.normal(size=N) * 3.0], axis=1)
+        write_shards(os.path.join(shared_dir, "r"), {"x": x, "y": y}, rows_per_shard=300)
+    comm.barrier()
+    split = ShardedDataset(os.path.join(shared_dir, "r", "train"), comm=comm)
+    model = mlp(sizes=(3, 7, 2), seed=4, dtype="float64")
+    loader = evaluation_loader(split, comm, numpy, global_batch=256)
+    record = evaluate(Regression(outputs=2), model, loader, comm).record
+
+    # One process, every row at once, the scores by their definitions.
+    x, y = split.read("x", numpy.arange(N)), split.read("y", numpy.arange(N))
+    model.eval()
+    e = model(x).data - y
+    mse, mae = (e ** 2).mean(axis=0), numpy.abs(e).mean(axis=0)
+    r2 = 1 - mse / y.var(axis=0)
+    for key, want in [("test_mse_per_output", mse), ("test_mae_per_output", mae),
+                      ("test_r2_per_output", r2), ("test_mse", mse.mean()),
+                      ("test_mae", mae.mean()), ("test_r2", r2.mean())]:
+        assert_allclose_all_ranks(comm, numpy.asarray(record[key]), want, scale=100, what=key)
+    # An informative comparison: the signed errors nearly cancel, the absolute ones do not.
+    assert_all_ranks(comm, (abs(e.mean(axis=0)) < 0.5 * mae).all(),
+                     f"mean errors {e.mean(axis=0)} against MAE {mae}")

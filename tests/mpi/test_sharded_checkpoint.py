@@ -13,6 +13,7 @@ import pytest
 
 from mpidl.functions import softmax_cross_entropy
 from mpidl.models import mlp
+from mpidl.nn import BatchNorm1d, Linear, Module
 from mpidl.optim import AdamW
 from mpidl.parallel import DataParallel, ShardedDataParallel
 from mpidl.testing import assert_all_ranks, assert_allclose_all_ranks
@@ -117,6 +118,72 @@ def test_the_sharded_checkpoint_assembles_into_the_single_rank_state(comm, share
                              f"{full.optimizer[key]} != {value}")
     assert_all_ranks(comm, (full.step, full.sampler, full.extra["ranks"]) ==
                      (2, {"epoch": 0, "index": 2}, comm.size), f"{full}")
+
+
+# -- buffers: BatchNorm's running statistics ---------------------------------------------------
+
+class BatchNormed(Module):
+    """A linear layer and a BatchNorm1d: parameters and buffers (a float64 mean and
+    variance, an int64 count), the state eval and predict need whole."""
+
+    def __init__(self, seed=4):
+        super().__init__()
+        self.lin = Linear(SIZES[0], 3, seed=seed, dtype="float64")
+        self.norm = BatchNorm1d(3, dtype="float64")
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+# Not the initial 0, 1 and 0: a checkpoint that lost them would read as a fresh model.
+STATISTICS = {"norm.running_mean": numpy.array([0.5, -1.5, 2.5]),
+              "norm.running_var": numpy.array([4.0, 0.25, 9.0]),
+              "norm.num_batches_tracked": numpy.array(7)}
+
+
+def build_batch_normed(comm, layout, seed=4):
+    model = BatchNormed(seed)
+    wrapper = (ShardedDataParallel(model, comm, stage=layout, bucket_mb=0.0005) if layout
+               else DataParallel(model, comm))
+    return model, wrapper, AdamW(wrapper.parameters(), lr=1e-2)
+
+
+def save_batch_normed(comm, directory, layout):
+    """Every rank holds the same statistics (as the wrappers keep rank 0's); saved at
+    ``layout``. Returns the checkpoint's path and the single-rank state saved."""
+    model, wrapper, opt = build_batch_normed(comm, layout)
+    for name, value in STATISTICS.items():
+        dict(model.named_buffers())[name][...] = value
+    path = choose_checkpointer(comm, None, wrapper, model, opt).save(
+        directory, 1, rng={}, sampler={})
+    expected = {**full_parameters(wrapper), **STATISTICS}
+    wrapper.close() if hasattr(wrapper, "close") else None
+    return path, expected
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batch_norm_statistics_come_back_from_a_sharded_checkpoint_whole_and_resharded(
+        comm, shared_dir, layout):
+    path, expected = save_batch_normed(comm, os.path.join(shared_dir, f"bn-{layout}"), layout)
+    # Whole, as consolidate, eval and predict read it: every parameter and buffer.
+    for what in ("model", "full"):
+        got = ckpt.load_checkpoint(path, what).model
+        assert_all_ranks(comm, sorted(got) == sorted(expected),
+                         f"{what}: tensors {sorted(got)} != {sorted(expected)}")
+        for name, value in expected.items():
+            assert_all_ranks(comm, numpy.asarray(got[name]).dtype == value.dtype,
+                             f"{what}: {name} is {numpy.asarray(got[name]).dtype}")
+            assert_allclose_all_ranks(comm, numpy.asarray(got[name]), value,
+                                      what=f"{what}: {name}")
+    # Resumed in another layout (data parallel <-> ZeRO 3, ZeRO 1 <-> 2): the buffers come
+    # back into the model.
+    model, wrapper, opt = build_batch_normed(comm, 3 - layout, seed=9)
+    choose_checkpointer(comm, None, wrapper, model, opt).load(ckpt.load_checkpoint(path, "none"))
+    buffers = dict(model.named_buffers())
+    for name, value in STATISTICS.items():
+        assert_allclose_all_ranks(comm, numpy.asarray(buffers[name]), value,
+                                  what=f"resumed {name}")
+    wrapper.close() if hasattr(wrapper, "close") else None
 
 
 # -- memory: a rank's share plus one tensor ---------------------------------------------------

@@ -74,6 +74,11 @@ def test_a_class_neither_present_nor_predicted_is_left_out_of_macro_f1():
     assert record["recall"][3] is None and record["recall"][0] == pytest.approx(2 / 3)
     assert set(record) == {"test_loss", "test_accuracy", "majority_accuracy", "macro_f1",
                            "recall"}
+    # The record's values, not only its keys: what metrics.jsonl and mpidl eval --json show.
+    assert record["macro_f1"] == pytest.approx((0.5 + 0.5 + 0.75) / 3)
+    assert (record["test_accuracy"], record["majority_accuracy"], record["test_loss"]) == \
+        pytest.approx((0.6, 0.5, 1.0))
+    assert record["recall"][:3] == pytest.approx([2 / 3, 1 / 2, 3 / 5])
 
 
 def test_no_samples_give_undefined_scores_recorded_as_null():
@@ -116,3 +121,33 @@ def test_many_classes_keep_the_counts_but_not_the_matrix(monkeypatch):
     assert s.confusion is None
     assert s.macro_f1 == pytest.approx((0.5 + 0.5 + 0.75) / 3)
     numpy.testing.assert_array_equal(s.true_counts, [3, 2, 5])
+
+
+def test_mpidl_eval_reports_the_hand_worked_scores_and_the_confusion_matrix_by_class():
+    import json
+    import types
+
+    from mpidl.train.inference import report
+
+    s, names = scores_of(TRUE, PRED, 3), ["neg", "neu", "pos"]
+    state = types.SimpleNamespace(path="ck.h5", step=7)
+    assert report(s, names, state, as_json=False) == "\n".join([
+        "checkpoint: ck.h5 (step 7)",
+        "test samples: 10",
+        "test loss: 1.0000",
+        "test accuracy: 0.6000",
+        "macro-F1: 0.5833",                                  # (0.5 + 0.5 + 0.75) / 3
+        "majority-class accuracy: 0.5000 (always 'pos')",
+        "",
+        "confusion matrix (rows: true class, columns: predicted class):",
+        "true \\ predicted  neg  neu  pos  recall",
+        "----------------  ---  ---  ---  ------",
+        "neg                 2    1    0  0.6667",
+        "neu                 1    1    0  0.5000",
+        "pos                 2    0    3  0.6000"])
+    doc = json.loads(report(s, names, state, as_json=True))
+    assert doc == {"checkpoint": "ck.h5", "step": 7, "test_samples": 10, "classes": names,
+                   "test_loss": 1.0, "test_accuracy": pytest.approx(0.6),
+                   "majority_accuracy": 0.5, "macro_f1": pytest.approx(1.75 / 3),
+                   "recall": pytest.approx([2 / 3, 0.5, 0.6]),
+                   "confusion": [[2, 1, 0], [1, 1, 0], [2, 0, 3]]}

@@ -2,6 +2,7 @@
 nothing; every reference model and objective takes a batch of no rows."""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy
@@ -12,6 +13,7 @@ from mpidl.autograd import no_grad
 from mpidl.comm.single import SingleCommunicator
 from mpidl.data import ShardedDataset, write_shards
 from mpidl.train.evaluation import evaluate, evaluation_loader
+from mpidl.testing import run_ranks
 from mpidl.train.objective import Classification, LanguageModel, Regression
 
 # name -> (the model, one sample's input shape and dtype)
@@ -135,3 +137,86 @@ def test_a_diverged_model_is_scored_without_runtime_warnings_and_as_strict_json(
                           comm)
     record = json.loads(_json(result.record), parse_constant=pytest.fail)
     assert record["test_loss"] is None  # not finite
+
+
+def regression_batch(predictions, targets):
+    from mpidl.train.objective_base import BatchScores
+
+    p, t = numpy.asarray(predictions, numpy.float64), numpy.asarray(targets, numpy.float64)
+    return BatchScores(numpy.float64(((p - t) ** 2).sum()), p, t)
+
+
+# Two outputs over four rows, worked by hand. Output 0: targets 0, 2, 0, 2 (mean 1,
+# variance 1), errors +1, -1, +1, -1: MSE 1, MAE 1 (the signed errors sum to 0), R² 0.
+# Output 1: targets 1, 3, 5, 7 (mean 4, variance 5), errors +2, -2, 0, 0: MSE 2, MAE 1,
+# R² 1 - 2/5 = 0.6. The loss (squared errors in standard units, scale 1): 4 + 8 over 8.
+TARGETS = [[0, 1], [2, 3], [0, 5], [2, 7]]
+PREDICTIONS = [[1, 3], [1, 1], [1, 5], [1, 7]]
+
+
+def test_regression_scores_are_the_hand_worked_mse_mae_and_r2_of_each_output():
+    sums = Regression(outputs=2).eval_sums(None, None, numpy)
+    sums.add(regression_batch(PREDICTIONS[:3], TARGETS[:3]))  # two batches add up
+    sums.add(regression_batch(PREDICTIONS[3:], TARGETS[3:]))
+    result = sums.reduce(SingleCommunicator())
+    record = result.record
+    assert record["test_mse_per_output"] == pytest.approx([1.0, 2.0])
+    assert record["test_mae_per_output"] == pytest.approx([1.0, 1.0])
+    assert record["test_r2_per_output"] == pytest.approx([0.0, 0.6])
+    assert (record["test_mse"], record["test_mae"], record["test_r2"]) == \
+        pytest.approx((1.5, 1.0, 0.3))
+    assert record["test_loss"] == pytest.approx(12 / 8)
+    assert result.line == "test loss 1.5000 (standard units), MSE 1.5, MAE 1, R² 0.3000"
+
+
+def test_regression_scores_over_uneven_thread_ranks_equal_one_process():
+    # 4 rows over 3 ranks: 2, 2 and none (a rank with an empty share adds nothing).
+    def body(comm):
+        sums = Regression(outputs=2).eval_sums(None, None, numpy)
+        rows = [slice(0, 2), slice(2, 4), slice(4, 4)][comm.rank]
+        sums.add(regression_batch(numpy.reshape(PREDICTIONS[rows], (-1, 2)),
+                                  numpy.reshape(TARGETS[rows], (-1, 2))))
+        return sums.reduce(comm).record
+
+    for record in run_ranks(3, body):
+        assert record["test_mae_per_output"] == pytest.approx([1.0, 1.0])
+        assert record["test_mse_per_output"] == pytest.approx([1.0, 2.0])
+        assert record["test_r2_per_output"] == pytest.approx([0.0, 0.6])
+
+
+def test_language_model_scores_are_per_real_target_over_every_batch_and_rank():
+    # Two batches (loss sums 3.0 and 1.5 over 4 and 2 real targets, 3 and 1 hits) on one
+    # rank, none on the others: loss 4.5 / 6 = 0.75 a target, perplexity e^0.75,
+    # next-token accuracy 4 / 6, 6 targets.
+    from mpidl.train.objective_base import BatchScores
+
+    def body(comm):
+        sums = LanguageModel(pad_id=0).eval_sums(None, None, numpy)
+        if comm.rank == comm.size - 1:
+            sums.add(BatchScores(numpy.float64(3.0), count=4, correct=numpy.int64(3)))
+            sums.add(BatchScores(numpy.float64(1.5), count=2, correct=numpy.int64(1)))
+        return sums.reduce(comm)
+
+    for size in (1, 3):
+        for result in run_ranks(size, body):
+            assert result.record == pytest.approx({
+                "test_loss": 0.75, "test_perplexity": math.exp(0.75), "test_targets": 6,
+                "test_accuracy": 4 / 6})
+            assert result.line == (f"test loss 0.7500, perplexity {math.exp(0.75):.3f}, "
+                                   "next-token accuracy 0.6667")
+
+
+def test_an_output_whose_targets_are_constant_has_no_r2_and_the_mean_skips_it():
+    # Output 1's targets are all 5: no variance, R² undefined (null), not -inf or 1;
+    # test_r2 is output 0's alone (0, as in TARGETS); MSE and MAE are still defined.
+    sums = Regression(outputs=2).eval_sums(None, None, numpy)
+    sums.add(regression_batch([[1, 5], [1, 6], [1, 5], [1, 3]], [[0, 5], [2, 5], [0, 5], [2, 5]]))
+    record = sums.reduce(SingleCommunicator()).record
+    assert record["test_r2_per_output"][0] == pytest.approx(0.0)
+    assert record["test_r2_per_output"][1] is None and record["test_r2"] == pytest.approx(0.0)
+    assert record["test_mae_per_output"] == pytest.approx([1.0, 0.75])
+    assert record["test_mse_per_output"] == pytest.approx([1.0, 1.25])
+    # No output with variance: no R² at all.
+    flat = Regression(outputs=1).eval_sums(None, None, numpy)
+    flat.add(regression_batch([[1], [2]], [[3], [3]]))
+    assert flat.reduce(SingleCommunicator()).record["test_r2"] is None

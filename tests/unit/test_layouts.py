@@ -125,3 +125,44 @@ def test_the_proposal_for_gpt3_on_1024_h100s_fits_and_is_a_valid_layout():
                           memory=80e9, node_time=Link(5e-6, 230e9).time,
                           network_time=Link(1.5e-6, 45e9).time)
     assert any(not r.fits for r in none)
+
+
+NODE, NETWORK = 1.0, 1000.0  # seconds a collective takes on each link: which one priced it
+
+
+def _links_priced(t, p, d, ranks_per_node):
+    """Which link (NODE or NETWORK) priced the tensor, data and pipeline exchanges of
+    ``t x p x d`` with ``ranks_per_node`` (None where the layout has no such exchange)."""
+    cost = layouts.price(GPT3, Options(), t, p, d, rate=500e12, peak=None, memory=0,
+                         ranks_per_node=ranks_per_node, node_time=lambda *a: NODE,
+                         network_time=lambda *a: NETWORK)
+    m, per_stage = cost.microbatches, math.ceil(GPT3.layers / p)
+    tensor = cost.tensor_comm_s / ((m + p - 1) * per_stage * 4) if t > 1 else None
+    data = cost.dp_s if d > 1 else None
+    pipeline = cost.p2p_s / (2 * m) if p > 1 else None
+    return tensor, data, pipeline
+
+
+@pytest.mark.parametrize("t, p, d, per_node, expected", [
+    (8, 1, 1, 8, (NODE, None, None)),         # a tensor group that fills its node exactly
+    (8, 2, 2, 8, (NODE, NETWORK, NETWORK)),   # data groups span 2 nodes, stages 4
+    (2, 2, 2, 4, (NODE, NODE, NETWORK)),      # a stage's 4 ranks fill one node
+    (3, 1, 1, 4, (NODE, None, None)),         # 3 ranks: the job fits in one node
+    # Groups that do not divide the node: nodes fill in rank order, so a group straddles
+    # two of them (ranks 3-5 of 6 at 4 a node) and the slowest group sets the pace.
+    (3, 2, 1, 4, (NETWORK, None, NETWORK)),   # tensor groups of 3: ranks 3, 4, 5
+    (1, 2, 3, 4, (None, NETWORK, NETWORK)),   # a stage's data group of 3: ranks 3, 4, 5
+    (2, 1, 3, 4, (NODE, NETWORK, None)),      # 6 ranks of a data group over 2 nodes
+])
+def test_a_group_within_one_node_is_priced_on_the_node_link_and_one_across_nodes_on_the_network(
+        t, p, d, per_node, expected):
+    assert _links_priced(t, p, d, per_node) == expected
+
+
+@pytest.mark.parametrize("ranks, per_node, tensors", [(6, 4, {1, 2}), (3, 4, {1, 3}),
+                                                      (8, 4, {1, 2, 4}), (12, 6, {1, 2, 3, 6})])
+def test_the_search_keeps_every_tensor_group_within_a_node(ranks, per_node, tensors):
+    # 6 ranks at 4 a node: groups of 3 would put ranks 3-5 on two nodes; 3 ranks fit one.
+    rows = layouts.search(GPT3, Options(), ranks, per_node, rate=1e15, peak=None,
+                          memory=0, node_time=lambda *a: 1.0, network_time=lambda *a: 1.0)
+    assert {row.tensor for row in rows} == tensors

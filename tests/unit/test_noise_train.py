@@ -64,3 +64,15 @@ def test_the_steps_formula_halves_far_below_the_noise_scale_and_stalls_far_above
     assert steps_ratio(1.0, 2e6, 1e6) == pytest.approx(1.0, rel=1e-5)
     assert steps_ratio(100.0, 200.0, 100.0) == pytest.approx(0.75)  # at B = B_noise
     assert critical_ranks(1000.0, 32) == 32 and critical_ranks(10.0, 32) == 1
+
+
+def test_the_noise_rows_give_the_steps_and_the_share_of_the_added_ranks_they_return():
+    from mpidl.plan_noise import noise_rows
+
+    # B_noise 100 at 100 a rank: 2 ranks take (1 + 100/200) / (1 + 100/100) = 0.75 of the
+    # steps, returning (1 / 0.75) / 2 = 2/3 of the doubled ranks; 3 ranks (4/3) / 2 = 2/3
+    # of the steps, (3/2) / 3 = 1/2. Rank 1, the reference, is added.
+    rows = noise_rows(100.0, 100, [3, 2])
+    assert [(r["ranks"], r["global_batch"]) for r in rows] == [(1, 100), (2, 200), (3, 300)]
+    assert [r["steps_vs_1_rank"] for r in rows] == pytest.approx([1.0, 0.75, 2 / 3])
+    assert [r["step_cut_efficiency"] for r in rows] == pytest.approx([1.0, 2 / 3, 0.5])

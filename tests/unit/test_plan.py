@@ -177,6 +177,7 @@ def test_time_unit_is_chosen_from_the_longest_time(hours, unit, per_hour):
     assert plan.time_unit(max(hours)) == (unit, per_hour)
 
 
+@pytest.mark.extra("matplotlib")
 def test_the_plots_time_axis_takes_its_unit_from_the_times(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.image
@@ -192,3 +193,19 @@ def test_the_plots_time_axis_takes_its_unit_from_the_times(tmp_path):
     assert axis.lines[0].get_ydata()[0] == pytest.approx(1.0)
     path = plan.plot(rows, str(tmp_path / "plan.png"), "test")
     assert matplotlib.image.imread(path).shape[2] in (3, 4)  # an image, read back
+
+
+@pytest.mark.parametrize("ranks,per_node,nodes", [(6, 4, 2), (5, 2, 3), (3, 2, 2), (4, 4, 1)])
+def test_ranks_that_do_not_fill_the_last_node_still_count_it_and_cross_the_network(
+        ranks, per_node, nodes):
+    # 6 ranks at 4 a node take 2 nodes (the second half full): the gradient crosses the
+    # network, not the node's shared memory; a node count rounded down prices 1 node.
+    work = plan.Workload(samples=640, epochs=1, global_batch=60, params=250_000,
+                         grad_bytes=1_000_000, bucket_bytes=4 * 2**20)
+    network, shm = _net(alpha=10e-6, bandwidth=1e9), _net(alpha=1e-6, bandwidth=10e9, name="shm")
+    (row,) = plan.predict(work, lambda b: 1e-4 * b, [ranks], network, shm,
+                          ranks_per_node=per_node, costs=StepCosts(overlap_share=0.0))
+    link = network if nodes > 1 else shm
+    assert row.nodes == nodes
+    assert row.comm_s == pytest.approx(link.time("allreduce", 1_000_000, ranks))
+    assert row.step_s == pytest.approx(row.compute_s + row.comm_s)  # nothing hidden

@@ -233,3 +233,18 @@ def test_the_probe_takes_its_steps_on_every_rank_and_agrees_on_one_result(
     assert (probe.ranks, probe.nodes, probe.per_rank_batch, probe.steps) == \
         (size, nodes, batch, 4)
     assert probe.step_s > 0
+
+
+def test_a_run_whose_last_node_is_not_full_spans_the_network_and_its_overlap_counts():
+    # 3 ranks at 2 a node: 2 nodes, the buckets overlap backward (the default across
+    # nodes) and the run's achieved share is taken, priced on the network at 3 ranks;
+    # a node count rounded down would see one node, no overlap, and keep the default.
+    work = plan.Workload(samples=640, epochs=1, global_batch=63, params=10**6,
+                         grad_bytes=4 * 10**6, bucket_bytes=2**23)
+    net, shm = _net(), NetworkProfile("shm", "a test", {"default": Link(1e-6, 10e9)})
+    priced = net.time("allreduce", 4 * 10**6, 3)
+    run = {"ranks": 3, "compute_s": 0.03, "comm_wait_s": priced - 0.01}
+    costs = plan_command._step_costs(_args(ranks_per_node=2), work, lambda b: 1e-3 * b, net,
+                                     shm, run, None)
+    assert "achieved by the run at 3 ranks" in costs.overlap_from
+    assert costs.overlap_share == pytest.approx(0.01 / (BACKWARD_SHARE * 0.03))

@@ -70,3 +70,32 @@ def test_json_output_never_holds_a_bare_nan():
         P.format_values(0, numpy.array([numpy.nan]), None, as_json=True)
     assert P.format_values(0, numpy.array([0.5]), ["t"], as_json=True) == \
         '{"index": 0, "prediction": [0.5], "targets": ["t"]}'
+
+
+class _Echo:
+    """A model whose scores of a row are the row itself: which inputs it was given."""
+
+    def __call__(self, x):
+        return type("T", (), {"data": numpy.asarray(x, numpy.float32)})()
+
+
+@pytest.mark.parametrize("n, ranks", [(10, 3), (7, 2), (2, 3), (5, 1)])
+def test_every_input_is_scored_once_and_written_in_order_when_rounds_split_unevenly(n, ranks):
+    # Rounds of 2 a rank: 10 inputs at 3 ranks are rounds of 6 (2, 2, 2) and 4 (2, 1, 1),
+    # 2 at 3 ranks one round (1, 1, 0); every rank takes the rows after the ranks before it.
+    from mpidl.testing import run_ranks
+
+    inputs = reading.ArrayInputs(numpy.arange(n * 2, dtype=numpy.float32).reshape(n, 2))
+
+    def body(comm):
+        written = []
+        P.predict(_Echo(), inputs, comm, numpy, 2,
+                  lambda start, logits: written.append((start, logits.copy())) or True)
+        return written
+
+    results = run_ranks(ranks, body)
+    assert all(w == [] for w in results[1:])  # rank 0 alone writes
+    starts = [start for start, _ in results[0]]
+    assert starts == list(range(0, n, 2 * ranks))
+    numpy.testing.assert_array_equal(numpy.concatenate([s for _, s in results[0]]),
+                                     inputs.array)

@@ -158,6 +158,14 @@ def test_a_tensor_parallel_grid_and_a_grid_with_zero_save_the_single_rank_model(
                 numpy.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+@pytest.mark.parametrize("size, layout", [(1, 0), (1, 3), (3, 0), (3, 1), (3, 2), (3, 3)])
+def test_batch_norm_statistics_come_back_from_a_sharded_checkpoint_on_thread_ranks(
+        tmp_path, size, layout):
+    # Read whole (consolidate, eval, predict) and resumed in another layout.
+    body = M.test_batch_norm_statistics_come_back_from_a_sharded_checkpoint_whole_and_resharded
+    run_ranks(size, body, str(tmp_path), layout, timeout=60)
+
+
 # -- formats -------------------------------------------------------------------------------------
 
 def one_rank_saved(tmp_path, layout=3):
