@@ -129,7 +129,7 @@ def _read_checked(value: Any, verify: bool, where: str) -> Any:
     """An array of a single-file checkpoint: an HDF5 dataset is read and checked."""
     if not hasattr(value, "attrs"):
         return value
-    array = value[...]
+    array = ckpt.restored(value[...], value.attrs.get(ckpt._DTYPE_ATTR))
     if verify and value.attrs.get(ckpt._CRC_ATTR) != ckpt._crc(array):
         raise CheckpointError(f"checkpoint {where} is corrupt: {value.name} (shape "
                               f"{array.shape}, {array.dtype}) fails its checksum")
@@ -144,26 +144,23 @@ def file_source(path: str, order: list[str]) -> StateSource:
     try:
         verify = int(f.attrs["format_version"]) >= 2
         plain = ckpt._read_tree(f["optimizer"], verify, arrays=False)
-        model = {k: v for k, v in f["model"].items() if not hasattr(v, "keys")}
-        optimizer = {**plain, **{k: v for k, v in f["optimizer"].items()
+        model = {k: _Lazy(v, verify, path) for k, v in f["model"].items()
+                 if not hasattr(v, "keys")}
+        optimizer = {**plain, **{k: _Lazy(v, verify, path) for k, v in f["optimizer"].items()
                                  if not hasattr(v, "keys")}}
-        source = StateSource(path, model, optimizer, order, file=f)
+        return StateSource(path, model, optimizer, order, file=f)
     except BaseException:
         f.close()
         raise
-    for tree in (source.model, source.state):
-        for name, value in list(tree.items()):
-            if hasattr(value, "attrs"):
-                tree[name] = _Lazy(value, verify, path)
-    return source
 
 
 class _Lazy:
-    """A dataset read (and checked) when a piece of it is copied."""
+    """A dataset read (and checked) when a piece of it is copied; its ``dtype`` is the
+    tensor's (:func:`~mpidl.train.checkpoint_file.restored_dtype`), not the stored one."""
 
     def __init__(self, dataset: Any, verify: bool, path: str) -> None:
         self.dataset, self.verify, self.path = dataset, verify, path
-        self.shape, self.dtype = dataset.shape, dataset.dtype
+        self.shape, self.dtype = dataset.shape, ckpt.restored_dtype(dataset)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> numpy.ndarray:
         array = _read_checked(self.dataset, self.verify, self.path)

@@ -74,10 +74,8 @@ def write_part(path: str, step: int, rank: int, held: Iterable[Held]) -> list[li
                 if values is None:
                     continue
                 n = str(len(rows))
-                data = numpy.ascontiguousarray(as_numpy(values)).reshape(-1)
-                if data.dtype.name == "bfloat16":  # HDF5 has no bfloat16 (h5py writes an
-                    data = data.view(numpy.uint16)  # opaque V2 it cannot read back): its
-                    #                                 bits; the index keeps the dtype name
+                # bfloat16 as its bits (checkpoint_file.stored); the index keeps its name
+                data, _ = ckpt.stored(numpy.ascontiguousarray(as_numpy(values)).reshape(-1))
                 assert data.size == h.count, (h.key, data.size, h.count)
                 block = max(1, BLOCK_BYTES // data.itemsize)
                 crcs = [zlib.crc32(data[i:i + block]) for i in range(0, data.size, block)]
@@ -173,8 +171,7 @@ class _PartPiece(Piece):
 
     def copy_into(self, target: numpy.ndarray, segments: numpy.ndarray) -> None:
         ds, path = self._dataset(self.name)
-        if target.dtype.name == "bfloat16":
-            target = target.view(numpy.uint16)  # stored as its bits (see write_part)
+        target, _ = ckpt.stored(target)  # a view: bfloat16 is stored as its bits
         block = int(ds.attrs["block"])
         crcs = ds.attrs["block_crc32"]
         if (int(ds.shape[0]) != self.count or int(ds.attrs["crc32"]) != self.crc
