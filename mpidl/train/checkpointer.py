@@ -131,6 +131,9 @@ class Checkpointer:
         read, error = 0, None
         try:
             source = ckpt.open_source(state, self.order)
+            # A checkpoint of another precision: parameters from fp32 masters, or back.
+            source = pieces.across_precision(source, self.order,
+                                             self.optimizer.state_arrays)
         except (CheckpointError, KeyError, OSError) as e:
             source, error = None, ("corrupt", str(e))
         self._agree(error)
