@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import numpy
 
-from mpidl import __version__
+from mpidl import __version__, storage
 from mpidl.backend import as_numpy, bfloat16
 
 FORMAT_VERSION = 2
@@ -179,6 +179,8 @@ def _write_file(path: str, step: int, epoch: int, config: str,
     """One checkpoint-format file, atomically: ``PATH.tmp``, fsync, rename."""
     h5py = _h5py()
     tmp = path + ".tmp"
+    # Before HDF5 starts: a full disk met inside it may crash the process (mpidl.storage).
+    storage.check_room(tmp, _stored_bytes(trees))
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs["format_version"] = version
@@ -201,6 +203,22 @@ def _write_file(path: str, step: int, epoch: int, config: str,
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _stored_bytes(trees: Mapping[str, Any]) -> int:
+    """At most the bytes of a file of ``trees`` (a value made when written counts as an
+    empty dataset: its size is not known before)."""
+    data = datasets = 0
+    stack = list(trees.values())
+    while stack:
+        tree = stack.pop()
+        for value in tree.values():
+            if isinstance(value, Mapping):
+                stack.append(value)
+            elif _is_array(value) or callable(value):
+                datasets += 1
+                data += int(value.nbytes) if _is_array(value) else 0
+    return storage.hdf5_bytes(data, datasets)
 
 
 def _mpidl_version() -> str:

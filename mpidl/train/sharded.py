@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy
 
+from mpidl import storage
 from mpidl.backend import as_numpy
 from mpidl.parallel.holdings import Held, Key, runs_array
 from mpidl.train import checkpoint_file as ckpt
@@ -58,6 +59,14 @@ def _untext(array: numpy.ndarray) -> Any:
 
 
 # -- writing --------------------------------------------------------------------------------
+
+def part_bytes(held: Iterable[Held]) -> int:
+    """At most the bytes :func:`write_part` writes for ``held`` (each piece and its runs),
+    without reading them. Not collective."""
+    held = [h for h in held if h.count]
+    return storage.hdf5_bytes(sum(h.count * h.dtype.itemsize + h.runs.nbytes for h in held),
+                              2 * len(held))
+
 
 def write_part(path: str, step: int, rank: int, held: Iterable[Held]) -> list[list]:
     """Write this rank's pieces (the records it owns) to ``path`` atomically; return
@@ -284,5 +293,5 @@ def read_state(state: Any, what: str) -> None:
         state.optimizer = {k: v() if callable(v) else v for k, v in optimizer.items()}
 
 
-__all__ = ["SHARDED_VERSION", "part_name", "write_part", "write_index", "ShardedSource",
+__all__ = ["SHARDED_VERSION", "part_name", "part_bytes", "write_part", "write_index", "ShardedSource",
            "full_trees", "read_state"]
