@@ -53,6 +53,8 @@ TRAIN_PIPE = "tests/unit/test_train_pipeline.py::"
 PSHARD = "tests/unit/test_data_parallel_shard.py::"
 CONV = "tests/unit/test_functions_conv.py::"
 POOL = "tests/unit/test_functions_pool.py::"
+WRITTEN = "tests/unit/test_written_files_load.py::"
+STORAGE = "tests/unit/test_storage.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -711,13 +713,90 @@ MUTATIONS: list[Mutation] = [
         # The reshards' ZeRO blocks never start on a piece's last element: none caught it.
         tests=(SHARDED_UNIT + "test_a_record_of_any_runs_loads_exactly_those_elements",),
     ),
+    # -- #38: what the checkpoint writers store, resuming across precisions, a full disk --
+    Mutation(
+        name="checkpoint-bfloat16-stored-opaque",
+        file="mpidl/train/checkpoint_file.py",
+        original='if array.dtype.name == "bfloat16":\n        return array.view(numpy.uint16), '
+                 '"bfloat16"',
+        mutated='if False:\n        return array.view(numpy.uint16), "bfloat16"',
+        why="bfloat16 is handed to h5py as it is: stored as an opaque |V2 with no name",
+        tests=(WRITTEN + "test_a_bfloat16_tensor_is_stored_as_its_bits_and_named",),
+    ),
+    Mutation(
+        name="checkpoint-restored-ignores-the-dtype-name",
+        file="mpidl/train/checkpoint_file.py",
+        original="return array.view(bfloat16()) if _holds_bfloat16(array.dtype, name) else array",
+        mutated="return array",
+        why="a bfloat16 tensor reads back as its uint16 bits: eval says another model",
+        tests=(WRITTEN + "test_a_single_file_checkpoint_loads_every_dtype_it_writes[bfloat16]",),
+    ),
+    Mutation(
+        name="file-source-keys-the-stored-dtype",
+        file="mpidl/train/pieces.py",
+        original="self.shape, self.dtype = dataset.shape, ckpt.restored_dtype(dataset)",
+        mutated="self.shape, self.dtype = dataset.shape, dataset.dtype",
+        why="a single file read as a resume reads it names a bfloat16 tensor uint16: its "
+            "values are cast, not reinterpreted",
+        tests=(WRITTEN + "test_a_sharded_checkpoint_and_its_consolidated_file_load_every_"
+                         "dtype[bfloat16]",),
+    ),
+    Mutation(
+        name="resume-in-fp32-ignores-the-masters",
+        file="mpidl/train/pieces.py",
+        original="    if has and not wants:\n",
+        mutated="    if False:\n",
+        why="a half run resumed in fp32 is refused (the masters are unexpected keys)",
+        tests=("tests/unit/test_precision_train.py::test_a_run_resumes_in_another_precision_"
+               "from_the_fp32_values[bf16-fp32]",),
+    ),
+    Mutation(
+        name="resume-in-half-makes-masters-from-the-half-values",
+        file="mpidl/train/pieces.py",
+        original="    if wants and not has:\n",
+        mutated="    if False:\n",
+        why="an fp32 run resumed in bf16 loses its fp32 values: the masters are made from "
+            "the rounded half parameters",
+        tests=("tests/unit/test_precision_train.py::test_a_run_resumes_in_another_precision_"
+               "from_the_fp32_values[fp32-bf16]",),
+    ),
+    Mutation(
+        name="checkpoint-save-catches-only-oserror",
+        file="mpidl/train/checkpointer.py",
+        original='except (OSError, RuntimeError) as e:\n                error = _storage_error(e, '
+                 'part, "a checkpoint part")',
+        mutated='except OSError as e:\n                error = _storage_error(e, part, '
+                '"a checkpoint part")',
+        why="HDF5's RuntimeError for a full disk escapes one rank: the job aborts with a "
+            "traceback",
+        tests=(STORAGE + "test_a_full_disk_while_saving_is_said_on_every_rank_and_leaves_no_"
+                         "part[raised0]",),
+    ),
+    Mutation(
+        name="storage-failure-misses-hdf5-errno",
+        file="mpidl/storage.py",
+        original="if isinstance(seen, (OSError, RuntimeError)):",
+        mutated="if False:",
+        why="an HDF5 RuntimeError carrying errno 28 is taken for a bug",
+        tests=(STORAGE + "test_a_failure_of_storage_is_told_with_its_errno_and_the_file",),
+    ),
+    Mutation(
+        name="failed-save-keeps-the-other-parts",
+        file="mpidl/train/checkpointer.py",
+        original="        if part is not None and os.path.exists(part):\n            os.remove(part)",
+        mutated="        pass",
+        why="a save that failed on one rank leaves the other ranks' parts: no checkpoint, "
+            "and the space a full disk lacks",
+        tests=(STORAGE + "test_a_full_disk_while_saving_is_said_on_every_rank_and_leaves_no_"
+                         "part[raised1]",),
+    ),
     # -- checkpoints of device arrays (#24): the host copy before a part is written, the
     #    device of state made on a load; caught with the fake-CuPy kit on thread ranks --
     Mutation(
         name="sharded-part-implicit-host-copy",
         file="mpidl/train/sharded.py",
-        original="data = numpy.ascontiguousarray(as_numpy(values)).reshape(-1)",
-        mutated="data = numpy.ascontiguousarray(values).reshape(-1)",
+        original="ckpt.stored(numpy.ascontiguousarray(as_numpy(values)).reshape(-1))",
+        mutated="ckpt.stored(numpy.ascontiguousarray(values).reshape(-1))",
         why="a part is written from numpy.asarray of the rank's arrays: CuPy refuses the "
             "implicit copy, so no GPU run can checkpoint",
         tests=(DEVICE_CKPT + "test_a_grid_with_zero_on_the_device_saves_and_resumes_as_"

@@ -52,22 +52,6 @@ def dataset_files(directory: str) -> list[str]:
     return ([MANIFEST_NAME] if MANIFEST_NAME in names else []) + shards
 
 
-def write_error(e: BaseException, path: str) -> OSError:
-    """An ``OSError(errno, reason, path)`` for a failed write of ``path``.
-
-    HDF5 reports a failed write (a full disk: ENOSPC; a file-size limit: EFBIG) as an
-    OSError whose message buries the reason, and often a RuntimeError from closing the
-    file on top of it: the first errno in the exception's chain gives the reason.
-    """
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno:
-            return OSError(seen.errno, os.strerror(seen.errno), path)
-        seen = seen.__cause__ or seen.__context__
-    found = re.search(r"error message = '([^']*)'", str(e))
-    return OSError(errno_module.EIO, found.group(1) if found else str(e), path)
-
-
 def _move(names: Sequence[str], source: str, target: str) -> None:
     os.makedirs(target, exist_ok=True)
     for name in names:

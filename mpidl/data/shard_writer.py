@@ -11,7 +11,6 @@ name the dataset, the split, its index and first sample (:mod:`mpidl.data.format
 from __future__ import annotations
 
 import datetime
-import errno as errno_module
 import json
 import os
 from typing import Any, Mapping
@@ -27,8 +26,8 @@ from mpidl.data.format import (
     sha256_file,
     shard_name,
 )
-from mpidl.data.publish import write_error
 from mpidl.data.sampler import DEFAULT_BLOCK_SIZE
+from mpidl.storage import check_room, hdf5_bytes, write_error
 
 SHARD_BYTES = 256 << 20  # default shard size: the study's 256 MiB - 2 GiB range, low end
 CHUNK_BYTES = 256 << 10  # chunk size when compressed: small enough for block reads
@@ -69,37 +68,6 @@ def storage_settings(compression: str | None, compression_opts: Any) -> dict[str
     }
 
 
-# Bytes a shard file holds besides its raw data (HDF5's superblock, object headers, the
-# attributes): 2-4 KB measured; the space check below asks for this much more.
-_OVERHEAD = 64 << 10
-
-
-def _reserve(path: str, nbytes: int) -> None:
-    """Fail now, with a plain ``OSError``, if a file of ``nbytes`` cannot be written at
-    ``path``: past the process's file-size limit (EFBIG, ``ulimit -f``) or past the
-    filesystem's free space (ENOSPC, from ``statvfs``).
-
-    Why: when a write fails inside HDF5, the library keeps the half-written file open,
-    and the process crashed at exit (SIGSEGV, "free(): invalid pointer"; measured here
-    with h5py 3.16 / HDF5 2.0 under ``ulimit -f``), so ``mpidl shard`` ended with signal
-    11 instead of exit status 1, and under ``mpiexec`` brought the job down. The limit
-    check is exact; the space check can lose a race with another writer, and a quota
-    (EDQUOT) is not seen: those still get HDF5's error, and that crash at exit, after the
-    partial dataset was removed. Writing the shard in memory first (HDF5's core driver)
-    avoids both but wrote 5-10x slower here (page faults of fresh 80 MB buffers on the
-    loaded machine); ``posix_fallocate`` would see a quota, but glibc emulates it by
-    writing every block where the filesystem lacks it.
-    """
-    import resource
-
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY and nbytes > limit:
-        raise OSError(errno_module.EFBIG, os.strerror(errno_module.EFBIG), path)
-    fs = os.statvfs(os.path.dirname(path) or ".")
-    if fs.f_bavail * fs.f_frsize < nbytes:
-        raise OSError(errno_module.ENOSPC, os.strerror(errno_module.ENOSPC), path)
-
-
 def chunk_rows(a: numpy.ndarray) -> int:
     """Rows per HDF5 chunk of a compressed feature: about :data:`CHUNK_BYTES`, and a
     multiple or a divisor of the sampler's default block (64 rows), so that a block read
@@ -118,7 +86,7 @@ def write_file(
     import h5py
 
     if storage["layout"] == "contiguous":  # compressed files are smaller: no size known
-        _reserve(path, sum(a.nbytes for a in arrays.values()) + _OVERHEAD)
+        check_room(path, hdf5_bytes(sum(a.nbytes for a in arrays.values()), len(arrays)))
     try:
         with h5py.File(path, "w", locking=False) as f:
             for k, v in attrs.items():

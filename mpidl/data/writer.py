@@ -54,6 +54,11 @@ def _check_arrays(arrays: Mapping[str, numpy.ndarray], source: str) -> int:
                 "(letters, digits, '_') other than 'global_count'"
             )
         dtype = numpy.asarray(arrays[name]).dtype
+        if dtype.name == "bfloat16":  # ml_dtypes' kind is "V": HDF5 has no bfloat16
+            raise DataError(
+                f"{source}: feature {name!r} has dtype bfloat16, which HDF5 shards cannot "
+                "hold; convert it to float32 (exact) or float16 first"
+            )
         if dtype.kind not in "biufc":
             raise DataError(
                 f"{source}: feature {name!r} has dtype {dtype}; only numeric arrays can be "

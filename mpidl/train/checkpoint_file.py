@@ -33,8 +33,8 @@ from typing import Any, Mapping
 
 import numpy
 
-from mpidl import __version__
-from mpidl.backend import as_numpy
+from mpidl import __version__, storage
+from mpidl.backend import as_numpy, bfloat16
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2, 3)  # 1: before checksums; 3: sharded (mpidl.train.sharded)
@@ -45,6 +45,7 @@ _SCALAR_ATTR = "__scalar__"
 _ORDER_ATTR = "__order__"
 _CRC_ATTR = "__crc32__"
 _JSON_CRC_ATTR = "__json_crc32__"
+_DTYPE_ATTR = "__dtype__"
 
 
 def _crc(data: bytes | numpy.ndarray) -> int:
@@ -74,6 +75,44 @@ def _h5py():
     return h5py
 
 
+# -- how arrays are stored: the one rule for every writer and reader of checkpoints -------
+
+def stored(array: numpy.ndarray) -> tuple[numpy.ndarray, str | None]:
+    """``array`` as HDF5 stores it, and the dtype name to keep beside it (None: the
+    stored dtype is the array's own).
+
+    HDF5 has no bfloat16: h5py writes one as an opaque ``|V2`` that it reads back as raw
+    bytes, which no loader takes for a bfloat16 tensor. Its bits are stored as uint16
+    and its name kept (``__dtype__`` here, the index's dtype in a sharded checkpoint);
+    :func:`restored` undoes it. float16 and every other NumPy dtype HDF5 has are stored
+    as they are. The bytes, and so the CRC-32, are the array's own either way.
+    """
+    if array.dtype.name == "bfloat16":
+        return array.view(numpy.uint16), "bfloat16"
+    return array, None
+
+
+def restored(array: numpy.ndarray, name: Any = None) -> numpy.ndarray:
+    """An array read from HDF5 as the tensor it stores: ``name`` is the dtype
+    :func:`stored` kept (None if none)."""
+    return array.view(bfloat16()) if _holds_bfloat16(array.dtype, name) else array
+
+
+def restored_dtype(dataset: Any) -> numpy.dtype:
+    """The dtype :func:`restored` gives an HDF5 dataset's array, without reading it."""
+    if _holds_bfloat16(dataset.dtype, dataset.attrs.get(_DTYPE_ATTR)):
+        return numpy.dtype(bfloat16())
+    return dataset.dtype
+
+
+def _holds_bfloat16(dtype: numpy.dtype, name: Any) -> bool:
+    # An opaque 2-byte array with no name is a bfloat16 written before the rule (h5py's
+    # |V2 of mpidl <= a8b384f): the same bits, so it loads.
+    if name is not None:
+        return str(name) == "bfloat16"
+    return dtype.kind == "V" and dtype.itemsize == 2 and dtype.names is None
+
+
 # -- writing ----------------------------------------------------------------------------
 
 def _is_array(value: Any) -> bool:
@@ -92,9 +131,13 @@ def _write_tree(group: Any, tree: Mapping[Any, Any], where: str) -> None:
         if isinstance(value, Mapping):
             _write_tree(group.create_group(key), value, f"{where}/{key}")
         elif _is_array(value):
-            array = as_numpy(value)
+            # A NumPy scalar as it is (as_numpy would ask a bfloat16 one for a buffer).
+            array, name = stored(numpy.asarray(value) if isinstance(value, numpy.generic)
+                                 else as_numpy(value))
             dataset = group.create_dataset(key, data=array)
-            dataset.attrs[_CRC_ATTR] = _crc(numpy.asarray(array))
+            dataset.attrs[_CRC_ATTR] = _crc(array)
+            if name is not None:
+                dataset.attrs[_DTYPE_ATTR] = name
             if isinstance(value, numpy.generic):
                 dataset.attrs[_SCALAR_ATTR] = True
         else:
@@ -136,6 +179,8 @@ def _write_file(path: str, step: int, epoch: int, config: str,
     """One checkpoint-format file, atomically: ``PATH.tmp``, fsync, rename."""
     h5py = _h5py()
     tmp = path + ".tmp"
+    # Before HDF5 starts: a full disk met inside it may crash the process (mpidl.storage).
+    storage.check_room(tmp, _stored_bytes(trees))
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs["format_version"] = version
@@ -158,6 +203,22 @@ def _write_file(path: str, step: int, epoch: int, config: str,
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _stored_bytes(trees: Mapping[str, Any]) -> int:
+    """At most the bytes of a file of ``trees`` (a value made when written counts as an
+    empty dataset: its size is not known before)."""
+    data = datasets = 0
+    stack = list(trees.values())
+    while stack:
+        tree = stack.pop()
+        for value in tree.values():
+            if isinstance(value, Mapping):
+                stack.append(value)
+            elif _is_array(value) or callable(value):
+                datasets += 1
+                data += int(value.nbytes) if _is_array(value) else 0
+    return storage.hdf5_bytes(data, datasets)
 
 
 def _mpidl_version() -> str:
@@ -188,7 +249,7 @@ def _read_tree(group: Any, verify: bool, arrays: bool | None = True) -> dict[str
             continue
         if arrays is False:
             continue
-        array = item[...]                # an ndarray, 0-d arrays stay arrays
+        array = restored(item[...], item.attrs.get(_DTYPE_ATTR))  # 0-d stay arrays
         if verify and item.attrs.get(_CRC_ATTR) != _crc(array):
             raise _Corrupt(f"{item.name} (shape {array.shape}, {array.dtype}) fails its "
                            "checksum")

@@ -21,11 +21,15 @@ only what it holds. Errors are raised on every rank, naming the rank that failed
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
-from typing import Any
+from typing import Any, Iterator
 
+from mpidl import storage
 from mpidl.backend import dtype_name
+from mpidl.comm import DistributedError
 from mpidl.comm.ledger import patience
 from mpidl.parallel import holdings as hold
 from mpidl.parallel import tensor, zero_state
@@ -83,15 +87,20 @@ class Checkpointer:
         """
         held, ints = self.holdings()
         mine = [h for h in held if h.owner and h.count and h.read() is not None]
-        rows, error = [], None
+        rows, error, written = [], None, None
+        # The parts share a filesystem (as a rule): each rank checks there is room for
+        # all of them before any is begun (mpidl.storage: HDF5 and a full disk).
+        need = sum(self.comm.allgather_obj(sharded.part_bytes(mine) if mine else 0))
         if mine:
+            part = os.path.join(directory, sharded.part_name(step, self.comm.rank))
             try:
                 os.makedirs(directory, exist_ok=True)
-                rows = sharded.write_part(os.path.join(directory, sharded.part_name(
-                    step, self.comm.rank)), step, self.comm.rank, mine)
-            except OSError as e:
-                error = f"cannot write a checkpoint part into {directory}: {e}"
-        with patience("the ranks write their checkpoint parts"):
+                storage.check_room(part, need)
+                rows = sharded.write_part(part, step, self.comm.rank, mine)
+                written = part
+            except (OSError, RuntimeError) as e:
+                error = _storage_error(e, part, "a checkpoint part")
+        with patience("the ranks write their checkpoint parts"), _discard_on_failure(written):
             self.comm.check(error is None, str(error))
         keys = {h.key: (h.shape, dtype_name(h.dtype)) for h in mine}
         values = {r.key: r.read() for r in ints if r.owner}
@@ -112,9 +121,9 @@ class Checkpointer:
                     {k: v for _, _, i in tables for k, v in i.items()}, meta=meta, rng=rng,
                     sampler=sampler, config=config, epoch=epoch, extra=extra)
                 _remove_stale_parts(path, {r for r, t in enumerate(tables) if t[0]})
-            except OSError as e:
-                error = f"cannot write a checkpoint into {directory}: {e}"
-        with patience("rank 0 writes the checkpoint index"):
+            except (OSError, RuntimeError) as e:
+                error = _storage_error(e, path, "the checkpoint index")
+        with patience("rank 0 writes the checkpoint index"), _discard_on_failure(written):
             self.comm.check(error is None, str(error))
         return path
 
@@ -131,6 +140,9 @@ class Checkpointer:
         read, error = 0, None
         try:
             source = ckpt.open_source(state, self.order)
+            # A checkpoint of another precision: parameters from fp32 masters, or back.
+            source = pieces.across_precision(source, self.order,
+                                             self.optimizer.state_arrays)
         except (CheckpointError, KeyError, OSError) as e:
             source, error = None, ("corrupt", str(e))
         self._agree(error)
@@ -174,6 +186,35 @@ class Checkpointer:
             rank, (kind, message) = failed[0]
             where = f" (rank {rank} of {self.comm.size})" if self.comm.size > 1 else ""
             raise LoadError(kind, message + where)
+
+
+@contextlib.contextmanager
+def _discard_on_failure(part: str | None) -> Iterator[None]:
+    """Remove this rank's ``part`` when the save fails on any rank (DistributedError):
+    a part without its index is no checkpoint, and it would hold space a full disk
+    lacks."""
+    try:
+        yield
+    except DistributedError:
+        if part is not None and os.path.exists(part):
+            os.remove(part)
+        raise
+
+
+def _storage_error(e: BaseException, path: str, what: str) -> str:
+    """The message of a failed write of ``path`` (re-raises ``e`` unless storage failed:
+    :func:`mpidl.storage.storage_failure`)."""
+    failure = storage.storage_failure(e, path)
+    if failure is None:
+        raise e
+    fix = {errno.ENOSPC: f"free space on that filesystem (`df {os.path.dirname(path)}`), "
+                         "keep fewer checkpoints (--keep-checkpoints N needs room for N + 1 "
+                         "while saving) or use another --run-dir",
+           errno.EDQUOT: "free space within your quota or use another --run-dir",
+           errno.EFBIG: "raise the file-size limit (`ulimit -f`)"}.get(
+               failure.errno, "fix the run directory's storage or use another --run-dir")
+    return (f"cannot write {what} {path}: {failure.strerror}; the checkpoint was not "
+            f"written (the earlier ones are kept): {fix}")
 
 
 def _first_line(error: BaseException) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 import numpy
 
 from mpidl.backend import named_dtype
+from mpidl.optim.master import MASTER
 from mpidl.parallel.holdings import Held, HeldInt, Key, overlap, whole
 from mpidl.train import checkpoint_file as ckpt
 from mpidl.train.checkpoint_file import CheckpointError
@@ -129,7 +130,7 @@ def _read_checked(value: Any, verify: bool, where: str) -> Any:
     """An array of a single-file checkpoint: an HDF5 dataset is read and checked."""
     if not hasattr(value, "attrs"):
         return value
-    array = value[...]
+    array = ckpt.restored(value[...], value.attrs.get(ckpt._DTYPE_ATTR))
     if verify and value.attrs.get(ckpt._CRC_ATTR) != ckpt._crc(array):
         raise CheckpointError(f"checkpoint {where} is corrupt: {value.name} (shape "
                               f"{array.shape}, {array.dtype}) fails its checksum")
@@ -144,30 +145,68 @@ def file_source(path: str, order: list[str]) -> StateSource:
     try:
         verify = int(f.attrs["format_version"]) >= 2
         plain = ckpt._read_tree(f["optimizer"], verify, arrays=False)
-        model = {k: v for k, v in f["model"].items() if not hasattr(v, "keys")}
-        optimizer = {**plain, **{k: v for k, v in f["optimizer"].items()
+        model = {k: _Lazy(v, verify, path) for k, v in f["model"].items()
+                 if not hasattr(v, "keys")}
+        optimizer = {**plain, **{k: _Lazy(v, verify, path) for k, v in f["optimizer"].items()
                                  if not hasattr(v, "keys")}}
-        source = StateSource(path, model, optimizer, order, file=f)
+        return StateSource(path, model, optimizer, order, file=f)
     except BaseException:
         f.close()
         raise
-    for tree in (source.model, source.state):
-        for name, value in list(tree.items()):
-            if hasattr(value, "attrs"):
-                tree[name] = _Lazy(value, verify, path)
-    return source
 
 
 class _Lazy:
-    """A dataset read (and checked) when a piece of it is copied."""
+    """A dataset read (and checked) when a piece of it is copied; its ``dtype`` is the
+    tensor's (:func:`~mpidl.train.checkpoint_file.restored_dtype`), not the stored one."""
 
     def __init__(self, dataset: Any, verify: bool, path: str) -> None:
         self.dataset, self.verify, self.path = dataset, verify, path
-        self.shape, self.dtype = dataset.shape, dataset.dtype
+        self.shape, self.dtype = dataset.shape, ckpt.restored_dtype(dataset)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> numpy.ndarray:
         array = _read_checked(self.dataset, self.verify, self.path)
         return array if dtype is None else array.astype(dtype)
+
+
+# -- another precision ------------------------------------------------------------------------
+
+class _OtherPrecision(Source):
+    """A source whose tensors are read under other keys (:func:`across_precision`)."""
+
+    def __init__(self, source: Source, alias: Mapping[Key, Key], hidden: set[Key]) -> None:
+        self.source, self.alias = source, dict(alias)
+        self.path, self.ints, self.optimizer = source.path, source.ints, source.optimizer
+        self.keys = {k: v for k, v in source.keys.items() if k not in hidden}
+        self.keys.update({k: source.keys[v] for k, v in self.alias.items()})
+
+    def pieces(self, key: Key) -> list[Piece]:
+        return self.source.pieces(self.alias.get(key, key)) if key in self.keys else []
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def across_precision(source: Source, order: Iterable[str], arrays: Iterable[str]) -> Source:
+    """``source`` as a checkpoint of this run's precision.
+
+    A half-precision run (fp16, bf16) keeps an fp32 master of each parameter as optimizer
+    state ``master`` (:mod:`mpidl.optim.master`); a float32 run has none. Resuming a half
+    run in float32 loads each parameter from its master (the exact fp32 values, not the
+    half copy rounded from them) and leaves the masters out; resuming a float32 run in
+    half precision makes each master from the float32 parameter (the half parameter is
+    that value rounded once, as after every step). The other optimizer arrays are fp32
+    in both. ``order``: the parameters' names; ``arrays``: this run's optimizer arrays.
+    """
+    order, wants = list(order), MASTER in set(arrays)
+    masters = {n: Key("optimizer", n, MASTER) for n in order}
+    has = [n for n in order if masters[n] in source.keys]
+    if wants and not has:
+        return _OtherPrecision(source, {masters[n]: Key("model", n) for n in order
+                                        if Key("model", n) in source.keys}, set())
+    if has and not wants:
+        return _OtherPrecision(source, {Key("model", n): masters[n] for n in has},
+                               {masters[n] for n in has})
+    return source
 
 
 # -- loading records ----------------------------------------------------------------------------
@@ -255,4 +294,5 @@ def assemble(source: Source, key: Key) -> numpy.ndarray:
     return out.reshape(shape)
 
 
-__all__ = ["Piece", "Source", "StateSource", "file_source", "check_keys", "load", "assemble"]
+__all__ = ["Piece", "Source", "StateSource", "file_source", "across_precision", "check_keys",
+           "load", "assemble"]

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy
 
+from mpidl import storage
 from mpidl.backend import as_numpy
 from mpidl.parallel.holdings import Held, Key, runs_array
 from mpidl.train import checkpoint_file as ckpt
@@ -59,6 +60,14 @@ def _untext(array: numpy.ndarray) -> Any:
 
 # -- writing --------------------------------------------------------------------------------
 
+def part_bytes(held: Iterable[Held]) -> int:
+    """At most the bytes :func:`write_part` writes for ``held`` (each piece and its runs),
+    without reading them. Not collective."""
+    held = [h for h in held if h.count]
+    return storage.hdf5_bytes(sum(h.count * h.dtype.itemsize + h.runs.nbytes for h in held),
+                              2 * len(held))
+
+
 def write_part(path: str, step: int, rank: int, held: Iterable[Held]) -> list[list]:
     """Write this rank's pieces (the records it owns) to ``path`` atomically; return
     their index rows ``[key, dataset, count, crc, first, last]``. Not collective."""
@@ -74,10 +83,8 @@ def write_part(path: str, step: int, rank: int, held: Iterable[Held]) -> list[li
                 if values is None:
                     continue
                 n = str(len(rows))
-                data = numpy.ascontiguousarray(as_numpy(values)).reshape(-1)
-                if data.dtype.name == "bfloat16":  # HDF5 has no bfloat16 (h5py writes an
-                    data = data.view(numpy.uint16)  # opaque V2 it cannot read back): its
-                    #                                 bits; the index keeps the dtype name
+                # bfloat16 as its bits (checkpoint_file.stored); the index keeps its name
+                data, _ = ckpt.stored(numpy.ascontiguousarray(as_numpy(values)).reshape(-1))
                 assert data.size == h.count, (h.key, data.size, h.count)
                 block = max(1, BLOCK_BYTES // data.itemsize)
                 crcs = [zlib.crc32(data[i:i + block]) for i in range(0, data.size, block)]
@@ -173,8 +180,7 @@ class _PartPiece(Piece):
 
     def copy_into(self, target: numpy.ndarray, segments: numpy.ndarray) -> None:
         ds, path = self._dataset(self.name)
-        if target.dtype.name == "bfloat16":
-            target = target.view(numpy.uint16)  # stored as its bits (see write_part)
+        target, _ = ckpt.stored(target)  # a view: bfloat16 is stored as its bits
         block = int(ds.attrs["block"])
         crcs = ds.attrs["block_crc32"]
         if (int(ds.shape[0]) != self.count or int(ds.attrs["crc32"]) != self.crc
@@ -287,5 +293,5 @@ def read_state(state: Any, what: str) -> None:
         state.optimizer = {k: v() if callable(v) else v for k, v in optimizer.items()}
 
 
-__all__ = ["SHARDED_VERSION", "part_name", "write_part", "write_index", "ShardedSource",
+__all__ = ["SHARDED_VERSION", "part_name", "part_bytes", "write_part", "write_index", "ShardedSource",
            "full_trees", "read_state"]

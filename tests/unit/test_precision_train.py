@@ -156,6 +156,74 @@ def test_a_bf16_run_resumes_bit_for_bit_with_its_masters(data, tmp_path):
         assert numpy.array_equal(whole.optimizer[key], split.optimizer[key]), key
 
 
+def _trained(data, tmp_path, precision, *layout):
+    """The newest checkpoint of a 3-step gpt run in ``precision`` (one rank)."""
+    import os
+    import signal
+
+    from mpidl.train import latest_checkpoint
+    from mpidl.train.command import main
+
+    cache, _ = data
+    run = tmp_path / precision
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert main(["gpt", *TINY, f"--data.cache-dir={cache}", "--steps=3",
+                     f"--precision={precision}", f"--run-dir={run}", *layout]) == 0
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    return latest_checkpoint(os.path.join(run, "checkpoints"))
+
+
+def _restored(data, path, precision, *layout):
+    """A run in ``precision`` restored from checkpoint ``path``: its parameters and
+    optimizer state as NumPy arrays, by single-rank name."""
+    from mpidl.train import load_checkpoint
+    from mpidl.train.checkpointing import RunCheckpoints
+
+    cache, directory = data
+    config = load_config("gpt", [*TINY, f"--data.cache-dir={cache}", "--steps=6",
+                                 f"--precision={precision}", *layout])
+    run = build_run(config, SingleCommunicator(), directory)
+    try:
+        RunCheckpoints(run, str(path) + ".unused", Logger()).restore(
+            load_checkpoint(path, "none"))
+        names = [n for n, _ in run.model.named_parameters()]
+        params = {n: p.data.copy() for n, p in run.model.named_parameters()}
+        state = {(names[i], k): numpy.array(v) for i, st in enumerate(run.optimizer.state)
+                 for k, v in st.items() if hasattr(v, "shape")}
+    finally:
+        run.close()
+    return params, state
+
+
+# A half run's parameters come back as its fp32 masters (not the half copies rounded from
+# them), an fp32 run's become the masters of a half run; the refusal said "optimizer state
+# does not fit the configured optimizer" (#38).
+@pytest.mark.parametrize("saved, resumed", [("bf16", "fp32"), ("fp16", "fp32"),
+                                            ("fp32", "bf16")])
+def test_a_run_resumes_in_another_precision_from_the_fp32_values(data, tmp_path, saved,
+                                                                 resumed):
+    from mpidl.train import load_checkpoint
+
+    path = _trained(data, tmp_path, saved)
+    full = load_checkpoint(path)
+    params, state = _restored(data, path, resumed)
+    for i, name in enumerate(params):  # the optimizer's order
+        want = full.optimizer[f"state.{i}.master"] if saved != "fp32" else full.model[name]
+        assert want.dtype == numpy.float32, name
+        if resumed == "fp32":
+            assert params[name].dtype == numpy.float32, name
+            assert numpy.array_equal(params[name], want), name
+            assert (name, "master") not in state
+        else:
+            assert numpy.array_equal(state[name, "master"], want), name
+            assert numpy.array_equal(params[name].view(numpy.uint16),
+                                     want.astype(params[name].dtype).view(numpy.uint16)), name
+        assert numpy.array_equal(state[name, "exp_avg"], full.optimizer[f"state.{i}.exp_avg"])
+
+
 def test_fp16_gets_the_dynamic_loss_scale_and_bf16_only_when_asked():
     from mpidl.nn.module import Parameter
     from mpidl.optim import DynamicLossScale
