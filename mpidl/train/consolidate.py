@@ -32,6 +32,7 @@ import sys
 from typing import Iterator, Sequence
 
 from hpc.files import OutputError, check_output
+from mpidl.storage import check_room
 from mpidl.train import checkpoint as ckpt
 from mpidl.train import checkpoint_file, retention, sharded
 
@@ -170,10 +171,7 @@ def _main(argv: Sequence[str]) -> int:
         bad: list[tuple[str, str]] = []
         for path in candidates(args.source, bad):
             out = _out_path(args.out, path, args.force)
-            room = _room(path, out)
-            if room:
-                print(f"{say} {room}", file=sys.stderr)
-                return 1
+            _check_room(path, out)
             try:
                 written = consolidate(path, out)
             except ckpt.CheckpointError as e:
@@ -190,7 +188,7 @@ def _main(argv: Sequence[str]) -> int:
         print(f"{say} {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
-        from mpidl.data.publish import write_error
+        from mpidl.storage import write_error
 
         e = write_error(e, out)
         if e.errno in _STORAGE:
@@ -203,20 +201,16 @@ def _main(argv: Sequence[str]) -> int:
     raise AssertionError("unreachable")  # candidates() yields, or raises
 
 
-def _room(path: str, out: str) -> str | None:
-    """What is wrong when the filesystem of ``out`` lacks room for checkpoint ``path``
-    written whole (about the size of its files: the same arrays), else None. Checked
-    first: HDF5 that runs out of space mid-file can crash the process (signal 11)."""
+def _check_room(path: str, out: str) -> None:
+    """OSError (ENOSPC or EFBIG, :func:`mpidl.storage.check_room`) when ``out`` cannot
+    hold checkpoint ``path`` written whole (about the size of its files: the same
+    arrays). Checked first: HDF5 that runs out of space mid-file can crash the process
+    (signal 11)."""
     need = sum(os.path.getsize(f) for f in (path, *retention.companions(path)))
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.isdir(parent):
         parent = os.path.dirname(parent)
-    fs = os.statvfs(parent)
-    free = fs.f_bavail * fs.f_frsize
-    if free >= need:
-        return None
-    return (f"cannot write {out}: it needs about {need / 1e6:.3g} MB and its filesystem has "
-            f"{free / 1e6:.3g} MB free; free space there (`df {parent}`) or name another OUT")
+    check_room(os.path.join(parent, os.path.basename(out)), need)
 
 
 def _out_path(given: str | None, path: str, force: bool) -> str:
