@@ -1974,4 +1974,40 @@ MUTATIONS: list[Mutation] = [
         tests=("tests/unit/test_evaluation.py::test_an_output_whose_targets_are_constant_has_"
                "no_r2_and_the_mean_skips_it",),
     ),
+    # -- mpidl export / import (#44) ----------------------------------------------------------
+    Mutation(
+        name="gpt2-export-forgets-the-transpose",
+        file="mpidl/interop/hf_gpt2.py",
+        original="        if transposed:\n            shape = tuple(reversed(shape))",
+        mutated="        if False:\n            shape = tuple(reversed(shape))",
+        why="GPT-2's Conv1D weights are (in, out): a square projection untransposed loads "
+            "into transformers and computes another function",
+        tests=("tests/unit/test_interop.py::test_hf_gpt2_export_writes_a_config_and_weights_"
+               "that_import_back_exactly",),
+    ),
+    Mutation(
+        name="safetensors-offsets-skip-a-gap",
+        file="mpidl/interop/safetensors.py",
+        original="        offset += size",
+        mutated="        offset += size + 8",
+        why="the header's offsets leave gaps the data does not have: another reader takes "
+            "the wrong bytes",
+        tests=("tests/unit/test_interop.py::test_the_header_follows_the_published_layout",),
+    ),
+    Mutation(
+        name="safetensors-reader-accepts-a-truncated-file",
+        file="mpidl/interop/safetensors.py",
+        original="    if 8 + n + end != size:",
+        mutated="    if False:",
+        why="a truncated or padded file loads as if whole",
+        tests=("tests/unit/test_interop.py::test_a_damaged_file_is_an_error_naming_it",),
+    ),
+    Mutation(
+        name="export-writes-into-the-runs-checkpoints",
+        file="mpidl/interop/command.py",
+        original='    reads = [checkpoint, os.path.join(run_dir_of(checkpoint), "checkpoints")]',
+        mutated="    reads = []",
+        why="--force writes the export over the checkpoint it reads",
+        tests=("tests/unit/test_interop.py::test_bad_export_input_exits_2_before_writing",),
+    ),
 ]

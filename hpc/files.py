@@ -16,8 +16,9 @@ it was; the error is raised as it came (an ``OSError`` naming the cause).
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Iterable
+from typing import Iterable, Iterator
 
 
 class OutputError(ValueError):
@@ -68,15 +69,15 @@ def check_output(path: str | os.PathLike, *, force: bool, reads: Iterable[str] =
     return path
 
 
-def write_text(path: str | os.PathLike, text: str) -> str:
-    """Replace ``path`` with ``text`` (UTF-8) atomically; return the path. Not collective."""
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary name beside ``path`` to write, renamed over ``path`` when the block
+    ends without an error; removed (and ``path`` left as it was) when it raises. The
+    writer flushes and fsyncs what it writes. Not collective."""
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -84,4 +85,13 @@ def write_text(path: str | os.PathLike, text: str) -> str:
         except FileNotFoundError:
             pass
         raise
-    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> str:
+    """Replace ``path`` with ``text`` (UTF-8) atomically; return the path. Not collective."""
+    with replacing(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    return os.fspath(path)

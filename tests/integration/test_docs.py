@@ -169,6 +169,17 @@ COVERED = {
         Covered((IT + "test_science.py::test_a_regression_dataset_from_csv_columns_trains",)),
     r"mpiexec -n \d mpidl train cosmo":
         Covered((IT + "test_science.py::test_the_cosmology_task_learns_the_spectra_of_gaussian_random_fields",)),
+    r"mpidl export runs/(reviews|gpt) \S+( --format (torch|hf-gpt2))?":
+        Covered((IT + "test_interop_launch.py::test_a_zero3_gpt_leaves_through_export_and_comes_back_to_be_fine_tuned",
+                 UNIT + "test_interop_peers.py::test_an_exported_mlp_and_bag_of_words_load_strictly_into_pytorch_and_agree",
+                 UNIT + "test_interop_peers.py::test_an_exported_gpt_loads_in_transformers_with_the_same_logits"),
+                "every format from a real checkpoint; the peers' own loaders (extra)"),
+    r"mpidl import hf-gpt2 gpt2-small runs/tuned gpt":
+        Covered((IT + "test_interop_launch.py::test_a_zero3_gpt_leaves_through_export_and_comes_back_to_be_fine_tuned",
+                 UNIT + "test_interop_peers.py::test_a_gpt2_made_by_transformers_imports_with_the_same_logits"),),
+    r"mpiexec -n 2 mpidl train runs/tuned/config\.toml --run-dir runs/tuned --epochs 1":
+        Covered((IT + "test_interop_launch.py::test_a_zero3_gpt_leaves_through_export_and_comes_back_to_be_fine_tuned",),
+                "the imported run fine-tuned at 2 ranks, then scored by mpidl eval"),
     r"mpiexec -n \d mpidl train gpt --zero 3":
         Covered((IT + "test_gpt_zero.py::test_gpt_trains_ten_steps_at_any_rank_count",)),
     r"mpiexec -n \d mpidl train reviews-transformer --zero 2":

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-EXTRAS = {"torch", "matplotlib"}  # the modules of the [oracle] and [plot] extras
+EXTRAS = {"torch", "matplotlib", "transformers", "safetensors"}  # [oracle] [plot] [interop]
 
 
 def _needs(node: ast.AST) -> set[str]:
@@ -19,7 +19,8 @@ def _needs(node: ast.AST) -> set[str]:
     return {c.args[0].value for c in ast.walk(node)
             if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
             and c.func.attr == "importorskip" and c.args
-            and isinstance(c.args[0], ast.Constant) and c.args[0].value in EXTRAS}
+            and isinstance(c.args[0], ast.Constant)
+            and c.args[0].value.split(".")[0] in EXTRAS}
 
 
 def _marks_extra(decorators_or_value: list[ast.expr] | ast.expr | None) -> bool:
