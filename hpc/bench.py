@@ -245,8 +245,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {least}")
     if args.max_bytes < args.min_bytes:
         p.error(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        p.error("--plot needs matplotlib: install the [plot] extra (pip install 'mpidl[plot]')")
     from hpc import costmodel
     from hpc.files import OutputError, check_output
 
@@ -257,6 +255,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             check_output(costmodel.network_profile_path(args.save_profile), force=args.force)
     except OutputError as e:
         p.error(str(e))
+    # after the outputs' checks: a wrong input is told before a missing extra
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: install the [plot] extra (pip install 'mpidl[plot]')")
     return args
 
 

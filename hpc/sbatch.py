@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hpc.argtypes import output_file, positive_int
+from hpc.files import OutputError, check_output, write_text
 
 try:
     import tomllib
@@ -404,6 +405,7 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="OPTION[=VALUE]", help="another #SBATCH option (qos=high, exclusive)")
     p.add_argument("-o", "--output", type=output_file,
                    help="write the script here instead of stdout")
+    p.add_argument("--force", action="store_true", help="write over an existing --output")
     p.add_argument("--list", action="store_true", help="list templates and profiles")
     return p
 
@@ -425,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         path = find_template(opts.template)
+        if opts.output:  # before rendering: never over a file not named for writing
+            check_output(opts.output, force=opts.force, reads=[path, path.parent / "env.sh"])
         text = path.read_text()
         env_path = path.parent / "env.sh"
         if not env_path.is_file():
@@ -444,11 +448,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             script = render(text, load_profile(profile_name), req, env_path.read_text(),
                             template_name=f"slurm/{path.name}")
-    except RenderError as e:
+    except (RenderError, OutputError) as e:
         print(f"mpidl sbatch: {e}", file=sys.stderr)
         return 2
     if opts.output:
-        Path(opts.output).write_text(script)
+        write_text(opts.output, script)
         submit = "qsub" if pbs else "sbatch"
         print(f"mpidl sbatch: wrote {opts.output}; submit with: {submit} {opts.output}",
               file=sys.stderr)

@@ -80,13 +80,13 @@ def plot_run(run_dir: str, out_dir: str | None = None, force: bool = False) -> l
     if not os.path.isfile(metrics):
         raise FileNotFoundError(f"{metrics} does not exist; is {run_dir!r} a run directory "
                                 "of `mpidl train`?")
-    plt = _matplotlib()  # after the input's check: a wrong path is told before a missing extra
     records = read_metrics(metrics)
     name = os.path.basename(os.path.normpath(run_dir))
     out = out_dir or run_dir
     files = ("loss.png", "accuracy.png", "throughput.png")
     for path in [out] if _image_file(out) else [os.path.join(out, f) for f in files]:
         check_output(path, force=force, reads=[metrics])
+    plt = _matplotlib()  # after the input's checks: bad input is told before a missing extra
     if _image_file(out):
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         fig = run_figure(plt, records, name)
@@ -159,14 +159,19 @@ def run_figure(plt, records: Sequence[dict[str, Any]], name: str) -> Any:
     return fig
 
 
+# The file types matplotlib's Agg and vector backends write (FigureCanvasBase.
+# get_supported_filetypes() of matplotlib 3.5-3.10), named here so that --out is judged,
+# and an existing file refused, before matplotlib is imported (or found missing).
+IMAGE_SUFFIXES = frozenset({"eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba",
+                            "svg", "svgz", "tif", "tiff", "webp", "avif", "gif"})
+
+
 def _image_file(out: str) -> bool:
     """Whether ``--out`` names one image file: a suffix matplotlib writes (``.png``,
     ``.svg``, ``.pdf``, ...), and not a directory already there (a directory stays one,
     whatever its name)."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
     suffix = os.path.splitext(out)[1].lower().lstrip(".")
-    return suffix in FigureCanvasBase.get_supported_filetypes() and not os.path.isdir(out)
+    return suffix in IMAGE_SUFFIXES and not os.path.isdir(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -115,6 +115,11 @@ ROWS = [
     ("shard --from-npz {inputs}/nan.npz --seed -1 {inputs}/out", "", 2,
      "argument --seed: '-1' must be an integer >= 0"),
     ("shard --verify {inputs}/nowhere", "", 2, "no such dataset directory"),
+    # an OUT_DIR holding a dataset, without --force: refused before the input is read (the
+    # garbage input is not what it reports)
+    ("shard --from-npz {inputs}/garbage.npz {inputs}/ds", "", 2,
+     "{inputs}/ds/train: already holds a dataset (manifest.json, ...); choose another "
+     "directory or overwrite it (overwrite=True, `--force`)"),
     ("shard --from-h5 {inputs}/ds/train/shard-00000.h5 --force {inputs}/ds", "", 2,
      "shard-00000.h5 is {inputs}/ds/train/shard-00000.h5, which this command reads: it is "
      "never written over, even with --force; name another OUT_DIR"),
@@ -202,6 +207,19 @@ ROWS = [
     ("sbatch train_cpu -N 0", "", 2, "argument -N/--nodes: '0' must be an integer >= 1"),
     ("sbatch train_cpu -t soon", "", 2, "--time 'soon' is not a Slurm time"),
     ("sbatch train_cpu -o /nonexist/x", "", 2, "the directory /nonexist does not exist"),
+    ("sbatch train_cpu -o {inputs}/bad.toml", "", 2,
+     "bad.toml already exists; name another file, or pass --force"),
+    # -- export, import
+    ("export", "", 2, "the following arguments are required: RUN_DIR|CHECKPOINT, OUT"),
+    ("export {inputs}/nowhere {inputs}/x.safetensors", "", 2, "no such checkpoint file"),
+    ("export {run} {inputs}/x.pt --format onnx", "", 2, "invalid choice: 'onnx'"),
+    ("export {run} {inputs}/bad.toml", "", 2,
+     "bad.toml already exists; name another OUT, or pass --force"),
+    ("export {run} {run}/checkpoints/x.safetensors --force", "", 2,
+     "which this command reads: it is never written over, even with --force"),
+    ("export {run} {inputs}/hf --format hf-gpt2", "", 2, "--format hf-gpt2 exports a gpt"),
+    ("import hf-gpt2 {inputs}/nowhere {inputs}/imported", "", 2, "has no config.json"),
+    ("import hf-gpt2 {inputs} {inputs}/imported", "", 2, "has no config.json"),
     # -- launch
     ("launch", "", 2, "usage: mpidl launch"),
     ("launch --launcher=/nonexist -n 1 true", "", 2, "cannot run the launcher"),

@@ -86,3 +86,12 @@ def test_out_naming_an_existing_directory_with_an_image_suffix_writes_into_it(tm
     (tmp_path / "old.png").mkdir()  # a directory is a directory, whatever its name
     assert main([str(run), "--out", str(tmp_path / "old.png")]) == 0
     assert (tmp_path / "old.png" / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_image_suffixes_named_without_matplotlib_are_those_it_writes():
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from mpidl.train.plot import IMAGE_SUFFIXES
+
+    assert IMAGE_SUFFIXES <= set(FigureCanvasBase.get_supported_filetypes())
+    assert {"png", "svg", "pdf"} <= IMAGE_SUFFIXES

@@ -206,6 +206,22 @@ def test_main_writes_to_stdout_or_a_file(tmp_path, capsys):
     assert "sbatch " + str(target) in capsys.readouterr().err
 
 
+def test_output_writes_over_an_existing_file_only_with_force_and_never_over_a_template(
+        tmp_path, capsys):
+    target = tmp_path / "job.sbatch"
+    target.write_text("precious")
+    assert sbatch.main(["train_cpu", "-o", str(target)]) == 2
+    assert f"{target} already exists" in capsys.readouterr().err
+    assert target.read_text() == "precious"
+    assert sbatch.main(["train_cpu", "-o", str(target), "--force"]) == 0
+    assert target.read_text().startswith("#!/bin/bash\n")
+    template = sbatch.find_template("train_cpu")
+    before = template.read_text()
+    assert sbatch.main(["train_cpu", "-o", str(template), "--force"]) == 2
+    assert "which this command reads" in capsys.readouterr().err
+    assert template.read_text() == before
+
+
 def test_main_reports_errors_with_status_2(capsys):
     assert sbatch.main(["train_gpu", "--profile", "generic-cpu"]) == 2
     assert "no GPUs" in capsys.readouterr().err
