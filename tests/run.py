@@ -273,24 +273,40 @@ def run_mpi(size: int, pytest_args: list[str], report_dir: str, timeout: float,
     return (0 if code == 5 else code), _counts(os.path.join(sub, "rank-0.xml"))
 
 
+# The main job's bar, as tests/integration/test_train.py's test_default_job_reaches_its_accuracy.
+MAIN_JOB_ACCURACY = 0.9
+
+
 def run_main_job(report_dir: str, timeout: float) -> tuple[int, dict]:
     """README's main job, ``mpiexec -n 2 mpidl train``, in a folder of its own (its run
-    directory and corpus cache there); one test: passed when it exits 0."""
+    directory and corpus cache there); one test: passed when it exits 0 and its last
+    evaluation (metrics.jsonl) reaches :data:`MAIN_JOB_ACCURACY`."""
+    import json
+
     from mpidl.testing.launch import LaunchTimeout, mpiexec
 
     work = os.path.join(report_dir, "main-job")
     os.makedirs(work)
     cmd = [sys.executable, "-m", "mpidl", "train", f"--run-dir={work}/run",
            f"--data.cache-dir={work}/cache"]
-    print(f"\n=== the main job: mpiexec -n 2 {' '.join(cmd[1:])}", flush=True)
+    print(f"\n=== the main job: mpiexec -n 2 {' '.join(cmd)}", flush=True)
     try:
         result = mpiexec(2, cmd, timeout=timeout, cwd=work)
     except LaunchTimeout as e:
         print(f"!!! {e}", flush=True)
         return 1, {"passed": 0, "failed": 1, "skipped": 0}
     print(result.stdout[-3000:] + result.stderr[-3000:], flush=True)
-    ok = result.returncode == 0
-    return result.returncode, {"passed": int(ok), "failed": int(not ok), "skipped": 0}
+    accuracy = None
+    if os.path.exists(f"{work}/run/metrics.jsonl"):
+        with open(f"{work}/run/metrics.jsonl") as f:
+            evals = [r for r in map(json.loads, f) if "test_accuracy" in r]
+        accuracy = evals[-1]["test_accuracy"] if evals else None
+    ok = result.returncode == 0 and accuracy is not None and accuracy >= MAIN_JOB_ACCURACY
+    if result.returncode == 0 and not ok:
+        print(f"!!! the main job's last test accuracy is {accuracy}, under its bar of "
+              f"{MAIN_JOB_ACCURACY}", flush=True)
+    return (result.returncode or int(not ok)), {"passed": int(ok), "failed": int(not ok),
+                                                "skipped": 0}
 
 
 def other_mpi(argv: list[str], mpi: str) -> int | None:
