@@ -1368,6 +1368,36 @@ MUTATIONS: list[Mutation] = [
         why="a job that lost a node but had no MPI_Abort still reads as a success",
         tests=("tests/unit/test_launch.py::test_a_job_that_lost_a_node_never_exits_0",),
     ),
+    # -- mpidl launch on every MPI (hpc/launch.py, #39) ------------------------------------
+    Mutation(
+        name="launch-never-sends-a-lost-preemption-again",
+        file="hpc/launch.py",
+        original="        if (self.preempted and not self.landed and self.terms < 2 and self.child is not None",
+        mutated="        if (False and not self.landed and self.terms < 2 and self.child is not None",
+        why="a SIGTERM that Hydra loses before its proxies connect is never sent again: the "
+            "job trains to its end and exits 0",
+        tests=("tests/unit/test_launch.py::"
+               "test_a_preemption_the_launcher_lost_is_sent_again_until_it_lands",),
+    ),
+    Mutation(
+        name="launch-takes-any-hydra-failure-for-the-preemption",
+        file="hpc/launch.py",
+        original="            status in family.died and (family.died_says is None or said.died or errors.died)):",
+        mutated="            status in family.died):",
+        why="Intel MPI's 255 after a preemption reads as 75 whatever failed: a crash during "
+            "the checkpoint looks like a clean preemption",
+        tests=("tests/unit/test_launch.py::"
+               "test_hydras_report_of_a_rank_killed_by_the_preemption_counts_as_preempted",),
+    ),
+    Mutation(
+        name="launch-aborts-hydra-as-open-mpi",
+        file="hpc/launch.py",
+        original='MPICH = Family("MPICH", ("HYDRA",), signal.SIGTERM, (signal.SIGINT, signal.SIGINT),',
+        mutated='MPICH = Family("MPICH", ("HYDRA",), signal.SIGTERM, (signal.SIGTERM,),',
+        why="the second SIGTERM is passed on to MPICH's mpiexec, which forwards it to the "
+            "ranks as one more request: the promised abort never comes",
+        tests=("tests/unit/test_launch.py::test_a_second_sigterm_aborts_as_the_family_aborts",),
+    ),
     # -- data past the page cache (#28): windows, read-ahead groups, descriptors ---------
     Mutation(
         name="loader-readahead-advises-one-group-ahead-only-at-the-start",

@@ -27,8 +27,10 @@ def _basetemp_of_this_rank(config):
     they prune each other's numbered folders and its ``pytest-current`` link at exit,
     and one of 16 ranks failed on that in CI (FileNotFoundError after every test had
     passed). The job comes from the launcher's environment (no collective here): PMIx's
-    namespace (Open MPI 5, Slurm's pmix), else Slurm's job and step. A ``--basetemp``
-    given wins; without a job name the default root stays.
+    namespace (Open MPI 5, Slurm's pmix), else Slurm's job and step, else (a launcher
+    that names no job: MPICH's and Intel MPI's Hydra set only ``PMI_RANK``, ``PMI_SIZE``,
+    ``PMI_FD``) the process that started this rank, Hydra's proxy: one per node and
+    launch, so two jobs at once differ. A ``--basetemp`` given wins.
     """
     import tempfile
 
@@ -37,11 +39,11 @@ def _basetemp_of_this_rank(config):
     if config.option.basetemp or not config.getoption("--with-mpi", default=False):
         return
     place = detect()
+    if place.size < 2:
+        return
     job = os.environ.get("PMIX_NAMESPACE") or (
         f"{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
-        if "SLURM_JOB_ID" in os.environ else "")
-    if place.size < 2 or not job:
-        return
+        if "SLURM_JOB_ID" in os.environ else f"{place.launcher}-{os.getppid()}")
     safe = "".join(c if c.isalnum() or c in "-." else "-" for c in job)
     config.option.basetemp = os.path.join(tempfile.gettempdir(),
                                           f"mpidl-pytest-{safe}-rank{place.rank}")

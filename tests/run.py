@@ -12,6 +12,7 @@ Usage (from the repository root, in the environment mpidl is installed in)::
     python tests/run.py --all            # all of them (what CI runs)
     python tests/run.py --sizes 2        # only the MPI tests, at 2 ranks
     python tests/run.py --many-sizes 16  # only the many-rank tier, at 16 ranks
+    python tests/run.py --mpi mpich      # the MPICH tier, in .venv-mpich (--mpi impi: Intel MPI)
     python tests/run.py --no-mpi         # only the single-process tests
     python tests/run.py -- -k sampler    # extra arguments go to every pytest
 
@@ -25,7 +26,10 @@ Each MPI size runs as ``mpiexec -n N python tests/run.py --worker ...``: every r
 pytest with the ``--with-mpi`` flag of pytest-mpi and writes a JUnit XML report; rank 0
 prints its output, the other ranks' output goes to a log that is shown if they fail. The
 many-rank tier (tests/many) runs the same way at 8 and 16 ranks, oversubscribed, and its
-watchdog test in one process. The run fails if any rank of any size fails, and every
+watchdog test in one process. ``--mpi mpich`` (``impi``) makes or reuses a second
+environment with that MPI's wheel and no Open MPI (:mod:`mpienv`) and runs, in it, the
+MPI tests at 2 and 3 ranks, the integration tests of signals, the watchdog and the MPI
+workers, and the main job (``mpiexec -n 2 mpidl train``). The run fails if any rank of any size fails, and every
 launch has a wall-clock limit, so a hang is a failure rather than a stuck CI. The suite
 must leave the environment as it found it: the run also fails if, at its end,
 ``import mpidl`` or the ``mpidl`` console script next to this Python does not work. The
@@ -81,7 +85,23 @@ MANY = ["tests/many"]
 # the integration tier runs several 2-rank jobs at once on 2 cores, where a spinning rank
 # takes the core its peer needs (three 2-rank trainings side by side: 51-54 s against
 # 55-58 s spinning, 2026-12-02). A value the caller set is kept.
-LAUNCH_ENV = {"OMPI_MCA_btl": "^ofi", "OMPI_MCA_mpi_yield_when_idle": "1"}
+# MPICH (mpich 5.0.2's wheel): MPIR_CVAR_POLLS_BEFORE_YIELD is the number of polls of a
+# busy wait before it yields the core (default 1000; 0 never yields), so 1 yields at
+# every poll; its start-up probes no fabric here (`mpiexec -n 2 python -c "from mpi4py
+# import MPI"`: 0.8 s), so nothing to turn off. Intel MPI: I_MPI_WAIT_MODE=1 makes a
+# waiting rank sleep in the kernel instead of polling. Each is read by its MPI only.
+LAUNCH_ENV = {"OMPI_MCA_btl": "^ofi", "OMPI_MCA_mpi_yield_when_idle": "1",
+              "MPIR_CVAR_POLLS_BEFORE_YIELD": "1", "I_MPI_WAIT_MODE": "1"}
+
+# The tier of another MPI (--mpi): what runs in its environment. The MPI tests at 2 and 3
+# ranks; the integration tests whose subject is the launcher (signals at every moment,
+# the watchdog's aborts, one pytest per rank); and the main job.
+OTHER_MPI = {"integration": ["tests/integration/test_preemption.py",
+                             "tests/integration/test_launch_signals.py",
+                             "tests/integration/test_watchdog.py",
+                             "tests/integration/test_run_workers.py"]}
+OTHER_MPI_SIZES = [2, 3]
+MAIN_JOB_TIMEOUT_S = 900
 
 
 @contextlib.contextmanager
@@ -260,12 +280,68 @@ def run_mpi(size: int, pytest_args: list[str], report_dir: str, timeout: float,
     return (0 if code == 5 else code), _counts(os.path.join(sub, "rank-0.xml"))
 
 
+# The main job's bar, as tests/integration/test_train.py's test_default_job_reaches_its_accuracy.
+MAIN_JOB_ACCURACY = 0.9
+
+
+def run_main_job(report_dir: str, timeout: float) -> tuple[int, dict]:
+    """README's main job, ``mpiexec -n 2 mpidl train``, in a folder of its own (its run
+    directory and corpus cache there); one test: passed when it exits 0 and its last
+    evaluation (metrics.jsonl) reaches :data:`MAIN_JOB_ACCURACY`."""
+    import json
+
+    from mpidl.testing.launch import LaunchTimeout, mpiexec
+
+    work = os.path.join(report_dir, "main-job")
+    os.makedirs(work)
+    cmd = [sys.executable, "-m", "mpidl", "train", f"--run-dir={work}/run",
+           f"--data.cache-dir={work}/cache"]
+    print(f"\n=== the main job: mpiexec -n 2 {' '.join(cmd)}", flush=True)
+    try:
+        result = mpiexec(2, cmd, timeout=timeout, cwd=work)
+    except LaunchTimeout as e:
+        print(f"!!! {e}", flush=True)
+        return 1, {"passed": 0, "failed": 1, "skipped": 0}
+    print(result.stdout[-3000:] + result.stderr[-3000:], flush=True)
+    accuracy = None
+    if os.path.exists(f"{work}/run/metrics.jsonl"):
+        with open(f"{work}/run/metrics.jsonl") as f:
+            evals = [r for r in map(json.loads, f) if "test_accuracy" in r]
+        accuracy = evals[-1]["test_accuracy"] if evals else None
+    ok = result.returncode == 0 and accuracy is not None and accuracy >= MAIN_JOB_ACCURACY
+    if result.returncode == 0 and not ok:
+        print(f"!!! the main job's last test accuracy is {accuracy}, under its bar of "
+              f"{MAIN_JOB_ACCURACY}", flush=True)
+    return (result.returncode or int(not ok)), {"passed": int(ok), "failed": int(not ok),
+                                                "skipped": 0}
+
+
+def other_mpi(argv: list[str], mpi: str) -> int | None:
+    """For ``--mpi MPI``: run this command again in that MPI's environment (made or reused
+    first, its time reported) and return its status; None when this is that environment."""
+    from mpienv import ensure_venv, venv_dir
+
+    if os.path.realpath(sys.prefix) == os.path.realpath(venv_dir(ROOT, mpi)):
+        return None
+    start = time.monotonic()
+    try:
+        python = ensure_venv(ROOT, mpi)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        print(f"!!! the {mpi} environment could not be made: {e}", flush=True)
+        print("suite: 0 passed, 1 failed, 0 skipped")
+        return 1
+    env = dict(os.environ, MPIDL_MPIENV_SECONDS=f"{time.monotonic() - start:.0f}")
+    return subprocess.run([str(python), os.path.join(HERE, "run.py"), *argv], env=env).returncode
+
+
 def tiers(args: argparse.Namespace) -> tuple[dict[str, list[str]], list[int], list[int]]:
     """What a command line asks for: the single-process launches (name: paths), the MPI
     sizes of tests/mpi and those of tests/many."""
     def parse(text: str | None, default: str) -> list[int]:
         return [int(s) for s in (text or default).split(",") if s]
 
+    if args.mpi:
+        return dict(OTHER_MPI), parse(args.sizes, ",".join(map(str, OTHER_MPI_SIZES))), []
     if args.quick:
         return {"unit": CORE["unit"]}, parse(args.sizes, "2"), []
     if args.extras:  # README's install skips these; CI runs them once the extras are in
@@ -315,6 +391,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--many-sizes", default=None,
                         help="sizes to run the many-rank tier (tests/many) at (default 8,16); "
                              "given alone, only that tier's MPI runs")
+    parser.add_argument("--mpi", choices=("mpich", "impi"), default=None,
+                        help="the tier of another MPI, in a second environment with its "
+                             "wheel (.venv-mpich, .venv-impi; made or reused): MPI tests at "
+                             "2 and 3 ranks, signals, watchdog, the main job")
     parser.add_argument("--no-mpi", action="store_true", help="skip the MPI tests")
     parser.add_argument("--no-single", action="store_true", help="skip the single-process tests")
     # Per launch: the integration tier took ~900 s one test at a time on CI's 2-core
@@ -323,6 +403,10 @@ def main(argv: list[str]) -> int:
                         help="limit per launch, seconds")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
+    if args.mpi:
+        code = other_mpi(argv, args.mpi)
+        if code is not None:
+            return code
 
     single, sizes, many_sizes = tiers(args)
     if args.no_single:
@@ -347,6 +431,10 @@ def main(argv: list[str]) -> int:
         runs += [(f"many ranks: {n}", lambda n=n: run_mpi(
                     n, args.pytest_args, report_dir, args.timeout, MANY, "many"))
                  for n in many_sizes]
+        if args.mpi and not args.no_mpi:
+            runs.append(("the main job", lambda: run_main_job(report_dir, MAIN_JOB_TIMEOUT_S)))
+        if os.environ.get("MPIDL_MPIENV_SECONDS"):
+            times.append(f"{args.mpi} environment {os.environ['MPIDL_MPIENV_SECONDS']} s")
         for name, run in runs:
             start = time.monotonic()
             code, counts = run()

@@ -114,7 +114,7 @@ COVERED = {
     r"python3 -m venv \.venv && pip install -e '\.\[mpi,test\]' && mpiexec .*-n 2 mpidl train":
         Covered((IT + "test_train.py::test_default_job_reaches_its_accuracy",),
                 "the install half is what .ci/run does on a fresh machine"),
-    r"python tests/run\.py( --sizes 2| --quick| --slurm| --cluster| --many| --extras| --all)?":
+    r"python tests/run\.py( --sizes 2| --quick| --slurm| --cluster| --many| --extras| --all| --mpi mpich)?":
         Covered((UNIT + "test_run.py::test_a_run_in_this_environment_passes_the_installation_check",
                  UNIT + "test_run.py::test_each_flag_runs_its_tiers_and_all_runs_every_test_folder"),
                 "tests/run.py is the suite itself; .ci/run runs it with each tier's flag"),

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from hpc.launch import process_rank
 from mpidl.testing.launch import (Launched, launcher_failed_to_start, launch_env,
                                   mpiexec_command, start)
 from trainjob import EPOCH, SMALL
@@ -34,11 +35,9 @@ def _ranks(run: str) -> list[int]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                ranked = b"OMPI_COMM_WORLD_RANK=" in f.read()
         except OSError:
             continue
-        if ranked and f"--run-dir={run}".encode() in argv:
+        if f"--run-dir={run}".encode() in argv and process_rank(int(pid)) is not None:
             found.append(int(pid))
     return found
 
@@ -71,19 +70,43 @@ def _nonempty(path: str) -> bool:
     return os.path.exists(path) and os.path.getsize(path) > 0
 
 
-# phase -> (training arguments, "the job is in it now")
+def _mpiexec_started(run: str, launcher: int) -> bool:
+    """`mpidl launch` (pid ``launcher``) has started mpiexec: its children, read from the
+    kernel's list (polled every 5 ms, well before mpiexec's proxies start the ranks: the
+    moment MPICH's and Intel MPI's mpiexec lose a signal). Not "no rank is up": that is
+    also true again once the job has ended, while mpiexec tears down."""
+    try:
+        with open(f"/proc/{launcher}/task/{launcher}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return False
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if os.path.basename(argv[0]).startswith(b"mpiexec") and f"--run-dir={run}".encode() in argv:
+            return True
+    return False
+
+
+# phase -> (training arguments, "the job is in it now", given the cache, the run
+# directory and the pid of the process the test started)
 PHASES = {
+    "before the ranks are up": ([], lambda cache, run, launcher:
+                                _mpiexec_started(run, launcher)),
     # a rank's interpreter starts: no Python code of ours has run yet
-    "start-up": ([], lambda cache, run: bool(_ranks(run))),
-    "import": ([], lambda cache, run: _ranks_handle_signals(run)),
-    "corpus generation": ([], lambda cache, run: bool(glob.glob(f"{cache}/.reviews-*"))),
-    "sharding": ([], lambda cache, run: bool(glob.glob(f"{cache}/.reviews-*/*/shard-*.h5"))),
+    "start-up": ([], lambda cache, run, launcher: bool(_ranks(run))),
+    "import": ([], lambda cache, run, launcher: _ranks_handle_signals(run)),
+    "corpus generation": ([], lambda cache, run, launcher: bool(glob.glob(f"{cache}/.reviews-*"))),
+    "sharding": ([], lambda cache, run, launcher: bool(glob.glob(f"{cache}/.reviews-*/*/shard-*.h5"))),
     # begin() writes config.toml just before the first step
-    "first step": ([], lambda cache, run: os.path.exists(f"{run}/config.toml")),
+    "first step": ([], lambda cache, run, launcher: os.path.exists(f"{run}/config.toml")),
     # the first record is the epoch's last step's: the evaluation comes next
-    "evaluation": ([f"--log-every={EPOCH}"], lambda cache, run: _nonempty(f"{run}/metrics.jsonl")),
+    "evaluation": ([f"--log-every={EPOCH}"], lambda cache, run, launcher: _nonempty(f"{run}/metrics.jsonl")),
     # one epoch: its checkpoint is the run's last, then the summary
-    "checkpoint writing": (["--epochs=1"], lambda cache, run: os.path.isdir(f"{run}/checkpoints")),
+    "checkpoint writing": (["--epochs=1"], lambda cache, run, launcher: os.path.isdir(f"{run}/checkpoints")),
 }
 
 
@@ -98,7 +121,7 @@ def _signal_at(phase: str, cache: str, run: str, how: str) -> Launched:
         proc = start(cmd, launch_env(), settle=0.0)
         deadline = time.monotonic() + MARKER_TIMEOUT_S
         try:
-            while proc.poll() is None and not ready(cache, run):
+            while proc.poll() is None and not ready(cache, run, proc.pid):
                 assert time.monotonic() < deadline, f"the job never reached {phase}"
                 time.sleep(0.005)
             if proc.poll() is None:
@@ -119,14 +142,14 @@ def _signal_at(phase: str, cache: str, run: str, how: str) -> Launched:
 
 def _signal_rank(run: str, rank: int, sig: int) -> None:
     for pid in _ranks(run):
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in f.read().split(b"\0"):
-                os.kill(pid, sig)
-                return
+        if process_rank(pid) == rank:
+            os.kill(pid, sig)
+            return
     raise AssertionError(f"rank {rank} of the job in {run} not found")
 
 
 @pytest.mark.parametrize("phase,how", [
+    ("before the ranks are up", "SIGTERM to mpidl launch"),
     ("start-up", "SIGTERM to mpidl launch"),
     ("import", "SIGTERM to mpidl launch"),
     ("corpus generation", "SIGTERM to mpidl launch"),
@@ -145,8 +168,9 @@ def test_a_signal_in_any_phase_ends_the_job_with_75_and_no_temporary_files(
     assert "exiting with 75" in result.output, result.output
     assert "Traceback" not in result.output, result.output
     assert _temporaries(cache, run) == []
-    if phase != "start-up":  # the ranks caught it themselves (the launcher did not map it)
-        assert "mpidl launch: the job ended by the SIGUSR1" not in result.output, result.output
+    if phase not in ("before the ranks are up", "start-up"):
+        # the ranks caught it themselves (the launcher did not map it)
+        assert "mpidl launch: the job ended by the" not in result.output, result.output
     if phase in ("first step", "evaluation", "checkpoint writing"):
         # training had begun: a checkpoint to resume from
         saved = glob.glob(os.path.join(run, "checkpoints", "checkpoint-*.h5"))

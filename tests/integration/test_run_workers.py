@@ -27,21 +27,23 @@ def test_where_tmp_path_is(tmp_path):
 '''
 
 
-def test_each_rank_keeps_its_tmp_paths_in_a_folder_of_its_own_then_removes_it(tmp_path):
+@pytest.mark.parametrize("n", [2, 3])
+def test_each_rank_keeps_its_tmp_paths_in_a_folder_of_its_own_then_removes_it(tmp_path, n):
     # Ranks that share pytest's default root prune each other's folders at exit (CI: one
     # of 16 ranks failed after every test passed). tests/conftest.py gives each rank a
-    # root of its own; the probe lies outside the tests folder, so it is loaded by name
-    # (run.py runs from tests/, where `conftest` is tests/conftest.py).
+    # root of its own, under every launcher (`tests/run.py --mpi mpich` runs this under
+    # Hydra, which names no job); the probe lies outside the tests folder, so it is loaded
+    # by name (run.py runs from tests/, where `conftest` is tests/conftest.py).
     (tmp_path / "test_probe.py").write_text(PROBE)
     report, out = tmp_path / "report", tmp_path / "out"
     report.mkdir()
     out.mkdir()
-    result = mpiexec(3, [sys.executable, RUN, "--worker", str(report), "--",
+    result = mpiexec(n, [sys.executable, RUN, "--worker", str(report), "--",
                          str(tmp_path / "test_probe.py"), "-p", "no:cacheprovider",
                          "-p", "conftest"],
                      timeout=120, env={"PROBE_OUT": str(out)}, cwd=ROOT)
     assert result.returncode == 0, result.output
-    where = {r: (out / f"rank-{r}").read_text() for r in range(3)}
+    where = {r: (out / f"rank-{r}").read_text() for r in range(n)}
     roots = set()
     for r, path in where.items():
         assert f"-rank{r}{os.sep}" in path, where
@@ -50,4 +52,4 @@ def test_each_rank_keeps_its_tmp_paths_in_a_folder_of_its_own_then_removes_it(tm
         assert "pytest-of-" not in path, where
         assert not os.path.exists(root), f"{root} left behind"
         roots.add(root)
-    assert len(roots) == 3, where
+    assert len(roots) == n, where

@@ -16,6 +16,7 @@ import pytest
 from trainjob import (EPOCH, SLOW, SMALL, copy_run, evals, final_parameters, train,
                       wait_for_first_record)
 
+from hpc.launch import process_rank
 from mpidl.testing import tolerance
 from mpidl.testing.launch import mpiexec, mpiexec_command, start
 
@@ -184,9 +185,7 @@ def _rank_pid(marker, rank):
                 argv = f.read().split(b"\0")
             if os.path.basename(argv[0].decode()).startswith("python") and \
                     any(marker.encode() in a for a in argv):
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-                if env.get(b"OMPI_COMM_WORLD_RANK") == str(rank).encode():
+                if process_rank(int(pid)) == rank:
                     return int(pid)
         except OSError:
             continue

@@ -56,6 +56,7 @@ def _tiers(*argv):
     parser = argparse.ArgumentParser()
     for flag in ("--quick", "--slurm", "--cluster", "--many", "--extras", "--all"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--mpi")
     parser.add_argument("--sizes")
     parser.add_argument("--many-sizes")
     single, sizes, many = run.tiers(parser.parse_args(list(argv)))
@@ -71,6 +72,9 @@ def test_each_flag_runs_its_tiers_and_all_runs_every_test_folder():
     assert _tiers("--extras") == (["tests/integration", "tests/unit"], [], [])  # marked `extra`
     assert _tiers("--sizes", "2") == ([], [2], [])  # the MPI tests only
     assert _tiers("--many-sizes", "16") == ([], [], [16])
+    mpich = _tiers("--mpi", "mpich")  # in .venv-mpich: the launcher's tests, MPI at 2 and 3
+    assert mpich[1:] == ([2, 3], []) and "tests/integration/test_preemption.py" in mpich[0]
+    assert all(os.path.isfile(os.path.join(ROOT, p)) for p in mpich[0]), mpich
     single, sizes, many = _tiers("--all")
     assert (sizes, many) == ([1, 2, 3], [8, 16])
     # A new folder of tests must join a tier (tests/gpu needs a GPU: run by hand there).
