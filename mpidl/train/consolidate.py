@@ -31,8 +31,9 @@ import os
 import sys
 from typing import Iterator, Sequence
 
+from hpc.env import detect
 from hpc.files import OutputError, check_output
-from mpidl.storage import check_room
+from mpidl.storage import check_room, write_error
 from mpidl.train import checkpoint as ckpt
 from mpidl.train import checkpoint_file, retention, sharded
 
@@ -141,10 +142,9 @@ def main(argv: Sequence[str]) -> int:
     wait (the ranks would otherwise all write one file), then every rank exits with
     rank 0's status.
     """
-    from hpc.env import detect
-
     if detect().size <= 1:
         return _main(argv)
+    # here: only a launch of several ranks needs MPI (one process never initialises it)
     from mpidl.comm import world
     from mpidl.comm.ledger import patience
 
@@ -188,8 +188,6 @@ def _main(argv: Sequence[str]) -> int:
         print(f"{say} {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
-        from mpidl.storage import write_error
-
         e = write_error(e, out)
         if e.errno in _STORAGE:
             print(f"{say} cannot write {out} ({e.strerror}); nothing was left behind: free "

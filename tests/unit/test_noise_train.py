@@ -13,6 +13,11 @@ from mpidl.testing import run_ranks
 from mpidl.train.command import _train
 from mpidl.train.signals import PreemptionFlag
 
+# Three trainings in the module's fixture, charged to the first test: past pytest's 120 s
+# limit on a loaded machine, whose thread method ends the whole worker (os._exit), which
+# pytest-xdist reports as a crashed worker (seen twice, load ~10-20).
+pytestmark = pytest.mark.timeout(600)
+
 SMALL = ["reviews", "--data.num-train=6000", "--data.num-test=200", "--epochs=1",
          "--global-batch=48", "--log-every=5", "--progress=never", "--seed=1"]
 

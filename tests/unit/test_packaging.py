@@ -17,6 +17,10 @@ import zipfile
 
 import pytest
 
+# Building the wheel (up to 300 s allowed below) runs in the first test's 120 s on a loaded
+# machine: past it, pytest-timeout's thread method ends the whole xdist worker.
+pytestmark = pytest.mark.timeout(600)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
