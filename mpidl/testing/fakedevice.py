@@ -24,7 +24,7 @@ host reads (``float``, ``int``, ``bool``, ``.item()``, ``.get()``...), stream an
 synchronisations, the operand dtypes of every GEMM and how many float32 GEMMs had an
 operand just widened from 16 bits. The phase of a count is read from the call stack
 (:func:`phase_of`): no instrumentation in the engine. What a GPU would have done is also
-recorded in order in :attr:`FakeCupy.log`, for tests to read::
+recorded in order in :attr:`FakeCupy.trace` (not ``log``: that is ``cupy.log``), for tests to read::
 
     from mpidl.testing.fakedevice import fake_cupy
 
@@ -157,14 +157,14 @@ class FakeEvent:
         if not self._done:
             self._fake._held.append(self)
         self.time = self._fake.clock
-        self._fake.log.append(("record", getattr(stream, "name", "current")))
+        self._fake.trace.append(("record", getattr(stream, "name", "current")))
 
     @property
     def done(self) -> bool:
         return self._done
 
     def synchronize(self) -> None:
-        self._fake.log.append(("event_sync",))
+        self._fake.trace.append(("event_sync",))
         self._fake._tally().syncs += 1
         self._done = True
 
@@ -177,11 +177,11 @@ class FakeStream:
         self.name = name
 
     def synchronize(self) -> None:
-        self._fake.log.append(("sync", self.name))
+        self._fake.trace.append(("sync", self.name))
         self._fake._tally().syncs += 1
 
     def wait_event(self, event: FakeEvent) -> None:
-        self._fake.log.append(("wait_event", self.name))
+        self._fake.trace.append(("wait_event", self.name))
 
     def use(self) -> "FakeStream":
         return self
@@ -203,7 +203,7 @@ class FakeDevice:
         self._fake.device = self.id
 
     def synchronize(self) -> None:
-        self._fake.log.append(("sync", "device"))
+        self._fake.trace.append(("sync", "device"))
         self._fake._tally().syncs += 1
 
     def __enter__(self) -> "FakeDevice":
@@ -225,11 +225,11 @@ class FakePointer:
 
     def copy_to_host_async(self, mem: Any, size: int, stream: Any = None) -> None:
         ctypes.memmove(self._address(mem), self.ptr, size)
-        self._owner._fake.log.append(("to_host", size, getattr(stream, "name", "current")))
+        self._owner._fake.trace.append(("to_host", size, getattr(stream, "name", "current")))
 
     def copy_from_host_async(self, mem: Any, size: int, stream: Any = None) -> None:
         ctypes.memmove(self.ptr, self._address(mem), size)
-        self._owner._fake.log.append(("to_device", size, getattr(stream, "name", "current")))
+        self._owner._fake.trace.append(("to_device", size, getattr(stream, "name", "current")))
 
 
 # NumPy functions that make views or read metadata: no kernel on a GPU.
@@ -269,7 +269,7 @@ class FakeDeviceArray:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        self._fake.log.append(("cai", self.nbytes))
+        self._fake.trace.append(("cai", self.nbytes))
         contiguous = self._a.flags.c_contiguous
         return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
                 "data": (self._a.ctypes.data, False),
@@ -388,7 +388,9 @@ class FakeDeviceArray:
                 fake._launch()
             if name in _GEMMS:
                 fake._gemm(self, args[0])
-            return fake._wrap_result(value(*args, **kwargs))
+            out = kwargs.get("out")
+            result = value(*_host(args), **_host(kwargs))
+            return out if out is not None else fake._wrap_result(result)
 
         return method
 
@@ -561,7 +563,7 @@ class FakeCupy(types.ModuleType):
         version: the CuPy version modelled; below 14 there is no bfloat16.
 
     Attributes:
-        log: what a GPU would have done, in order: ``("cai", nbytes)`` MPI read a device
+        trace: what a GPU would have done, in order: ``("cai", nbytes)`` MPI read a device
             pointer; ``("to_host"|"to_device", nbytes, stream)`` a copy was queued;
             ``("sync", stream)`` the host waited for a stream, ``("event_sync",)`` for
             an event; ``("record", stream)``, ``("wait_event", stream)``.
@@ -576,7 +578,7 @@ class FakeCupy(types.ModuleType):
         super().__init__("cupy")
         self.__version__ = version
         self.has_bfloat16 = int(version.split(".")[0]) >= 14
-        self.log: list[tuple] = []
+        self.trace: list[tuple] = []
         self.hold_events = False
         self.clock = 0.0
         self.device = 0
@@ -636,7 +638,9 @@ class FakeCupy(types.ModuleType):
 
     def _gemm(self, a: Any, b: Any) -> None:
         tally = self._tally()
-        dtypes = [x.dtype.name if hasattr(x, "dtype") else type(x).__name__ for x in (a, b)]
+        if min(getattr(x, "ndim", 0) for x in (a, b)) < 2:
+            return  # a dot of vectors (a norm): a reduction, not a GEMM
+        dtypes = [x.dtype.name for x in (a, b)]
         tally.gemm_dtypes[",".join(dtypes)] += 1
         if all(d == "float32" for d in dtypes) and any(
                 getattr(x, "_widened", False) for x in (a, b)):
@@ -706,7 +710,7 @@ class FakeCupy(types.ModuleType):
         if isinstance(a, FakeDeviceArray):
             return a if dtype is None or a.dtype == dtype else a.astype(dtype)
         out = self._wrap(numpy.array(_host(a), dtype=dtype))
-        self.log.append(("h2d", out.nbytes))
+        self.trace.append(("h2d", out.nbytes))
         return out
 
     def array(self, a: Any, dtype: Any = None, copy: bool = True, **kwargs: Any) -> Any:
@@ -784,15 +788,15 @@ class FakeCupy(types.ModuleType):
 
     def copies(self) -> list[tuple]:
         """The queued copies, without the stream: ``("to_host", nbytes)``..."""
-        return [entry[:2] for entry in self.log if entry[0] in ("to_host", "to_device")]
+        return [entry[:2] for entry in self.trace if entry[0] in ("to_host", "to_device")]
 
     def mpi_reads(self) -> int:
         """How often MPI was handed a device pointer."""
-        return sum(1 for entry in self.log if entry[0] == "cai")
+        return sum(1 for entry in self.trace if entry[0] == "cai")
 
     def host_waits(self) -> int:
         """How often the host waited for a stream or an event."""
-        return sum(1 for entry in self.log if entry[0] in ("sync", "event_sync"))
+        return sum(1 for entry in self.trace if entry[0] in ("sync", "event_sync"))
 
 
 class _FakeUfunc:
