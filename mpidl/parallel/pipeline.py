@@ -38,7 +38,7 @@ import numpy
 
 from mpidl import functions as F
 from mpidl.autograd import Tensor, no_grad
-from mpidl.backend import get_array_module
+from mpidl.backend import as_numpy, get_array_module
 from mpidl.comm.base import Communicator, split_counts
 from mpidl.nn.container import ModuleList
 from mpidl.nn.module import Module, Parameter
@@ -238,9 +238,9 @@ class PipelineModel:
                 if sent is not None:
                     live += out.data.nbytes
                     peak = max(peak, live)
-                else:
-                    loss_sum += float(out.data)
-                    hits += int(getattr(self.parts[action.part], "hits", 0))
+                else:  # summed on the device, read once after the schedule (#48)
+                    loss_sum = loss_sum + out.data
+                    hits = hits + getattr(self.parts[action.part], "hits", 0)
                 held[(action.part, action.microbatch)] = (x, out)
                 if self.measure_graphs:
                     graph[(action.part, action.microbatch)] = size = self._graph_bytes(x, out)
@@ -274,10 +274,18 @@ class PipelineModel:
         self.step_seconds = time.perf_counter() - started
         return self._from_last_stage(loss_sum, hits), global_count
 
-    def _from_last_stage(self, loss_sum: float, hits: int) -> float:
+    def _from_last_stage(self, loss_sum: Any, hits: Any) -> float:
         """The last stage's loss share (returned) and hits (:attr:`hits`), on every
-        stage: one broadcast over the pipeline axis (exact: hits are < 2**53)."""
-        total = numpy.array([loss_sum, hits], dtype=numpy.float64)
+        stage: one broadcast over the pipeline axis (exact: hits are < 2**53).
+
+        ``loss_sum`` and ``hits`` are the last stage's device sums (0 elsewhere): read
+        here once a step, not at every microbatch (a host read waits for the device)."""
+        if get_array_module(loss_sum, hits) is not numpy:
+            xp = get_array_module(loss_sum, hits)
+            total = as_numpy(xp.stack([xp.asarray(loss_sum, dtype=numpy.float64),
+                                       xp.asarray(hits, dtype=numpy.float64)]))
+        else:
+            total = numpy.array([loss_sum, hits], dtype=numpy.float64)
         self.grid.pipeline.bcast_(total, root=(self.parts_total - 1) % self.p)
         self.hits = int(total[1])
         return float(total[0])
@@ -308,9 +316,9 @@ class PipelineModel:
         count = sum(next(iter(self.parts.values())).count_targets(mb) for mb in micro)
         return loss_sum, count
 
-    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> Any:
         """Scale every stage's gradients so the whole model's 2-norm is at most
-        ``max_norm``; returns the norm before. Collective over the world.
+        ``max_norm``; returns the norm before (a 0-d xp array). Collective over the world.
 
         Each stage's norm is its wrapper's (ZeRO: over the shards) or its parameters'
         (tensor-parallel shards adding up over the tensor group, replicated parameters
@@ -323,13 +331,17 @@ class PipelineModel:
             stage = self.wrapped.grad_norm(self.grid.tensor)
         else:
             stage = grad_norm(self.wrapped.parameters(), self.grid.tensor)
-        squares = numpy.array([0.0 if stage is None else float(stage) ** 2])
-        norm = float(numpy.sqrt(self.grid.pipeline.allreduce_(squares)[0]))
-        coef = min(max_norm / (norm + eps), 1.0)
-        if coef < 1.0:
-            for param in self.wrapped.parameters():
-                if param.grad is not None:
-                    param.grad *= coef
+        params = [p for p in self.wrapped.parameters() if p.grad is not None]
+        xp = get_array_module(stage, *params)
+        # On the device, as optim.clip_grad_norm_: the squares reduced over the pipeline
+        # axis and the factor applied unconditionally, no host read (#48).
+        squares = xp.zeros(1, dtype=numpy.float64)
+        if stage is not None:
+            squares += xp.asarray(stage, dtype=numpy.float64) ** 2
+        norm = xp.sqrt(self.grid.pipeline.allreduce_(squares)[0])
+        coef = xp.minimum(max_norm / (norm + eps), 1.0)
+        for param in params:
+            param.grad *= coef.astype(param.grad.dtype)
         return norm
 
     def state_bytes(self, optimizer: Any = None) -> dict[str, int]:

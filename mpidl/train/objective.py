@@ -200,7 +200,8 @@ class LanguageModel(Objective):
         else:
             real = targets != self.pad_id
         correct = xp.count_nonzero((logits.data.argmax(-1) == targets) & real)
-        return loss, int(xp.count_nonzero(real)), correct
+        # Left on the device (a 0-d array), as correct is: summed into the records.
+        return loss, xp.count_nonzero(real), correct
 
     def targets(self, x: Any, y: Any) -> int:
         """The next-token targets of ``x`` that are not padding."""
@@ -293,7 +294,7 @@ class LanguageModelSums:
         self.totals = numpy.zeros(3)  # loss sum, correct, targets
 
     def add(self, batch: BatchScores) -> None:
-        self.totals += [float(batch.loss), float(batch.correct), batch.count]
+        self.totals += [float(batch.loss), float(batch.correct), float(batch.count)]
 
     def reduce(self, comm: Any) -> Evaluation:
         """Loss per real target, next-token accuracy and perplexity over the split.
