@@ -78,7 +78,8 @@ def count_step(model: str, ranks: int = 2, zero: int = 0, tensor: int = 1,
     """
     from mpidl.comm import world  # noqa: F401  (the package's communicators load first)
     from mpidl.testing import run_ranks
-    from mpidl.train.config import load_config
+    from mpidl.backend import precision_problem
+    from mpidl.train.config import ConfigError, load_config
     from mpidl.train.task import prepare_data
     from mpidl.train.log import Logger
 
@@ -86,6 +87,9 @@ def count_step(model: str, ranks: int = 2, zero: int = 0, tensor: int = 1,
         config = load_config(model, _overrides(zero, tensor, pipeline, microbatches,
                                                precision, optimizer, recompute, tmp))
         with fake_cupy(cupy_version) as fake:
+            problem = precision_problem(config.backend, config.precision)
+            if problem:  # as mpidl train: refused before any work
+                raise ConfigError(problem)
             def rank(comm: Any) -> dict:
                 data_dir = prepare_data(config, comm, Logger(comm.rank, comm.size))
                 return _rank_step(comm, fake, config, data_dir, f"{tmp}/run")
@@ -101,8 +105,9 @@ def count_step(model: str, ranks: int = 2, zero: int = 0, tensor: int = 1,
                           for p in PHASES}
     out["optimizer_tensors"] = max(r["optimizer_tensors"] for r in results)
     busiest = max(results, key=lambda r: sum(r["counts"][p]["host_reads"] for p in PHASES))
-    out["read_sites"] = {p: dict(collections.Counter(busiest["counts"][p]["read_sites"]))
-                         for p in PHASES if busiest["counts"][p]["read_sites"]}
+    for key in ("read_sites", "widened_sites"):
+        out[key] = {p: dict(collections.Counter(busiest["counts"][p][key]))
+                    for p in PHASES if busiest["counts"][p][key]}
     return out
 
 

@@ -129,6 +129,7 @@ class PhaseCounts:
         widened_gemms: float32 GEMMs with an operand cast from a 16-bit float just before
             (mixed precision that runs at fp32 speed, plus the casts).
         read_sites: ``"file:line in function"`` of each host read, in order.
+        widened_sites: the same, of each widened GEMM.
     """
 
     launches: int = 0
@@ -137,11 +138,13 @@ class PhaseCounts:
     gemm_dtypes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     widened_gemms: int = 0
     read_sites: list = dataclasses.field(default_factory=list)
+    widened_sites: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"launches": self.launches, "host_reads": self.host_reads,
                 "syncs": self.syncs, "gemm_dtypes": dict(self.gemm_dtypes),
-                "widened_gemms": self.widened_gemms, "read_sites": list(self.read_sites)}
+                "widened_gemms": self.widened_gemms, "read_sites": list(self.read_sites),
+                "widened_sites": list(self.widened_sites)}
 
 
 class FakeEvent:
@@ -645,6 +648,7 @@ class FakeCupy(types.ModuleType):
         if all(d == "float32" for d in dtypes) and any(
                 getattr(x, "_widened", False) for x in (a, b)):
             tally.widened_gemms += 1
+            tally.widened_sites.append(_site(_caller()))
 
     def counts(self, thread: int | None = None) -> dict[str, PhaseCounts]:
         """The counts of a thread (this one by default), per phase."""
