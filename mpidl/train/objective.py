@@ -251,7 +251,11 @@ class ParallelLanguageModel(LanguageModel):
             model.before_forward()  # ZeRO 1-2: the updated parameters; not model.__call__
             module = model.module
         loss, hits = module.loss(x, reduction="sum", hits=True)
-        return loss, module.count_targets(x), hits
+        # The count left on the device (count_targets reads it to the host), as hits.
+        targets = x[:, 1:]
+        pad = getattr(module, "pad_id", None)
+        count = targets.size if pad is None else xp.count_nonzero(targets != pad)
+        return loss, count, hits
 
     def global_count(self, comm: Any, samples: int, local: int) -> int:
         """Real targets over the data axis (the tensor x sequence group shares each)."""
