@@ -8,8 +8,9 @@ fakedevice.fake_cupy`, on thread ranks (:func:`~mpidl.testing.run_ranks`), runs 
 step to warm up (optimizer state, buffers), then counts the next step and a checkpoint
 of it, and prints one JSON line: per phase, the most any rank counted of ``launches``,
 ``host_reads``, ``syncs``, ``widened_gemms``, and ``gemm_dtypes``; beside them
-``optimizer_tensors`` (the parameter tensors a rank's optimizer steps: the unit of the
-launch budget) and ``read_sites`` (where each host read of the rank with the most is).
+``optimizer_tensors`` (the tensors a rank's optimizer steps: ZeRO's flat shards) and
+``model_tensors`` (the model's parameter tensors on the rank: the unit of the launch
+budget, docs/testing.md), ``read_sites`` and ``widened_sites`` (where each host read of the rank with the most is).
 
 Bad input (an unknown model, an impossible layout, bf16 where the modelled CuPy has
 none) exits 2 before any step, with the message on stderr. :func:`count_step` is what
@@ -62,7 +63,8 @@ def _rank_step(comm: Any, fake: Any, config: Any, data_dir: str, run_dir: str) -
             step(x, y, n, i)
         RunCheckpoints(run, run_dir, log).save(2, lambda: {})
         counts = {p: c.as_dict() for p, c in fake.counts().items()}
-        return {"counts": counts, "optimizer_tensors": len(list(run.dp.parameters()))}
+        return {"counts": counts, "optimizer_tensors": len(list(run.dp.parameters())),
+                "model_tensors": len(list(run.model.parameters()))}
     finally:
         run.close()
 
@@ -103,7 +105,8 @@ def count_step(model: str, ranks: int = 2, zero: int = 0, tensor: int = 1,
         out[key] = {p: max(r["counts"][p][key] for r in results) for p in PHASES}
     out["gemm_dtypes"] = {p: _most(r["counts"][p]["gemm_dtypes"] for r in results)
                           for p in PHASES}
-    out["optimizer_tensors"] = max(r["optimizer_tensors"] for r in results)
+    for key in ("optimizer_tensors", "model_tensors"):
+        out[key] = max(r[key] for r in results)
     busiest = max(results, key=lambda r: sum(r["counts"][p]["host_reads"] for p in PHASES))
     for key in ("read_sites", "widened_sites"):
         out[key] = {p: dict(collections.Counter(busiest["counts"][p][key]))
