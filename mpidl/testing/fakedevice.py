@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterator
 import numpy
 
 PHASES = ("forward", "backward", "exchange", "optimizer", "checkpoint")
+CUPY_STAND_IN = True  # hpc.gpu_check.SyncCounter names the caller of this module's frames
 
 # Where a count is attributed, by the files on the call stack (phase_of). Paths are
 # relative to the repository, with "/" separators.
@@ -179,9 +180,10 @@ class FakeStream:
                  name: str = "side") -> None:
         self.name = name
 
-    def synchronize(self) -> None:
+    def synchronize(self, _read: bool = False) -> None:
         self._fake.trace.append(("sync", self.name))
-        self._fake._tally().syncs += 1
+        if not _read:  # a host read's own wait is counted as the read
+            self._fake._tally().syncs += 1
 
     def wait_event(self, event: FakeEvent) -> None:
         self._fake.trace.append(("wait_event", self.name))
@@ -611,6 +613,14 @@ class FakeCupy(types.ModuleType):
             memGetInfo=lambda: (2**33, 2**34))
         curand = types.ModuleType("cupy.cuda.curand")
         curand.CURAND_RNG_PSEUDO_PHILOX4_32_10 = 100  # type: ignore[attr-defined]
+        self._core = types.ModuleType("cupy._core")
+        self._syncdetect = types.ModuleType("cupy._core.syncdetect")
+        self._syncdetect._declare_synchronize = lambda: None  # type: ignore[attr-defined]
+        self.compute_types: dict[str, int] = {}  # dtype name -> CuPy compute type set
+        linalg = types.ModuleType("cupy._core._routines_linalg")
+        linalg.set_compute_type = (  # type: ignore[attr-defined]
+            lambda dtype, kind: self.compute_types.__setitem__(numpy.dtype(dtype).name, kind))
+        self._core.__dict__.update(syncdetect=self._syncdetect, _routines_linalg=linalg)
         self.cuda = types.ModuleType("cupy.cuda")
         self.cuda.__dict__.update(
             Event=event, Stream=stream, Device=device, runtime=runtime, curand=curand,
@@ -638,6 +648,10 @@ class FakeCupy(types.ModuleType):
         tally = self._tally(frame)
         tally.host_reads += 1
         tally.read_sites.append(_site(frame) + (f" ({what})" if what else ""))
+        # As CuPy: a read declares its wait (cupy._core.syncdetect, which
+        # hpc.gpu_check.SyncCounter wraps), then waits for the stream.
+        self._syncdetect._declare_synchronize()
+        self.cuda.get_current_stream().synchronize(_read=True)
 
     def _gemm(self, a: Any, b: Any) -> None:
         tally = self._tally()
@@ -829,15 +843,19 @@ class _FakeUfunc:
 @contextlib.contextmanager
 def fake_cupy(version: str = "13.6.0") -> Iterator[FakeCupy]:
     """Make :func:`mpidl.backend.cupy_module` return a fresh :class:`FakeCupy` inside,
-    and ``import cupy`` (``cupy.cuda``, ``cupy.cuda.curand``) import it."""
+    and ``import cupy`` (``cupy.cuda``, ``cupy.cuda.curand``, ``cupy._core.syncdetect``,
+    ``cupy._core._routines_linalg``: its ``set_compute_type`` recorded in
+    :attr:`FakeCupy.compute_types`) import it."""
     from mpidl import backend
 
     saved = backend._cupy, backend._cupy_checked
     fake = FakeCupy(version)
-    names = ("cupy", "cupy.cuda", "cupy.cuda.curand")
+    names = ("cupy", "cupy.cuda", "cupy.cuda.curand", "cupy._core", "cupy._core.syncdetect",
+             "cupy._core._routines_linalg")
     modules = {name: sys.modules.get(name) for name in names}
     backend._cupy, backend._cupy_checked = fake, True
-    sys.modules.update(zip(names, (fake, fake.cuda, fake.cuda.curand)))
+    sys.modules.update(zip(names, (fake, fake.cuda, fake.cuda.curand, fake._core,
+                                   fake._core.syncdetect, fake._core._routines_linalg)))
     try:
         yield fake
     finally:
