@@ -181,9 +181,11 @@ class FakeStream:
         self.name = name
 
     def synchronize(self, _read: bool = False) -> None:
+        if _read:  # a host read's own wait: counted as the read
+            self._fake.trace.append(("read", self.name))
+            return
         self._fake.trace.append(("sync", self.name))
-        if not _read:  # a host read's own wait is counted as the read
-            self._fake._tally().syncs += 1
+        self._fake._tally().syncs += 1
 
     def wait_event(self, event: FakeEvent) -> None:
         self._fake.trace.append(("wait_event", self.name))
@@ -571,7 +573,10 @@ class FakeCupy(types.ModuleType):
         trace: what a GPU would have done, in order: ``("cai", nbytes)`` MPI read a device
             pointer; ``("to_host"|"to_device", nbytes, stream)`` a copy was queued;
             ``("sync", stream)`` the host waited for a stream, ``("event_sync",)`` for
-            an event; ``("record", stream)``, ``("wait_event", stream)``.
+            an event; ``("record", stream)``, ``("wait_event", stream)``;
+            ``("read", stream)`` a host read waited for the stream (CuPy's ``get``);
+            ``("pinned", nbytes)`` pinned host memory was allocated; ``("h2d", nbytes)``
+            ``cupy.asarray`` copied host data over.
         hold_events: events recorded while True stay pending (see the module docstring).
         clock: the time (ms) an event records (for event-based timers).
         has_bfloat16: whether the modelled CuPy has a bfloat16 dtype.
@@ -625,7 +630,7 @@ class FakeCupy(types.ModuleType):
         self.cuda.__dict__.update(
             Event=event, Stream=stream, Device=device, runtime=runtime, curand=curand,
             get_current_stream=lambda: current,
-            alloc_pinned_memory=lambda n: bytearray(n),
+            alloc_pinned_memory=lambda n: (self.trace.append(("pinned", n)), bytearray(n))[1],
             get_elapsed_time=lambda start, end: end.time - start.time,
         )
 
