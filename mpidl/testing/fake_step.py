@@ -101,7 +101,7 @@ def count_step(model: str, ranks: int = 2, zero: int = 0, tensor: int = 1,
                            "tensor_parallel": tensor, "pipeline_parallel": pipeline,
                            "microbatches": microbatches, "precision": precision,
                            "optimizer": config.optimizer, "recompute": recompute}
-    for key in ("launches", "host_reads", "syncs", "widened_gemms"):
+    for key in ("launches", "host_reads", "syncs", "widened_gemms", "uploads"):
         out[key] = {p: max(r["counts"][p][key] for r in results) for p in PHASES}
     out["gemm_dtypes"] = {p: _most(r["counts"][p]["gemm_dtypes"] for r in results)
                           for p in PHASES}

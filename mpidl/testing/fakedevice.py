@@ -129,6 +129,7 @@ class PhaseCounts:
         gemm_dtypes: ``"float16,float16"`` (the operand dtypes) -> GEMMs.
         widened_gemms: float32 GEMMs with an operand cast from a 16-bit float just before
             (mixed precision that runs at fp32 speed, plus the casts).
+        uploads: host arrays copied to the device (``cupy.asarray`` of host data).
         read_sites: ``"file:line in function"`` of each host read, in order.
         widened_sites: the same, of each widened GEMM.
     """
@@ -138,13 +139,14 @@ class PhaseCounts:
     syncs: int = 0
     gemm_dtypes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     widened_gemms: int = 0
+    uploads: int = 0
     read_sites: list = dataclasses.field(default_factory=list)
     widened_sites: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"launches": self.launches, "host_reads": self.host_reads,
                 "syncs": self.syncs, "gemm_dtypes": dict(self.gemm_dtypes),
-                "widened_gemms": self.widened_gemms, "read_sites": list(self.read_sites),
+                "widened_gemms": self.widened_gemms, "uploads": self.uploads, "read_sites": list(self.read_sites),
                 "widened_sites": list(self.widened_sites)}
 
 
@@ -354,7 +356,7 @@ class FakeDeviceArray:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._fake._launch()
-        self._a[_index(self._fake, key)] = _host(value)
+        self._a[_index(self._fake, key, reading=False)] = _host(value)
 
     def reshape(self, *shape: Any, **kwargs: Any) -> "FakeDeviceArray":
         return self._wrap(self._a.reshape(*shape, **kwargs))
@@ -471,11 +473,12 @@ def _basic(key: Any) -> bool:
                for k in keys)
 
 
-def _index(fake: "FakeCupy", key: Any) -> Any:
-    """An index on the host: device index arrays give their memory; a boolean device
-    mask needs its count of True on the host first (CuPy synchronises there)."""
+def _index(fake: "FakeCupy", key: Any, reading: bool = True) -> Any:
+    """An index on the host: device index arrays give their memory; reading through a
+    boolean device mask needs its count of True on the host first (CuPy synchronises
+    there; writing through it does not)."""
     keys = key if isinstance(key, tuple) else (key,)
-    if any(isinstance(k, FakeDeviceArray) and k.dtype == bool for k in keys):
+    if reading and any(isinstance(k, FakeDeviceArray) and k.dtype == bool for k in keys):
         fake._read("boolean mask index")
     return _host(key)
 
@@ -734,6 +737,8 @@ class FakeCupy(types.ModuleType):
             return a if dtype is None or a.dtype == dtype else a.astype(dtype)
         out = self._wrap(numpy.array(_host(a), dtype=dtype))
         self.trace.append(("h2d", out.nbytes))
+        if isinstance(a, numpy.ndarray):
+            self._tally().uploads += 1
         return out
 
     def array(self, a: Any, dtype: Any = None, copy: bool = True, **kwargs: Any) -> Any:

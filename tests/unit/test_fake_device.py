@@ -219,3 +219,13 @@ def test_gpu_check_runs_its_budget_step_on_the_fake_device(capsys):
     line = next(x for x in out.splitlines() if "host syncs (budget step)" in x)
     assert line.startswith("ok ") and "at most 2 expected" in line, line
     assert "train/objective.py" in line  # the open read, counted and shown, not judged
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "lars"])
+def test_layerwise_optimizers_under_tensor_parallelism_upload_nothing_per_step(optimizer):
+    # Point 5: the excluded and the replicated tensors' masks were copied from the host
+    # every step.
+    from mpidl.testing.fake_step import count_step
+
+    result = count_step("gpt", tensor=2, optimizer=optimizer)
+    assert result["uploads"]["optimizer"] == 0, result["uploads"]
