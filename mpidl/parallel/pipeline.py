@@ -174,6 +174,7 @@ class PipelineModel:
         self.measure_graphs = False
         self.step_seconds = 0.0
         self.hits = 0
+        self.posted_ahead = 0  # the last step's receives posted while an earlier action ran
         self.messages = StageMessages(grid.pipeline, p, self.parts_total, self.module)
         self._last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
 
@@ -230,7 +231,10 @@ class PipelineModel:
         loss_sum, hits, live, peak = 0.0, 0, 0, 0
         graph: dict[tuple[int, int], int] = {}
         graphs, self.peak_graph_bytes = 0, 0
+        posted: set[int] = set()
+        self.posted_ahead = 0  # receives posted while an earlier action ran
         for index, action in enumerate(self.actions):
+            self._post_next(index, micro, held, posted)
             mb = micro[action.microbatch]
             got, sent = messages(action, self.parts_total)
             if action.kind == "F":
@@ -358,6 +362,32 @@ class PipelineModel:
         rows = split_counts(int(ids.shape[0]), self.m)
         starts = [sum(rows[:i]) for i in range(self.m + 1)]
         return [ids[starts[i]:starts[i + 1]] for i in range(self.m)]
+
+    def _post_next(self, index: int, micro: list, held: dict, posted: set) -> None:
+        """Post the receives of the actions from ``index`` on, in schedule order, up to
+        the first one after ``index``: that one waits while action ``index`` runs
+        (:meth:`StageMessages.post`). An activation's shape is the microbatch's, a
+        gradient's that of the output it is the gradient of, known once that forward
+        has run; where it is not known yet, nothing later is posted either, so that
+        the receives of one peer and tag are posted in the order they are sent."""
+        for j in range(index, len(self.actions)):
+            nxt = self.actions[j]
+            got, _ = messages(nxt, self.parts_total)
+            if got is None or j in posted:
+                continue
+            if nxt.kind == "F":
+                part = self.parts[nxt.part]
+                shape, dtype = part.input_shape(micro[nxt.microbatch]), part.dtype
+            else:
+                pair = held.get((nxt.part, nxt.microbatch))
+                if pair is None:
+                    return
+                shape, dtype = pair[1].data.shape, pair[1].data.dtype
+            self.messages.post(shape, dtype, got)
+            posted.add(j)
+            if j > index:
+                self.posted_ahead += 1
+                return
 
     def _forward(self, action: Action, mb: Any, sends: list) -> tuple[Tensor | None, Tensor]:
         """Receive the input of forward ``action``, run it, post its output's send."""

@@ -229,3 +229,34 @@ def test_layerwise_optimizers_under_tensor_parallelism_upload_nothing_per_step(o
 
     result = count_step("gpt", tensor=2, optimizer=optimizer)
     assert result["uploads"]["optimizer"] == 0, result["uploads"]
+
+
+def test_a_pipeline_posts_its_receives_an_action_ahead():
+    # Point 3: every receive was posted just before it was waited for, so MPI had no
+    # buffer to match a neighbour's send into while the stage computed.
+    from mpidl.train.build import build_run
+    from mpidl.train.config import load_config
+    from mpidl.train.log import Logger
+    from mpidl.train.step import TrainStep
+    from mpidl.train.task import prepare_data
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config("gpt", ["--data.num-train=32", "--data.num-test=8",
+                                     f"--data.cache-dir={tmp}", "--backend=cupy",
+                                     "--pipeline-parallel=2", "--microbatches=4",
+                                     "--global-batch=8"])
+        with fake_cupy():
+            def rank(comm):
+                log = Logger(comm.rank, comm.size)
+                run = build_run(config, comm, prepare_data(config, comm, log), log)
+                x = next(iter(run.loader))
+                TrainStep(run, log)(x[0], None, x[-1], 0)
+                pipeline = run.layout.pipeline
+                got = (pipeline.posted_ahead, pipeline.messages.received)
+                run.close()
+                return got
+
+            counts = run_ranks(2, rank, timeout=120)
+    for ahead, received in counts:  # 4 receives a stage: 1 waits for the first forward
+        assert received == 4 and ahead >= 3, counts
