@@ -1669,7 +1669,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         name="step-reads-each-finite-check-apart",
         file="mpidl/train/step.py",
-        original="        values = read_values(run.xp, run.xp.isfinite(loss), grads_finite(params), *noise)",
+        original="        values = read_values(run.xp, run.xp.isfinite(loss), "
+                 "grads_finite(params), *noise)",
         mutated="        values = [float(run.xp.isfinite(loss)), float(grads_finite(params)),\n"
                 "                  *(float(v) for v in noise)]",
         why="a host read per value instead of one a step (#48 point 5)",

@@ -186,7 +186,8 @@ def plan_layouts(args: argparse.Namespace, rest: Sequence[str]) -> int:
     print(f"mpidl plan: gpt, {shape.params():,} parameters ({shape.layers} layers, width "
           f"{shape.hidden}, {shape.heads} heads, sequence {shape.seq}, vocabulary "
           f"{shape.vocab}), global batch {shape.global_batch}, {args.precision} (GEMMs "
-          f"{_gemm_kind(device, args.precision, config.tf32)} at {rate / 1e12:g} TFLOP/s), recompute "
+          f"{_gemm_kind(device, args.precision, config.tf32)} at {rate / 1e12:g} TFLOP/s), "
+          f"recompute "
           f"{args.recompute}, {args.pipeline_schedule}"
           + (f" x {opts.virtual} chunks" if interleaved else "")
           + f", ZeRO {config.zero}\ndevice: {device.name} ({rate / 1e12:g} TFLOP/s sustained"

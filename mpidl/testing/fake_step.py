@@ -10,7 +10,8 @@ of it, and prints one JSON line: per phase, the most any rank counted of ``launc
 ``host_reads``, ``syncs``, ``widened_gemms``, and ``gemm_dtypes``; beside them
 ``optimizer_tensors`` (the tensors a rank's optimizer steps: ZeRO's flat shards) and
 ``model_tensors`` (the model's parameter tensors on the rank: the unit of the launch
-budget, docs/testing.md), ``read_sites`` and ``widened_sites`` (where each host read of the rank with the most is).
+budget, docs/testing.md), ``uploads``, and ``read_sites`` and ``widened_sites`` (where
+the host reads and the widened GEMMs are, on the rank with the most reads).
 
 Bad input (an unknown model, an impossible layout, bf16 where the modelled CuPy has
 none) exits 2 before any step, with the message on stderr. :func:`count_step` is what
@@ -78,12 +79,11 @@ def count_step(model: str, ranks: int = 2, zero: int = 0, tensor: int = 1,
 
     Raises ConfigError (or ValueError) for bad input, before any step.
     """
-    from mpidl.comm import world  # noqa: F401  (the package's communicators load first)
-    from mpidl.testing import run_ranks
     from mpidl.backend import precision_problem
+    from mpidl.testing import run_ranks
     from mpidl.train.config import ConfigError, load_config
-    from mpidl.train.task import prepare_data
     from mpidl.train.log import Logger
+    from mpidl.train.task import prepare_data
 
     with tempfile.TemporaryDirectory(prefix="mpidl-fake-step-") as tmp:
         config = load_config(model, _overrides(zero, tensor, pipeline, microbatches,

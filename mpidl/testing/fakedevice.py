@@ -146,8 +146,8 @@ class PhaseCounts:
     def as_dict(self) -> dict:
         return {"launches": self.launches, "host_reads": self.host_reads,
                 "syncs": self.syncs, "gemm_dtypes": dict(self.gemm_dtypes),
-                "widened_gemms": self.widened_gemms, "uploads": self.uploads, "read_sites": list(self.read_sites),
-                "widened_sites": list(self.widened_sites)}
+                "widened_gemms": self.widened_gemms, "uploads": self.uploads,
+                "read_sites": list(self.read_sites), "widened_sites": list(self.widened_sites)}
 
 
 class FakeEvent:
