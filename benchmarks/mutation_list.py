@@ -55,6 +55,8 @@ CONV = "tests/unit/test_functions_conv.py::"
 POOL = "tests/unit/test_functions_pool.py::"
 WRITTEN = "tests/unit/test_written_files_load.py::"
 STORAGE = "tests/unit/test_storage.py::"
+FAKE = "tests/unit/test_fake_device.py::"
+BUDGETS = "tests/unit/test_device_budgets.py::"
 # A tests/mpi body run on thread ranks in one process (tests/unit): case id, thread ranks.
 THREADS = ("tests/unit/test_contracts_on_thread_ranks.py::"
            "test_the_multi_rank_contract_holds_on_thread_ranks[{}-{}]")
@@ -2039,5 +2041,56 @@ MUTATIONS: list[Mutation] = [
         mutated="    reads = []",
         why="--force writes the export over the checkpoint it reads",
         tests=("tests/unit/test_interop.py::test_bad_export_input_exits_2_before_writing",),
+    ),
+    Mutation(
+        name="device-matmul-widens-half-operands",
+        file="mpidl/backend.py",
+        original="    if is_cupy(xp):\n        a_dtype = a.dtype",
+        mutated="    if False:\n        a_dtype = a.dtype",
+        why="16-bit GEMMs on the GPU widened to float32: fp32 speed plus two casts (#48)",
+        tests=(FAKE + "test_16_bit_operands_reach_the_device_gemm_as_16_bit",),
+    ),
+    Mutation(
+        name="pipeline-reads-loss-per-microbatch",
+        file="mpidl/parallel/pipeline.py",
+        original="                    loss_sum = loss_sum + out.data\n",
+        mutated="                    loss_sum = loss_sum + float(out.data)\n",
+        why="the last stage waits for the device at every microbatch (#48 point 3)",
+        tests=(FAKE + "test_a_pipeline_step_reads_the_host_once_not_per_microbatch",),
+    ),
+    Mutation(
+        name="pipeline-state-gathers-device-arrays",
+        file="mpidl/parallel/pipeline_state.py",
+        original="        mine.update({n: as_numpy(a) for n, a in part_full_state(part).items()})",
+        mutated="        mine.update(part_full_state(part))",
+        why="every rank allocates every stage's parameters on its GPU (#48 point 7)",
+        tests=(FAKE + "test_a_pipelines_full_state_is_gathered_on_the_host_not_on_every_"
+               "device",),
+    ),
+    Mutation(
+        name="bf16-allowed-on-cupy-13",
+        file="mpidl/backend.py",
+        original="    if major >= CUPY_BFLOAT16:",
+        mutated="    if major >= 12:",
+        why="bf16 on CuPy 13 fails mid-build instead of exit 2 before any work (#48 point 1)",
+        tests=(FAKE + "test_bf16_on_cupy_13_is_refused_by_mpidl_train_before_any_work",),
+    ),
+    Mutation(
+        name="planner-prices-fp32-at-tf32",
+        file="mpidl/plan_layouts.py",
+        original="        if device.kind != \"gpu\" or tf32:",
+        mutated="        if True:",
+        why="fp32 GEMMs priced at the TF32 rate CuPy does not run by default (#48 point 2)",
+        tests=(FAKE + "test_tf32_is_the_jobs_choice_and_the_planner_prices_what_runs",),
+    ),
+    Mutation(
+        name="step-reads-each-finite-check-apart",
+        file="mpidl/train/step.py",
+        original="        values = read_values(run.xp, run.xp.isfinite(loss), "
+                 "grads_finite(params), *noise)",
+        mutated="        values = [float(run.xp.isfinite(loss)), float(grads_finite(params)),\n"
+                "                  *(float(v) for v in noise)]",
+        why="a host read per value instead of one a step (#48 point 5)",
+        tests=(BUDGETS + "test_a_step_of_each_model_and_mode_keeps_its_device_budgets",),
     ),
 ]

@@ -128,6 +128,38 @@ def precision_dtype(precision: str) -> numpy.dtype:
     return numpy.dtype(name)
 
 
+# The first CuPy with a bfloat16 dtype (experimental: cupy PR 9494; its cupyx kernels
+# lack it, cupy issue 9630). mpidl refuses bf16 on an older CuPy rather than keeping
+# bfloat16 bit patterns in uint16 arrays: every op of the engine (GEMMs, embeddings,
+# norms, losses, the optimizers' fp32 masters) would need a widening wrapper and its
+# GEMMs would run in fp32, the very cost #48 point 2 removes; fp16 runs on CuPy 13.
+CUPY_BFLOAT16 = 14
+
+
+def precision_problem(backend_name: str, precision: str) -> str | None:
+    """Why ``precision`` cannot run on backend ``backend_name`` here (None: it can).
+
+    bf16 on CuPy: needs CuPy 14 or later (an older CuPy has no bfloat16 dtype). Checked
+    before any work (``mpidl train`` exits 2). Where CuPy does not import, get_xp says so.
+    """
+    if precision != "bf16" or backend_name.lower() not in ("cupy", "gpu", "cuda"):
+        return None
+    cp = cupy_module()
+    if cp is None:
+        return None
+    version = str(getattr(cp, "__version__", "0"))
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        major = 0
+    if major >= CUPY_BFLOAT16:
+        return None
+    return (f"--precision=bf16 with --backend=cupy needs CuPy {CUPY_BFLOAT16} or later "
+            f"(the first with a bfloat16 dtype); this CuPy is {version}. Use "
+            f"--precision=fp16 (loss-scaled, runs on CuPy {version}), or install "
+            f"cupy-cuda12x>={CUPY_BFLOAT16} (pip install 'mpidl[gpu]' then upgrade cupy)")
+
+
 def dtype_name(dtype: Any) -> str:
     """A name :func:`named_dtype` reads back: NumPy's ``dtype.str`` (byte order
     included), or "bfloat16", whose ``str`` is an anonymous '<V2'."""
@@ -153,17 +185,36 @@ def compute_dtype(dtype: Any) -> numpy.dtype:
 
 
 def matmul(a: Any, b: Any, out: Any = None) -> Any:
-    """``a @ b`` in ``a``'s dtype, 16-bit floats multiplied and summed in float32.
+    """``a @ b`` in ``a``'s dtype, 16-bit floats summed in float32.
 
-    NumPy has no half BLAS (a float16 256x256 product took 0.28 s against 0.04 s in
-    float32 here) and returns float32 for bfloat16; cuBLAS sums float16 in float32
-    itself, but CuPy's bfloat16 is minimal. So half operands are widened, multiplied in
-    float32 and the product rounded once, into ``out`` (which may be float32: a
-    gradient bucket) or a new array of ``a``'s dtype.
+    On the GPU (CuPy), 16-bit operands go to cuBLAS as they are (a float32 one beside
+    them is narrowed to their dtype first; the result has ``a``'s dtype): CuPy
+    multiplies float16 on the tensor cores with float32 accumulation (cublasGemmEx,
+    compute type 32F: what mixed precision asks, Micikevicius et al. 2018) and rounds
+    the product once. Widening them first ran the GEMM in FP32 (or TF32 where the job
+    chose it, :func:`use_tf32`) plus two casts (#48). Into a float32 ``out`` (a gradient
+    bucket) the 16-bit product is widened.
+
+    On the host, NumPy has no half BLAS (a float16 256x256 product took 0.28 s against
+    0.04 s in float32 here) and returns float32 for bfloat16, so half operands are
+    widened, multiplied in float32 and the product rounded once, into ``out`` (which may
+    be float32) or a new array of ``a``'s dtype.
     """
     xp = get_array_module(a, b)
     if not (is_half(a.dtype) or is_half(b.dtype)):
         return xp.matmul(a, b, out=out)
+    if is_cupy(xp):
+        a_dtype = a.dtype
+        half = a.dtype if is_half(a.dtype) else b.dtype
+        # One float32 operand (the input data of a half model): narrowed, as autocast
+        # does, so that the GEMM still runs on the tensor cores.
+        a, b = a.astype(half, copy=False), b.astype(half, copy=False)
+        y = xp.matmul(a, b, out=out if out is not None and out.dtype == half else None)
+        if out is None:
+            return y.astype(a_dtype, copy=False)
+        if y is not out:
+            out[...] = y
+        return out
     wide = compute_dtype(a.dtype)
     if out is not None and out.dtype == wide:
         return xp.matmul(a.astype(wide), b.astype(wide), out=out)
@@ -172,6 +223,36 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
         return y.astype(a.dtype)
     out[...] = y
     return out
+
+
+def gemm_dtype(xp: ModuleType, dtype: Any) -> str:
+    """The dtype the engine's GEMMs of ``dtype`` operands run in on ``xp`` (what the
+    planner prices, :mod:`mpidl.plan_layouts`): "float16"/"bfloat16" on CuPy (tensor
+    cores, :func:`matmul`), "float32" for 16-bit floats on NumPy, else ``dtype``."""
+    dtype = numpy.dtype(dtype)
+    if is_half(dtype):
+        return dtype.name if is_cupy(xp) else "float32"
+    return dtype.name
+
+
+# CuPy's compute types (cupy/_core/_routines_linalg.pxd): DEFAULT is full FP32 for
+# float32 operands, TF32 lets cuBLAS round their inputs to TF32 on the tensor cores.
+_COMPUTE_TYPE_DEFAULT, _COMPUTE_TYPE_TF32 = 1, 7
+
+
+def use_tf32(xp: ModuleType, on: bool) -> None:
+    """Make float32 GEMMs on ``xp`` run in TF32 (``on``) or full FP32: the job's choice
+    (``mpidl train --tf32``), not CuPy's default nor a ``CUPY_TF32`` left in the
+    environment. A no-op on NumPy."""
+    if not is_cupy(xp):
+        return
+    os.environ["CUPY_TF32"] = "1" if on else "0"  # read by CuPy at its first GEMM
+    try:
+        from cupy._core import _routines_linalg  # set again if CuPy decided already
+    except ImportError:
+        return
+    _routines_linalg.set_compute_type(numpy.float32,
+                                      _COMPUTE_TYPE_TF32 if on else _COMPUTE_TYPE_DEFAULT)
 
 
 def zeros_add_at(xp: ModuleType, shape: tuple, index: Any, values: Any) -> Any:

@@ -118,17 +118,38 @@ def gpt_shape(config: Any) -> layouts.GPTShape:
                             tied=bool(kw["tie_weights"]))
 
 
-def _rates(device: Any, precision: str) -> tuple[float, float | None]:
-    """Sustained and peak FLOP/s of ``device`` in ``precision`` (fp32: its TF32 rates)."""
+def _rates(device: Any, precision: str, tf32: bool = False) -> tuple[float, float | None]:
+    """Sustained and peak FLOP/s of ``device`` for the GEMMs the engine runs in
+    ``precision`` (#48): fp32 in full FP32 (``fp32_tflops``) unless the job chose TF32
+    (``tf32``: the profile's ``tflops``, TF32-based), 16-bit floats on the tensor cores
+    (``bf16_tflops``; mpidl.backend.matmul gives cuBLAS 16-bit operands). A CPU profile
+    has one rate."""
     if precision == "fp32":
-        peak = device.extra.get("tf32_peak_tflops")
-        return device.flops, peak * 1e12 if peak else None
+        if device.kind != "gpu" or tf32:
+            peak = device.extra.get("tf32_peak_tflops")
+            return device.flops, peak * 1e12 if peak else None
+        rate, peak = device.extra.get("fp32_tflops"), device.extra.get("fp32_peak_tflops")
+        if not rate:
+            raise ValueError(f"device profile {device.name!r} ({device.path}) has no "
+                             f"fp32_tflops (sustained full-FP32 TFLOP/s, what float32 GEMMs "
+                             f"run at without TF32): add it with its source, or plan with "
+                             f"--tf32")
+        return rate * 1e12, peak * 1e12 if peak else None
     rate, peak = device.extra.get("bf16_tflops"), device.extra.get("bf16_peak_tflops")
     if not rate:
         raise ValueError(f"device profile {device.name!r} ({device.path}) has no bf16_tflops "
                          f"(sustained half-precision TFLOP/s): add it with its source, or "
                          f"plan --precision fp32")
     return rate * 1e12, peak * 1e12 if peak else None
+
+
+def _gemm_kind(device: Any, precision: str, tf32: bool) -> str:
+    """What the GEMMs priced by :func:`_rates` run in, for the table's header."""
+    if precision != "fp32":
+        return f"{precision} on the tensor cores"
+    if device.kind != "gpu":
+        return "fp32"
+    return "TF32 (--tf32)" if tf32 else "full FP32 (no --tf32)"
 
 
 def plan_layouts(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -147,7 +168,7 @@ def plan_layouts(args: argparse.Namespace, rest: Sequence[str]) -> int:
                              "(the distributed optimizer) at most, as Megatron and DeepSpeed "
                              "run them; use --zero=1 or --zero=0")
         device = costmodel.load_device(args.device)
-        rate, peak = _rates(device, args.precision)
+        rate, peak = _rates(device, args.precision, config.tf32)
         network = costmodel.load_network(args.network)
         node_link = (plan.shared_memory_link() if args.node_network == "shm"
                      else costmodel.load_network(args.node_network))
@@ -164,7 +185,9 @@ def plan_layouts(args: argparse.Namespace, rest: Sequence[str]) -> int:
     pipelines = [args.pipeline_parallel] if args.pipeline_parallel else None
     print(f"mpidl plan: gpt, {shape.params():,} parameters ({shape.layers} layers, width "
           f"{shape.hidden}, {shape.heads} heads, sequence {shape.seq}, vocabulary "
-          f"{shape.vocab}), global batch {shape.global_batch}, {args.precision}, recompute "
+          f"{shape.vocab}), global batch {shape.global_batch}, {args.precision} (GEMMs "
+          f"{_gemm_kind(device, args.precision, config.tf32)} at {rate / 1e12:g} TFLOP/s), "
+          f"recompute "
           f"{args.recompute}, {args.pipeline_schedule}"
           + (f" x {opts.virtual} chunks" if interleaved else "")
           + f", ZeRO {config.zero}\ndevice: {device.name} ({rate / 1e12:g} TFLOP/s sustained"

@@ -75,18 +75,21 @@ class Stager:
         return device_path(collective, self.library, self._decide(), op)
 
     def _take(self, nbytes: int) -> tuple[Any, Any]:
-        # Pinned buffers are pooled by size: several may be in flight at once (one per
-        # outstanding bucket of an iallreduce, or send and receive of a sendrecv).
-        free = self._free.setdefault(nbytes, [])
+        # Pinned buffers are pooled by size class, the power of two at or above the
+        # request: several may be in flight at once (one per outstanding bucket of an
+        # iallreduce, or send and receive of a sendrecv), and a pipeline's uneven
+        # microbatches reuse one class instead of allocating per exact size (#48).
+        size = 1 << max(nbytes - 1, 0).bit_length()
+        free = self._free.setdefault(size, [])
         if free:
             return free.pop()
         import numpy
 
-        mem = cupy_module().cuda.alloc_pinned_memory(max(nbytes, 1))
-        return numpy.frombuffer(mem, dtype=numpy.uint8, count=nbytes), None
+        mem = cupy_module().cuda.alloc_pinned_memory(size)
+        return numpy.frombuffer(mem, dtype=numpy.uint8, count=size), None
 
-    def _give_back(self, nbytes: int, raw: Any, reading: Any) -> None:
-        self._free[nbytes].append((raw, reading))
+    def _give_back(self, raw: Any, reading: Any) -> None:
+        self._free[raw.size].append((raw, reading))
 
     def stage(self, x: Any, mode: str, collective: str,
               op: Any = None) -> tuple[Any, Callable[[], None]]:
@@ -104,7 +107,7 @@ class Stager:
         cp = cupy_module()
         stream = cp.cuda.get_current_stream()
         raw, reading = self._take(x.nbytes)
-        host = raw.view(x.dtype).reshape(x.shape)
+        host = raw[:x.nbytes].view(x.dtype).reshape(x.shape)
         if mode in ("in", "inout"):
             if reading is not None:
                 stream.wait_event(reading)  # the buffer's last copy to a device first
@@ -117,7 +120,7 @@ class Stager:
             done = None
             if mode in ("out", "inout"):
                 done = _to_device(host, x, stream)
-            self._give_back(x.nbytes, raw, done)
+            self._give_back(raw, done)
 
         return host, release
 
@@ -134,7 +137,7 @@ class Stager:
             self._side = cp.cuda.Stream(non_blocking=True)
         side = self._side
         raw, reading = self._take(x.nbytes)
-        host = raw.view(x.dtype).reshape(x.shape)
+        host = raw[:x.nbytes].view(x.dtype).reshape(x.shape)
         produced = cp.cuda.Event(disable_timing=True)
         produced.record(current)
         side.wait_event(produced)
@@ -145,7 +148,7 @@ class Stager:
         copied.record(side)
 
         def release() -> None:
-            self._give_back(x.nbytes, raw, _to_device(host, x, cp.cuda.get_current_stream()))
+            self._give_back(raw, _to_device(host, x, cp.cuda.get_current_stream()))
 
         return Staged(host, copied, release)
 

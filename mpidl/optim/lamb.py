@@ -102,7 +102,8 @@ class LAMB(LayerwiseOptimizer):
         return u
 
     def _ratios(self, norms: Any) -> Any:
-        return trust(norms[0], norms[1], self.norms.excluded, self.max_trust)
+        excluded = self.norms.on_device("excluded", get_array_module(norms))
+        return trust(norms[0], norms[1], excluded, self.max_trust)
 
     def _apply(self, i: int, p: Tensor, ratios: Any, lr: float) -> None:
         x = p.data.astype(self.state[i]["exp_avg"].dtype, copy=False)

@@ -56,8 +56,8 @@ class LARS(LayerwiseOptimizer):
 
     def _ratios(self, norms: Any) -> Any:
         w, g = norms[0], norms[1]
-        return trust(self.eta * w, g + self.weight_decay * w, self.norms.excluded,
-                     self.max_trust)
+        excluded = self.norms.on_device("excluded", get_array_module(norms))
+        return trust(self.eta * w, g + self.weight_decay * w, excluded, self.max_trust)
 
     def _apply(self, i: int, p: Tensor, ratios: Any, lr: float) -> None:
         st = self.state[i]

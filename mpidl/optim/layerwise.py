@@ -70,6 +70,8 @@ class TensorNorms:
                     raise ValueError(f"TensorNorms: parameter {i} has segment {s}, outside "
                                      f"the {self.count} tensors or empty")
         self.shards, self.tensor = shards, tensor
+        # Host masks on a device, made once (copied from the host every step before #48).
+        self._on_device: dict[tuple[str, int], Any] = {}
 
     @classmethod
     def whole(cls, params: Iterable[Tensor], split: Sequence[bool] | None = None,
@@ -80,6 +82,15 @@ class TensorNorms:
         return cls([[Segment(0, int(p.data.size), i)] if p.data.size else []
                     for i, p in enumerate(params)],
                    [is_excluded(p.shape) for p in params], split, tensor=tensor)
+
+    def on_device(self, name: str, xp: Any) -> Any:
+        """The mask ``name`` ("excluded", or "replicated": not split) as an ``xp``
+        array, copied to the device once."""
+        key = (name, id(xp))
+        if key not in self._on_device:
+            host = self.excluded if name == "excluded" else ~self.split
+            self._on_device[key] = host if xp is numpy else xp.asarray(host)
+        return self._on_device[key]
 
     def reduce(self, sums: Any) -> Any:
         """Each tensor's full sums from this rank's: ``sums`` ``(k, count)`` float64 xp
@@ -92,8 +103,7 @@ class TensorNorms:
             if self.tensor.rank != 0:
                 # A replicated tensor is whole on every rank: rank 0's sums are its
                 # sums, and zeros from the others keep them exact.
-                xp = get_array_module(sums)
-                sums[:, xp.asarray(~self.split)] = 0
+                sums[:, self.on_device("replicated", get_array_module(sums))] = 0
             self.tensor.allreduce_(sums)
         return sums
 

@@ -38,7 +38,7 @@ import numpy
 
 from mpidl import functions as F
 from mpidl.autograd import Tensor, no_grad
-from mpidl.backend import get_array_module
+from mpidl.backend import as_numpy, get_array_module
 from mpidl.comm.base import Communicator, split_counts
 from mpidl.nn.container import ModuleList
 from mpidl.nn.module import Module, Parameter
@@ -174,6 +174,7 @@ class PipelineModel:
         self.measure_graphs = False
         self.step_seconds = 0.0
         self.hits = 0
+        self.posted_ahead = 0  # the last step's receives posted while an earlier action ran
         self.messages = StageMessages(grid.pipeline, p, self.parts_total, self.module)
         self._last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
 
@@ -230,7 +231,10 @@ class PipelineModel:
         loss_sum, hits, live, peak = 0.0, 0, 0, 0
         graph: dict[tuple[int, int], int] = {}
         graphs, self.peak_graph_bytes = 0, 0
+        posted: set[int] = set()
+        self.posted_ahead = 0  # receives posted while an earlier action ran
         for index, action in enumerate(self.actions):
+            self._post_next(index, micro, held, posted)
             mb = micro[action.microbatch]
             got, sent = messages(action, self.parts_total)
             if action.kind == "F":
@@ -238,9 +242,9 @@ class PipelineModel:
                 if sent is not None:
                     live += out.data.nbytes
                     peak = max(peak, live)
-                else:
-                    loss_sum += float(out.data)
-                    hits += int(getattr(self.parts[action.part], "hits", 0))
+                else:  # summed on the device, read once after the schedule (#48)
+                    loss_sum = loss_sum + out.data
+                    hits = hits + getattr(self.parts[action.part], "hits", 0)
                 held[(action.part, action.microbatch)] = (x, out)
                 if self.measure_graphs:
                     graph[(action.part, action.microbatch)] = size = self._graph_bytes(x, out)
@@ -274,10 +278,18 @@ class PipelineModel:
         self.step_seconds = time.perf_counter() - started
         return self._from_last_stage(loss_sum, hits), global_count
 
-    def _from_last_stage(self, loss_sum: float, hits: int) -> float:
+    def _from_last_stage(self, loss_sum: Any, hits: Any) -> float:
         """The last stage's loss share (returned) and hits (:attr:`hits`), on every
-        stage: one broadcast over the pipeline axis (exact: hits are < 2**53)."""
-        total = numpy.array([loss_sum, hits], dtype=numpy.float64)
+        stage: one broadcast over the pipeline axis (exact: hits are < 2**53).
+
+        ``loss_sum`` and ``hits`` are the last stage's device sums (0 elsewhere): read
+        here once a step, not at every microbatch (a host read waits for the device)."""
+        if get_array_module(loss_sum, hits) is not numpy:
+            xp = get_array_module(loss_sum, hits)
+            total = as_numpy(xp.stack([xp.asarray(loss_sum, dtype=numpy.float64),
+                                       xp.asarray(hits, dtype=numpy.float64)]))
+        else:
+            total = numpy.array([loss_sum, hits], dtype=numpy.float64)
         self.grid.pipeline.bcast_(total, root=(self.parts_total - 1) % self.p)
         self.hits = int(total[1])
         return float(total[0])
@@ -308,9 +320,9 @@ class PipelineModel:
         count = sum(next(iter(self.parts.values())).count_targets(mb) for mb in micro)
         return loss_sum, count
 
-    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> Any:
         """Scale every stage's gradients so the whole model's 2-norm is at most
-        ``max_norm``; returns the norm before. Collective over the world.
+        ``max_norm``; returns the norm before (a 0-d xp array). Collective over the world.
 
         Each stage's norm is its wrapper's (ZeRO: over the shards) or its parameters'
         (tensor-parallel shards adding up over the tensor group, replicated parameters
@@ -323,13 +335,17 @@ class PipelineModel:
             stage = self.wrapped.grad_norm(self.grid.tensor)
         else:
             stage = grad_norm(self.wrapped.parameters(), self.grid.tensor)
-        squares = numpy.array([0.0 if stage is None else float(stage) ** 2])
-        norm = float(numpy.sqrt(self.grid.pipeline.allreduce_(squares)[0]))
-        coef = min(max_norm / (norm + eps), 1.0)
-        if coef < 1.0:
-            for param in self.wrapped.parameters():
-                if param.grad is not None:
-                    param.grad *= coef
+        params = [p for p in self.wrapped.parameters() if p.grad is not None]
+        xp = get_array_module(stage, *params)
+        # On the device, as optim.clip_grad_norm_: the squares reduced over the pipeline
+        # axis and the factor applied unconditionally, no host read (#48).
+        squares = xp.zeros(1, dtype=numpy.float64)
+        if stage is not None:
+            squares += xp.asarray(stage, dtype=numpy.float64) ** 2
+        norm = xp.sqrt(self.grid.pipeline.allreduce_(squares)[0])
+        coef = xp.minimum(max_norm / (norm + eps), 1.0)
+        for param in params:
+            param.grad *= coef.astype(param.grad.dtype)
         return norm
 
     def state_bytes(self, optimizer: Any = None) -> dict[str, int]:
@@ -346,6 +362,32 @@ class PipelineModel:
         rows = split_counts(int(ids.shape[0]), self.m)
         starts = [sum(rows[:i]) for i in range(self.m + 1)]
         return [ids[starts[i]:starts[i + 1]] for i in range(self.m)]
+
+    def _post_next(self, index: int, micro: list, held: dict, posted: set) -> None:
+        """Post the receives of the actions from ``index`` on, in schedule order, up to
+        the first one after ``index``: that one waits while action ``index`` runs
+        (:meth:`StageMessages.post`). An activation's shape is the microbatch's, a
+        gradient's that of the output it is the gradient of, known once that forward
+        has run; where it is not known yet, nothing later is posted either, so that
+        the receives of one peer and tag are posted in the order they are sent."""
+        for j in range(index, len(self.actions)):
+            nxt = self.actions[j]
+            got, _ = messages(nxt, self.parts_total)
+            if got is None or j in posted:
+                continue
+            if nxt.kind == "F":
+                part = self.parts[nxt.part]
+                shape, dtype = part.input_shape(micro[nxt.microbatch]), part.dtype
+            else:
+                pair = held.get((nxt.part, nxt.microbatch))
+                if pair is None:
+                    return
+                shape, dtype = pair[1].data.shape, pair[1].data.dtype
+            self.messages.post(shape, dtype, got)
+            posted.add(j)
+            if j > index:
+                self.posted_ahead += 1
+                return
 
     def _forward(self, action: Action, mb: Any, sends: list) -> tuple[Tensor | None, Tensor]:
         """Receive the input of forward ``action``, run it, post its output's send."""

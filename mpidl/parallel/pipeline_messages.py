@@ -7,7 +7,8 @@ posts them, tags them, waits for them and times the waits (the measured bubble).
 
 Message order, and why it cannot deadlock: every send is posted (``isend``) and never
 waited for until the end of the step, and a receive waits only for the one message its
-action needs, posted (``irecv_``) just before. No rank ever blocks in a send, so two
+action needs, posted (``irecv_``, :meth:`StageMessages.post`) an action ahead where its
+shape is known then, else just before. No rank ever blocks in a send, so two
 neighbours cannot block on each other (the classic deadlock: both blocking-send first,
 1F1B's steady state; the simulator shows it, :func:`~mpidl.parallel.pipeline_schedule.
 simulate` with ``blocking_sends=True``); a receive waits for a send its peer makes after
@@ -46,6 +47,8 @@ class StageMessages:
     def __init__(self, comm: Communicator, stages: int, parts: int, module: Module) -> None:
         self.comm, self.p, self.parts, self.module = comm, stages, parts, module
         self.wait_seconds = 0.0
+        self._posted: dict[tuple[int, int], list] = {}  # (source, tag) -> posted receives
+        self.received = self.early = 0  # receives, and those posted ahead (:meth:`post`)
 
     def _xp(self) -> Any:
         return get_array_module(next(iter(self.module.parameters())).data)
@@ -60,14 +63,37 @@ class StageMessages:
         return self.comm.isend(xp.ascontiguousarray(array), message.part % self.p,
                                tag=self._tag(message))
 
-    def receive(self, shape: tuple, dtype: Any, message: Any) -> Any:
-        """Receive ``message`` (an array of ``shape`` and ``dtype``) and wait for it."""
-        buf = self._xp().empty(shape, dtype=dtype)
-        # The source is the part on the other side of the message: k - 1 for an
-        # activation into part k, k + 1 for a gradient into it.
+    def _source(self, message: Any) -> int:
+        # The part on the other side of the message: k - 1 for an activation into part
+        # k, k + 1 for a gradient into it.
         source = message.part - 1 if message.kind == "activation" else message.part + 1
-        request = self.comm.irecv_(buf, source % self.p, tag=self._tag(message))
-        return self.waited(request)
+        return source % self.p
+
+    def post(self, shape: tuple, dtype: Any, message: Any) -> None:
+        """Post the receive of ``message`` now, ahead of the action that waits for it
+        (#48: a receive posted just before its wait leaves MPI nothing to match the
+        peer's send into meanwhile). Receives of one source and tag are matched in the
+        order they are posted, which is the order the peer sends them."""
+        key = (self._source(message), self._tag(message))
+        buf = self._xp().empty(shape, dtype=dtype)
+        request = self.comm.irecv_(buf, key[0], tag=key[1])
+        self._posted.setdefault(key, []).append((tuple(shape), request))
+
+    def receive(self, shape: tuple, dtype: Any, message: Any) -> Any:
+        """Receive ``message`` (an array of ``shape`` and ``dtype``) and wait for it:
+        the receive :meth:`post` posted for it, else one posted now."""
+        key = (self._source(message), self._tag(message))
+        posted = self._posted.get(key)
+        self.received += 1
+        if posted:
+            got_shape, request = posted.pop(0)
+            if got_shape != tuple(shape):
+                raise RuntimeError(f"pipeline: the receive posted for {message} expects "
+                                   f"shape {got_shape}, its action {tuple(shape)}")
+            self.early += 1
+            return self.waited(request)
+        buf = self._xp().empty(shape, dtype=dtype)
+        return self.waited(self.comm.irecv_(buf, key[0], tag=key[1]))
 
     def waited(self, request: Any) -> Any:
         """``request.wait()``, its time added to :attr:`wait_seconds` (the bubble)."""

@@ -5,15 +5,14 @@ here give the single-rank :class:`~mpidl.models.GPT`'s state dict and its optimi
 gathered over the tensor group and the pipeline axis, and load them into any layout:
 another pipeline size, other virtual stages or layer counts, a tensor grid. So a
 checkpoint written by one layout resumes in another. The arrays cross the pipeline
-axis pickled (``allgather_obj``): a checkpoint-time exchange, not a step's.
+axis pickled (``allgather_obj``) as host arrays: a checkpoint-time exchange, not a
+step's, that allocates nothing on any rank's device.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import numpy
-
-from mpidl.backend import get_array_module
+from mpidl.backend import as_numpy
 from mpidl.parallel import tensor
 
 
@@ -37,10 +36,11 @@ def full_state_dict(model: Any) -> dict[str, Any]:
     stages exchange them.
     """
     model.wrapped.before_forward()  # ZeRO: the optimizer's updates are in the shards
+    # On the host before the exchange: a pickled CuPy array unpickles as a device array,
+    # so every rank would allocate every stage's parameters on its own GPU (#48).
     mine: dict[str, Any] = {}
     for part in model.module.parts:
-        mine.update({n: numpy.asarray(a) if get_array_module(a) is numpy else a
-                     for n, a in part_full_state(part).items()})
+        mine.update({n: as_numpy(a) for n, a in part_full_state(part).items()})
     merged: dict[str, Any] = {}
     for state in model.grid.pipeline.allgather_obj(mine):
         for name, array in state.items():
@@ -57,7 +57,7 @@ def full_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
     """
     stage = tensor.full_optimizer_state(optimizer, model.module)
     names = stage_names(model)
-    mine = {(names[int(k.split(".")[1])], k.split(".", 2)[2]): v
+    mine = {(names[int(k.split(".")[1])], k.split(".", 2)[2]): _host(v)
             for k, v in stage.items() if k.startswith("state.")}
     merged: dict[tuple[str, str], Any] = {}
     for part in model.grid.pipeline.allgather_obj(mine):
@@ -69,6 +69,11 @@ def full_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
     out.update({f"state.{index[n]}.{what}": v for (n, what), v in
                 sorted(merged.items(), key=lambda kv: (index[kv[0][0]], kv[0][1]))})
     return out
+
+
+def _host(value: Any) -> Any:
+    """An array's host copy (see :func:`full_state_dict`); other values as they are."""
+    return as_numpy(value) if hasattr(value, "shape") else value
 
 
 def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:

@@ -124,7 +124,7 @@ def vocab_parallel_cross_entropy(logits: Any, labels: Any, comm: Communicator, v
 
 
 def vocab_parallel_hits(logits: Any, labels: Any, comm: Communicator, vocab_start: int,
-                        ignore_index: int | None = None) -> int:
+                        ignore_index: int | None = None) -> Any:
     """How many rows of logits split over the class axis (as
     :func:`vocab_parallel_cross_entropy` takes them) have their label as the argmax of
     the full row: the first of equal maxima, as ``argmax`` on the gathered logits. Rows
@@ -148,7 +148,7 @@ def vocab_parallel_hits(logits: Any, labels: Any, comm: Communicator, vocab_star
     hit = first == t
     if ignore_index is not None:
         hit &= t != ignore_index
-    return int(xp.count_nonzero(hit))
+    return xp.count_nonzero(hit)  # left on the device: a step reads its sums once (#48)
 
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_hits"]

@@ -319,7 +319,8 @@ class ShardedDataParallel:
                   for u in self.units if u.block and u.shard.grad is not None
                   for p, _, g in member_slices(u, u.shard.grad)]
         xp = self.units[0].xp if self.units else numpy
-        return float(gradient_norm(pieces, shards=self.comm, tensor=tensor, xp=xp))
+        # A 0-d xp array: reading it would wait for the device every step (#48).
+        return gradient_norm(pieces, shards=self.comm, tensor=tensor, xp=xp)
 
     def tensor_norms(self, tensor: Communicator | None = None) -> TensorNorms:
         """Where the model's tensors are among :meth:`parameters` (this rank's shards), for
@@ -328,18 +329,19 @@ class ShardedDataParallel:
         return unit_tensor_norms(self.units, self.comm, tensor)
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6,
-                        tensor: Communicator | None = None) -> float:
+                        tensor: Communicator | None = None) -> Any:
         """Scale the shards' gradients so the global norm (:meth:`grad_norm`) is at most
         ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` on the whole model).
         Collective."""
         if max_norm <= 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         norm = self.grad_norm(tensor)
-        coef = min(max_norm / (norm + eps), 1.0)
-        if coef < 1.0:
-            for s in self.parameters():
-                if s.grad is not None:
-                    s.grad *= coef
+        # On the device and unconditional, as optim.clip_grad_norm_: no host read.
+        xp = backend.get_array_module(norm)
+        coef = xp.minimum(max_norm / (norm + eps), 1.0)
+        for s in self.parameters():
+            if s.grad is not None:
+                s.grad *= coef.astype(s.grad.dtype)
         return norm
 
     # -- memory ------------------------------------------------------------------------------

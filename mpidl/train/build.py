@@ -19,7 +19,7 @@ import numpy
 
 from hpc.gpu import bind
 from mpidl import optim
-from mpidl.backend import get_xp, is_half, limit_cpu_threads, precision_dtype
+from mpidl.backend import get_xp, is_half, limit_cpu_threads, precision_dtype, use_tf32
 from mpidl.data import DataLoader, DistributedSampler, ShardedDataset
 from mpidl.data.splits import check_splits_agree
 from mpidl.data.stats import majority
@@ -184,6 +184,7 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     threads = limit_cpu_threads(comm.local_size)
     if config.backend == "cupy":
         bind(comm.local_rank)
+        use_tf32(xp, config.tf32)
     train_set = ShardedDataset(os.path.join(data_dir, "train"), comm=comm)
     test_set = ShardedDataset(os.path.join(data_dir, "test"), comm=comm)
     objective = objective_for(config, train_set)

@@ -66,6 +66,9 @@ def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
         preset, overrides = split_args(argv)
         config = load_config(preset, overrides)
         check_model(config)
+        from mpidl.backend import precision_problem
+
+        error = precision_problem(config.backend, config.precision)  # CuPy's bf16 (#48)
     except ConfigError as e:
         error = str(e)
     if _config_error(comm, error):

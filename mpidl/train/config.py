@@ -180,6 +180,10 @@ class Config:
     # --model.dtype=float16 parameters), none for bf16 and fp32 (as Megatron)
     precision: str = choices(*PRECISIONS, default="fp32")
     loss_scale: str = choices("auto", "dynamic", "none", default="auto")
+    # backend cupy: float32 GEMMs in TF32 on the tensor cores (10-bit mantissa inputs,
+    # fp32 sums) instead of full FP32; the job's choice, whatever CUPY_TF32 says
+    # (mpidl.backend.use_tf32); the planner prices what is chosen
+    tf32: bool = False
     bucket_mb: Optional[float] = None        # gradient bucket MiB; none: DataParallel's default
     keep_freed_memory: bool = True           # glibc keeps freed memory (no page faults
     #                                          re-fetching each step's activations)

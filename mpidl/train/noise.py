@@ -103,8 +103,14 @@ class LocalGradients:
 
     def take(self) -> float:
         """The squared norm summed since the last call (0 when no gradient came)."""
+        total = self.take_raw()
+        return total if isinstance(total, float) else float(total)
+
+    def take_raw(self) -> Any:
+        """As :meth:`take`, left where it was summed (a 0-d xp array, or 0.0): the
+        step reads it with its other values, in one host read (#48)."""
         total, self.total = self.total, None
-        return 0.0 if total is None else float(total)
+        return 0.0 if total is None else total
 
     def remove(self) -> None:
         for h in self._handles:

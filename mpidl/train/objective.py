@@ -200,7 +200,8 @@ class LanguageModel(Objective):
         else:
             real = targets != self.pad_id
         correct = xp.count_nonzero((logits.data.argmax(-1) == targets) & real)
-        return loss, int(xp.count_nonzero(real)), correct
+        # Left on the device (a 0-d array), as correct is: summed into the records.
+        return loss, xp.count_nonzero(real), correct
 
     def targets(self, x: Any, y: Any) -> int:
         """The next-token targets of ``x`` that are not padding."""
@@ -250,7 +251,11 @@ class ParallelLanguageModel(LanguageModel):
             model.before_forward()  # ZeRO 1-2: the updated parameters; not model.__call__
             module = model.module
         loss, hits = module.loss(x, reduction="sum", hits=True)
-        return loss, module.count_targets(x), hits
+        # The count left on the device (count_targets reads it to the host), as hits.
+        targets = x[:, 1:]
+        pad = getattr(module, "pad_id", None)
+        count = targets.size if pad is None else xp.count_nonzero(targets != pad)
+        return loss, count, hits
 
     def global_count(self, comm: Any, samples: int, local: int) -> int:
         """Real targets over the data axis (the tensor x sequence group shares each)."""
@@ -293,7 +298,7 @@ class LanguageModelSums:
         self.totals = numpy.zeros(3)  # loss sum, correct, targets
 
     def add(self, batch: BatchScores) -> None:
-        self.totals += [float(batch.loss), float(batch.correct), batch.count]
+        self.totals += [float(batch.loss), float(batch.correct), float(batch.count)]
 
     def reduce(self, comm: Any) -> Evaluation:
         """Loss per real target, next-token accuracy and perplexity over the split.

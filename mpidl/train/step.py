@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import numpy
 
+from mpidl.backend import as_numpy
 from mpidl.comm import split_counts
 from mpidl.optim import (grad_norm, grads_finite, params_finite, unscale_, warmup_cosine,
                          warmup_linear)
@@ -92,6 +93,14 @@ class StepResult:
     correct: Any
     counted: int
     preempted: bool
+
+
+def read_values(xp: Any, *values: Any) -> numpy.ndarray:
+    """Device scalars (0-d xp arrays, or Python numbers) read to the host in one copy,
+    as float64: the step's one host read besides the loss (#48)."""
+    if xp is numpy:
+        return numpy.array([float(v) for v in values])
+    return as_numpy(xp.stack([xp.asarray(v, dtype=numpy.float64) for v in values]))
 
 
 class _NoSignal:
@@ -145,8 +154,14 @@ class TrainStep:
         with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
             loss, counted, correct = self._accumulate(x, y, n, scale)
         params = run.dp.parameters()  # the model's, or this rank's shards (ZeRO)
-        loss_finite = bool(run.xp.isfinite(loss))
-        finite = loss_finite and bool(grads_finite(params))
+        # Both verdicts, and the noise scale's two squared norms where it is measured,
+        # in one host read (a read waits for the device: #48's budget).
+        noise = ()
+        if run.local_grads is not None:
+            norm = run.dp.grad_norm() if run.config.zero else grad_norm(params)
+            noise = (run.local_grads.take_raw(), 0.0 if norm is None else norm * norm)
+        values = read_values(run.xp, run.xp.isfinite(loss), grads_finite(params), *noise)
+        loss_finite, finite = bool(values[0]), bool(values[1]) and bool(values[0])
         preempted, nonfinite, bad_loss = run.comm.agree_each(
             flag.is_set, not finite, not loss_finite)
         if loss_scale is not None:
@@ -168,11 +183,10 @@ class TrainStep:
         self.nonfinite_in_a_row = 0
         if loss_scale is not None:
             unscale_(params, loss_scale)
-        norm = None
-        if run.config.clip_grad_norm:  # the global norm, before clipping
-            norm = run.layout.clip_grad_norm_(run.dp, run.config.clip_grad_norm)
-        if run.local_grads is not None:
-            self._measure_noise(params, scale, norm)
+        if run.config.clip_grad_norm:
+            run.layout.clip_grad_norm_(run.dp, run.config.clip_grad_norm)
+        if run.local_grads is not None:  # the squares read above, scaled by the loss scale
+            self._measure_noise(float(values[2]), float(values[3]) / scale ** 2, scale)
         run.optimizer.lr = learning_rate(run.config, step, run.total_steps)
         run.optimizer.step()
         run.optimizer.zero_grad()
@@ -233,23 +247,21 @@ class TrainStep:
             if run.dp.comm_wait_seconds:  # the stage's gradient reduction, in its last backward
                 self.timer.add("comm", run.dp.comm_wait_seconds, start=run.dp.comm_wait_start)
         loss = run.xp.asarray(loss_sum, dtype=numpy.float64)
-        return loss, run.objective.targets(x, None), pipeline.hits
+        return loss, self._counts[1], pipeline.hits  # this rank's targets, counted once
 
-    def _measure_noise(self, params: list, scale: float, norm: Any) -> None:
-        """One step of the gradient noise scale (:mod:`mpidl.train.noise`): this rank's
-        mean gradient from its hooks, the averaged one from ``params`` (``norm``: its
-        2-norm when clipping computed it). Collective over the replicas: one allreduce
-        of three numbers (and ZeRO's norm of the shards when not clipping)."""
+    def _measure_noise(self, small: float, big: float, scale: float) -> None:
+        """One step of the gradient noise scale (:mod:`mpidl.train.noise`) from two
+        squared norms read with the finite check: ``small``, this rank's gradient from
+        its hooks, ``big``, the averaged one (unscaled). Collective over the replicas:
+        one allreduce of three numbers, host memory."""
         run = self.run
         count, local = self._counts
         # The local gradient was seeded scale / count: scale and global mean, undone.
-        small = run.local_grads.take() * (count / (scale * local)) ** 2 if local else 0.0
+        small = small * (count / (scale * local)) ** 2 if local else 0.0
         sums = numpy.array([small, 1.0 / local if local else 0.0, 1.0 if local else 0.0])
         run.layout.replicas.allreduce_(sums)
-        if norm is None:
-            norm = run.dp.grad_norm() if run.config.zero else grad_norm(params)
         if sums[2]:
-            self.noise.update(sums[0] / sums[2], sums[1] / sums[2], float(norm) ** 2, count)
+            self.noise.update(sums[0] / sums[2], sums[1] / sums[2], big, count)
 
     def _nonfinite_step(self, finite_here: bool, step: int) -> None:
         """Handle a step skipped for a non-finite loss or gradient. Collective.

@@ -132,6 +132,12 @@ COVERED = {
     r"mpiexec -n \d mpidl shard --verify data/imdb":
         Covered(("tests/mpi/test_shard_mpi.py::test_verify_on_every_rank_names_the_bad_shard",),
                 "one verdict on every rank, naming the flipped shard"),
+    r"python -m mpidl\.testing\.fakedevice --model gpt .*":
+        Covered((UNIT + "test_fake_device.py::"
+                 "test_the_command_prints_one_json_line_of_counts_per_phase",
+                 UNIT + "test_device_budgets.py::"
+                 "test_a_step_of_each_model_and_mode_keeps_its_device_budgets"),
+                "the command on reviews; count_step, what it runs, on every preset and mode"),
     r"mpiexec -n \d mpidl train":
         Covered((IT + "test_train.py::test_default_job_reaches_its_accuracy",)),
     r"mpiexec -n \d mpidl train reviews-transformer --epochs=3":
