@@ -58,6 +58,7 @@ def _help(argv: Sequence[str]) -> str:
 def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
     """Load the config on every rank; on any error, rank 0 reports it once. Collective."""
     # lazy: the signal handlers come before heavy imports (see the module's note)
+    from mpidl.backend import precision_problem
     from mpidl.train.config import ConfigError, load_config, split_args
     from mpidl.train.model_keys import check_model
 
@@ -66,8 +67,6 @@ def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
         preset, overrides = split_args(argv)
         config = load_config(preset, overrides)
         check_model(config)
-        from mpidl.backend import precision_problem
-
         error = precision_problem(config.backend, config.precision)  # CuPy's bf16 (#48)
     except ConfigError as e:
         error = str(e)
