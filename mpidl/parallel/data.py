@@ -179,7 +179,7 @@ class DataParallel:
         # would sum them in the tables' dtype, and MPI has no bfloat16.
         self.grad_dtype = None if grad_dtype is None else numpy.dtype(grad_dtype)
         self.sparse = [p for p in params if sparse_embeddings and self.grad_dtype is None
-                       and _is_row_sparse(model, p)]
+                       and is_row_sparse(model, p)]
         dense = [p for p in params if not any(p is s for s in self.sparse)]
         self._piece_bytes = int(bucket_mb * 2**20)
         self.buckets: list[Bucket] = build_buckets(dense, self._piece_bytes, self.grad_dtype)
@@ -410,7 +410,7 @@ class DataParallel:
 _WRAPPERS: "weakref.WeakValueDictionary[int, DataParallel]" = weakref.WeakValueDictionary()
 
 
-def _is_row_sparse(model: Any, p: Tensor) -> bool:
+def is_row_sparse(model: Any, p: Tensor) -> bool:
     """Whether ``p`` is only ever an embedding table (so its gradient is row-sparse).
 
     A table tied to a dense use (an output projection sharing the embedding weight)

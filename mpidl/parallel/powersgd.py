@@ -247,11 +247,12 @@ class _Exchange(Request):
         error = owner.errors[self.i] if owner.options.use_error_feedback else None
         size = owner.comm.size
         for k, m, p, q in zip(plan.matrices, self.ms, self.ps, qs):
-            approx = p @ q.T  # (n, m): the sum over the ranks, approximated
             if error is not None:
                 e = error[k.start:k.start + k.n * k.m].reshape(k.n, k.m)
-                xp.subtract(m, approx / size, out=e)
-            m[...] = approx
+                e[...] = m  # this rank's gradient and error, before ...
+            xp.matmul(p, q.T, out=m)  # (n, m): the sum over the ranks, approximated
+            if error is not None:
+                e -= m / size  # ... minus its share of the approximation
             if owner.options.warm_start:
                 k.q = q.copy()
         self.done = True

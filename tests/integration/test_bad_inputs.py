@@ -159,6 +159,8 @@ ROWS = [
     ("plan gpt --tensor-parallel=2", "", 2, "prices tensor, Ulysses and ring splits"),
     ("plan --device nonsense", "", 2, "no device profile 'nonsense'"),
     ("plan --network nonsense", "", 2, "no network profile 'nonsense'"),
+    ("plan --compression=powersgd:x", "", 2,
+     "'compression' (--compression): compression 'powersgd:x' is not one of none, fp16"),
     ("plan --ranks 1000000000 --step-time 1", "", 2,
      "1000000000 ranks for a global batch of 64: every rank needs a sample per step"),
     ("plan --ranks 1,2,128", "", 2, "use at most 64 ranks, or a larger --global-batch"),
