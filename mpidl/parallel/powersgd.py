@@ -145,8 +145,10 @@ class PowerSGDTransport(Transport):
 
     @property
     def step(self) -> int:
-        """Exchanges done (the smallest count of any bucket: all agree between steps)."""
-        return min(self.steps) if self.steps else 0
+        """Exchanges done: the largest count of any bucket. Between steps every bucket
+        this transport sums has the same count; an embedding table's bucket, which
+        travels apart (:class:`~mpidl.parallel.sparse.SparseTables`), keeps 0."""
+        return max(self.steps) if self.steps else 0
 
     def compressing(self, step: int | None = None) -> bool:
         """Whether the exchange of ``step`` (default: the next) is compressed."""
