@@ -322,14 +322,18 @@ def compression_verdict(plain: list[Prediction], compressed: list[Prediction], h
     """One line: what compressing as ``how`` changes in the verdict."""
     was, now = (worth_it(rows, setup_hours, queue_hours) for rows in (plain, compressed))
     b0, b1 = (max(rows, key=lambda r: r.speedup) for rows in (plain, compressed))
-    gain = (f"best {b0.ranks} ranks at {b0.speedup:.2f}x uncompressed, "
-            f"{b1.ranks} ranks at {b1.speedup:.2f}x with {how}")
+    gain = (f"best {_ranks(b0.ranks)} at {b0.speedup:.2f}x uncompressed, "
+            f"{_ranks(b1.ranks)} at {b1.speedup:.2f}x with {how}")
     if now and not was:
         return f"--compression {how} turns \"not worth it\" into \"worth it\": {gain}"
     if was and not now:
         return f"--compression {how} turns \"worth it\" into \"not worth it\": {gain}"
     return (f"--compression {how} does not change the verdict ("
             f"{'worth it' if now else 'not worth it'} either way): {gain}")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def verdict(rows: list[Prediction], setup_hours: float, queue_hours: float) -> str:
