@@ -1740,6 +1740,16 @@ MUTATIONS: list[Mutation] = [
                "bit",),
     ),
     Mutation(
+        name="powersgd-step-of-the-least-bucket",
+        file="mpidl/parallel/powersgd.py",
+        original="return max(self.steps) if self.steps else 0",
+        mutated="return min(self.steps) if self.steps else 0",
+        why="an embedding table's bucket (summed apart) holds the step count at 0: a resume "
+            "repeats the uncompressed first steps",
+        tests=("tests/mpi/test_powersgd.py::test_an_embedding_table_travelling_apart_does_not_"
+               "hold_back_the_step_count",),
+    ),
+    Mutation(
         name="powersgd-small-matrix-compressed",
         file="mpidl/parallel/powersgd.py",
         original="size > options.min_compression_rate * (n + m) * rank",

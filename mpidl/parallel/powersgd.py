@@ -23,14 +23,14 @@ uncompressed data parallelism up to rounding. Warm start keeps the summed Q_k fo
 next step (one power iteration per step then tracks the top singular vectors).
 
 Order of collectives: a bucket's P allreduce starts from :meth:`iallreduce_` (during
-backward, with overlap) and only ``wait()`` starts its Q allreduce. ``test()`` never
-advances to Q: ranks whose P finished at different moments would otherwise start
-the Qs and later buckets' Ps in different orders, which MPI forbids. The launcher
-starts every bucket before it waits on the first, so every rank issues P_0 .. P_b,
-then Q_0 .. Q_b.
+backward, with overlap; ``test()`` drives its progress) and only ``wait()`` starts its
+Q allreduce. ``test()`` never advances to Q: ranks whose P finished at different
+moments would otherwise start the Qs and later buckets' Ps in different orders, which
+MPI forbids. The launcher starts every bucket before it waits on the first, so every
+rank issues P_0 .. P_b, then Q_0 .. Q_b.
 
-State (what a checkpoint keeps, :meth:`PowerSGDTransport.holdings`): the step count,
-the warm-start Qs (the same on every rank) and each rank's error feedback.
+State (checkpointed by :mod:`mpidl.parallel.powersgd_state`): the step count, the
+warm-start Qs (the same on every rank) and each rank's error feedback.
 """
 from __future__ import annotations
 
@@ -224,7 +224,10 @@ class _Exchange(Request):
         self.done = False
 
     def test(self) -> bool:
-        # Never starts the Q allreduce (see the module: the order of collectives).
+        # Drives the P allreduce (Open MPI progresses it only inside MPI calls) but never
+        # starts the Q allreduce (see the module: the order of collectives).
+        if not self.done:
+            self.request.test()
         return self.done
 
     def wait(self) -> Any:

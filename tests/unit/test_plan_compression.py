@@ -2,8 +2,6 @@
 its uncompressed first steps, and whether compressing changes the verdict."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from hpc.costmodel import Link, NetworkProfile

@@ -7,7 +7,8 @@ import pytest
 from mpidl.parallel import PowerSGDOptions, parse_compression
 from mpidl.parallel.compression_choice import describe
 from mpidl.parallel.powersgd import plan_bucket, wire_elements
-from mpidl.train.config import ConfigError, Config, apply_overrides
+from mpidl.train.config import Config, ConfigError, apply_overrides
+from mpidl.train.config_checks import compression_of, validate
 
 
 @pytest.mark.parametrize("text, parsed", [
@@ -55,8 +56,6 @@ def test_the_rank_is_capped_by_the_matrix_and_a_threshold_of_zero_compresses_all
 def test_the_config_reads_the_choice_and_refuses_model_splits():
     config = apply_overrides(Config(), ["--compression", "powersgd:2",
                                         "--start-powersgd-iter=5"])
-    from mpidl.train.config_checks import compression_of, validate
-
     validate(config)
     assert compression_of(config) == PowerSGDOptions(2, start_powerSGD_iter=5)
     for split in (["--zero=1"], ["--zero=3"], ["--tensor-parallel=2"],
