@@ -2093,4 +2093,51 @@ MUTATIONS: list[Mutation] = [
         why="a host read per value instead of one a step (#48 point 5)",
         tests=(BUDGETS + "test_a_step_of_each_model_and_mode_keeps_its_device_budgets",),
     ),
+    # -- PowerSGD (#43: mpidl/parallel/powersgd.py, powersgd_state.py) -----------------------
+    Mutation(
+        name="powersgd-no-orthogonalisation",
+        file="mpidl/parallel/powersgd.py",
+        original="            p[...] = basis\n",
+        mutated="",
+        why="the summed P is used without its orthonormal basis: the approximation is scaled",
+        tests=("tests/mpi/test_powersgd.py::test_at_full_rank_the_transport_sums_exactly_"
+               "every_step",),
+    ),
+    Mutation(
+        name="powersgd-error-not-divided-by-ranks",
+        file="mpidl/parallel/powersgd.py",
+        original="xp.subtract(m, approx / size, out=e)",
+        mutated="xp.subtract(m, approx, out=e)",
+        why="each rank's error subtracts the whole sum's approximation: their sum loses N-1 of it",
+        tests=("tests/mpi/test_powersgd.py::test_at_rank_one_the_errors_hold_exactly_what_the_"
+               "approximation_lost",),
+    ),
+    Mutation(
+        name="powersgd-state-not-checkpointed",
+        file="mpidl/train/checkpointer.py",
+        original="        chosen.compression = compression\n",
+        mutated="        chosen.compression = None\n",
+        why="a resumed PowerSGD run starts with zero errors and new Qs: not bit-exact",
+        tests=("tests/mpi/test_powersgd.py::test_resuming_a_compressed_run_continues_bit_for_"
+               "bit",),
+    ),
+    Mutation(
+        name="powersgd-step-of-the-least-bucket",
+        file="mpidl/parallel/powersgd.py",
+        original="return max(self.steps) if self.steps else 0",
+        mutated="return min(self.steps) if self.steps else 0",
+        why="an embedding table's bucket (summed apart) holds the step count at 0: a resume "
+            "repeats the uncompressed first steps",
+        tests=("tests/mpi/test_powersgd.py::test_an_embedding_table_travelling_apart_does_not_"
+               "hold_back_the_step_count",),
+    ),
+    Mutation(
+        name="powersgd-small-matrix-compressed",
+        file="mpidl/parallel/powersgd.py",
+        original="size > options.min_compression_rate * (n + m) * rank",
+        mutated="size >= 0",
+        why="every matrix is compressed, however few elements it would save",
+        tests=("tests/unit/test_powersgd_plan.py::test_biases_and_small_matrices_travel_"
+               "uncompressed_together",),
+    ),
 ]

@@ -20,6 +20,10 @@ The model (strong scaling: the config's global batch, split over the ranks):
   divides the step's FLOPs (about 6 per parameter per sample: forward 2, backward 4)
   by the device's sustained rate; ``--step-time S`` takes the 1-rank step at batch G as
   given and scales it as ``b / G``; ``--from-run`` uses a run's measured compute.
+- **Compression** (``--compression fp16|bf16|powersgd:R``, or the config's): 16 bits
+  halve every message; PowerSGD's two small allreduces per bucket are priced at their
+  own sizes and its extra compute is measured here (:func:`compressed_workload`); the
+  plan prints both tables and whether compression changes the verdict.
 - **Communication**: the dense gradient (float32, or 16 bits with compression) in
   ``bucket_mb`` buckets, each one allreduce priced by :mod:`hpc.costmodel` on
   ``--network`` between nodes (``--node-network`` within one: ``shm``, a profile
@@ -75,8 +79,14 @@ class Workload:
     grad_bytes: int              # dense gradient bytes exchanged per step (float32)
     bucket_bytes: int
     overlap: bool | None = None  # None: on across nodes, off within one (DataParallel's)
-    compression: bool = False
+    compression: bool = False    # 16 bits on the wire (fp16, bf16)
     state_copies: int = 2        # optimizer state per parameter (AdamW: 2, SGD momentum: 1)
+    # PowerSGD (compressed_workload): the bytes of each allreduce of one step's exchange,
+    # the compression's own compute per step, and the steps exchanged uncompressed first
+    messages: tuple[int, ...] | None = None
+    extra_compute_s: float = 0.0
+    uncompressed_steps: int = 0
+    compressed_as: str = "none"  # how (the command line's spelling)
 
     @property
     def steps(self) -> int:
@@ -135,17 +145,119 @@ def comm_seconds(work: Workload, ranks: int, nodes: int, network: Any, node_link
     """
     if ranks <= 1:
         return 0.0
-    wire = work.grad_bytes // 2 if work.compression else work.grad_bytes
-    bucket = max(1, work.bucket_bytes // 2 if work.compression else work.bucket_bytes)
-    full, rest = divmod(wire, bucket)
     link = node_link if nodes <= 1 else network
-    sizes = [bucket] * full + ([rest] if rest else [])
+    sizes = list(work.messages) if work.messages is not None else _bucket_messages(work)
     # Overlapped buckets run the non-blocking allreduce (DataParallel's default across
     # nodes): priced with its own curve where the profile has one (measured here, Open
     # MPI's over TCP took twice the blocking one's time), else the allreduce's.
     op = "iallreduce" if work.overlapped(nodes) and "iallreduce" in link.links \
         else "allreduce"
     return sum(link.time(op, n, ranks) for n in sizes)
+
+
+def _bucket_messages(work: Workload) -> list[int]:
+    """Bytes of each allreduce of an uncompressed (or 16-bit) exchange: full buckets."""
+    wire = work.grad_bytes // 2 if work.compression else work.grad_bytes
+    bucket = max(1, work.bucket_bytes // 2 if work.compression else work.bucket_bytes)
+    full, rest = divmod(wire, bucket)
+    return [bucket] * full + ([rest] if rest else [])
+
+
+def compressed_workload(work: Workload, model: Any, choice: Any,
+                        extra_compute_s: float | None = None) -> Workload:
+    """``work`` with its gradients compressed as ``choice`` (a parsed ``--compression``:
+    None, a wire dtype, or :class:`~mpidl.parallel.PowerSGDOptions`).
+
+    PowerSGD's exchange is priced message by message as DataParallel sends it: per
+    bucket of ``model``'s parameters (the same plan, :mod:`mpidl.parallel.buckets`), one
+    allreduce of the uncompressed tensors and the Ps, one of the Qs
+    (:func:`mpidl.parallel.powersgd.wire_elements`); embedding tables travel apart,
+    uncompressed. Its own compute (the products, the QR, the error feedback) is
+    ``extra_compute_s``, or measured here (:func:`measure_powersgd`). The first
+    ``start_powerSGD_iter`` steps are priced uncompressed.
+    """
+    from mpidl.parallel.compression_choice import PowerSGDOptions, describe
+
+    if choice is None:
+        return work
+    if not isinstance(choice, PowerSGDOptions):
+        return dataclasses.replace(work, compression=True, compressed_as=describe(choice))
+    shapes, tables = _bucket_shapes(model, work.bucket_bytes)
+    from mpidl.parallel.powersgd import wire_elements
+
+    messages = []
+    for bucket in shapes:
+        first, second = wire_elements(bucket, choice)
+        messages += [4 * first] + ([4 * second] if second else [])
+    messages += [4 * t for t in tables]
+    if extra_compute_s is None:
+        extra_compute_s = measure_powersgd(shapes, choice)
+    return dataclasses.replace(work, messages=tuple(messages), extra_compute_s=extra_compute_s,
+                               uncompressed_steps=int(choice.start_powerSGD_iter),
+                               compressed_as=describe(choice))
+
+
+def _bucket_shapes(model: Any, bucket_bytes: int) -> tuple[list[list[tuple]], list[int]]:
+    """DataParallel's dense buckets of ``model`` (float32 gradients), as member shapes,
+    and the element counts of the embedding tables that travel apart."""
+    from mpidl.parallel.buckets import plan_buckets
+    from mpidl.parallel.data import is_row_sparse
+
+    params = model.parameters()
+    tables = [p for p in params if is_row_sparse(model, p)]
+    dense = [p for p in params if not any(p is t for t in tables)]
+    import numpy
+
+    groups = plan_buckets(dense, bucket_bytes, numpy.dtype("float32"))
+    return ([[tuple(dense[i].data.shape) for i in g] for g in groups],
+            [int(t.data.size) for t in tables])
+
+
+def measure_powersgd(shapes: Sequence[Sequence[tuple]], options: Any, repeats: int = 5) -> float:
+    """Seconds of PowerSGD's own compute for one step's buckets, measured here: the
+    transport's exchange on one rank (where the allreduces cost nothing), float32
+    gradients, the median of ``repeats`` after one warm-up."""
+    import numpy
+
+    from mpidl.comm import SingleCommunicator
+    from mpidl.parallel.powersgd import PowerSGDTransport
+
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a dependency
+        threadpool_limits = None
+    options = dataclasses.replace(options, start_powerSGD_iter=0)
+    transport = PowerSGDTransport(SingleCommunicator(), 1 << 22, options, shapes)
+    rng = numpy.random.default_rng(0)
+    flats = [rng.standard_normal(sum(int(numpy.prod(s)) for s in b)).astype(numpy.float32)
+             for b in shapes]
+    transport.bind(flats)
+    times = []
+    # one BLAS thread, as measure_compute (what a rank of a full node gets)
+    limit = threadpool_limits(limits=1, user_api="blas") if threadpool_limits else None
+    try:
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            for flat in flats:
+                transport.allreduce_(flat)
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        if limit is not None:
+            limit.restore_original_limits()
+    return statistics.median(times)
+
+
+def _step(work: Workload, r: int, nodes: int, b: int, compute: Callable[[int], float],
+          network: Any, node_link: Any, input_s: float,
+          costs: StepCosts) -> tuple[float, float, float, float, float]:
+    """One step at ``r`` ranks: (compute, communication, exposed, fixed, total) seconds."""
+    extra = work.extra_compute_s if r > 1 else 0.0  # one rank compresses nothing
+    c = shared_cores(compute(b) + extra, r, costs.cores)
+    comm = shared_cores(comm_seconds(work, r, nodes, network, node_link), r, costs.cores)
+    exposed = exposed_comm(comm, c, work.overlapped(nodes), costs.overlap_share)
+    fixed = costs.fixed_s if r > 1 else 0.0
+    return c, comm, exposed, fixed, c + exposed + fixed + input_s
 
 
 def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int],
@@ -173,17 +285,18 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
     for r in counts:
         nodes = -(-r // max(1, ranks_per_node))
         b = per_rank_batch(work.global_batch, r)
-        c = shared_cores(compute(b), r, costs.cores)
-        comm = shared_cores(comm_seconds(work, r, nodes, network, node_link), r, costs.cores)
-        overlap = work.overlapped(nodes)
-        exposed = exposed_comm(comm, c, overlap, costs.overlap_share)
-        fixed = costs.fixed_s if r > 1 else 0.0
-        step = c + exposed + fixed + input_s
+        c, comm, exposed, fixed, step = _step(work, r, nodes, b, compute, network,
+                                              node_link, input_s, costs)
+        # PowerSGD's first steps travel uncompressed (start_powerSGD_iter)
+        first = min(work.uncompressed_steps, work.steps) if r > 1 else 0
+        plain = dataclasses.replace(work, messages=None, extra_compute_s=0.0)
+        before = _step(plain, r, nodes, b, compute, network, node_link, input_s,
+                       costs)[4] if first else 0.0
         rows.append(Prediction(
             ranks=r, nodes=nodes, per_rank_batch=b, compute_s=c, comm_s=comm,
             exposed_comm_s=exposed, input_s=input_s, step_s=step, fixed_s=fixed,
             samples_per_s=work.global_batch / step, speedup=0.0, efficiency=0.0,
-            train_hours=work.steps * step / HOUR,
+            train_hours=(first * before + (work.steps - first) * step) / HOUR,
             memory_bytes=int(work.params * state_bytes_per_param("data", r, work.state_copies))))
     base = rows[0]
     for row in rows:
@@ -194,6 +307,33 @@ def predict(work: Workload, compute: Callable[[int], float], ranks: Sequence[int
             row.trainings_to_break_even = (setup_hours / row.saving_hours
                                            if row.saving_hours > 0 else None)
     return [row for row in rows if row.ranks in set(ranks)] or rows[:1]
+
+
+def worth_it(rows: list[Prediction], setup_hours: float, queue_hours: float) -> bool:
+    """Whether :func:`verdict` says distributing is worth it (for one training)."""
+    best = max(rows, key=lambda r: r.speedup)
+    if best.ranks == 1 or best.saving_hours <= 0:
+        return False
+    return setup_hours <= 0 or (best.trainings_to_break_even or math.inf) <= 1
+
+
+def compression_verdict(plain: list[Prediction], compressed: list[Prediction], how: str,
+                        setup_hours: float, queue_hours: float) -> str:
+    """One line: what compressing as ``how`` changes in the verdict."""
+    was, now = (worth_it(rows, setup_hours, queue_hours) for rows in (plain, compressed))
+    b0, b1 = (max(rows, key=lambda r: r.speedup) for rows in (plain, compressed))
+    gain = (f"best {_ranks(b0.ranks)} at {b0.speedup:.2f}x uncompressed, "
+            f"{_ranks(b1.ranks)} at {b1.speedup:.2f}x with {how}")
+    if now and not was:
+        return f"--compression {how} turns \"not worth it\" into \"worth it\": {gain}"
+    if was and not now:
+        return f"--compression {how} turns \"worth it\" into \"not worth it\": {gain}"
+    return (f"--compression {how} does not change the verdict ("
+            f"{'worth it' if now else 'not worth it'} either way): {gain}")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def verdict(rows: list[Prediction], setup_hours: float, queue_hours: float) -> str:

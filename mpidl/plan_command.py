@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=positive_float, help="memory per rank for the largest "
                    "model that fits (default: the device profile's, else this machine's "
                    "memory over --ranks-per-node)")
+    p.add_argument("--compression", metavar="HOW",
+                   help="price the gradients compressed too: fp16, bf16 or powersgd:R "
+                        "(default: the config's compression key); prints both tables and "
+                        "whether compression changes the verdict")
     p.add_argument("--setup-hours", type=nonnegative_float, default=0.0,
                    help="one-off hours to set the distributed runs up")
     p.add_argument("--queue-hours", type=nonnegative_float, default=0.0,
@@ -129,6 +133,7 @@ def _probe(argv: Sequence[str], comm: Any) -> Probe | None:
     from mpidl.data import DataError
     from mpidl.plan_probe import probe_step
     from mpidl.train.config import ConfigError, load_config, split_args
+    from mpidl.train.config_checks import compression_of
     from mpidl.train.log import Logger
     from mpidl.train.task import prepare_data
 
@@ -141,6 +146,9 @@ def _probe(argv: Sequence[str], comm: Any) -> Probe | None:
         check_outputs(args, [p for p in (preset,) if p and os.path.exists(p)])
         config = load_config(preset, overrides)
         check_layout(config)
+        if args.compression is not None:  # the flag, as the config key would take it
+            config = dataclasses.replace(config, compression=args.compression)
+        choice = compression_of(config)  # ConfigError naming the value: exit 2
     except (SystemExit, ConfigError, ValueError, OSError):  # rank 0's plan reports it
         return None
     try:
@@ -219,6 +227,7 @@ def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
     from mpidl.data import DataError, ShardedDataset
     from mpidl.train.checkpoint import CheckpointError
     from mpidl.train.config import ConfigError, load_config, split_args
+    from mpidl.train.config_checks import compression_of
     from mpidl.train.model import build_model
 
     parser = _parser()
@@ -245,6 +254,9 @@ def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
         else:
             config = load_config(preset, overrides)
         check_layout(config)
+        if args.compression is not None:  # the flag, as the config key would take it
+            config = dataclasses.replace(config, compression=args.compression)
+        choice = compression_of(config)  # ConfigError naming the value: exit 2
         plan.check_rank_counts(sorted(set(args.ranks)), config.global_batch)
         network = costmodel.load_network(args.network)
         node_link = (plan.shared_memory_link() if args.node_network == "shm"
@@ -290,6 +302,15 @@ def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
     rows = plan.predict(work, compute, ranks, network, node_link, args.ranks_per_node,
                         input_s, args.queue_hours, args.setup_hours, costs)
     line = plan.verdict(rows, args.setup_hours, args.queue_hours)
+    compressed = None
+    if choice is not None:
+        work_c = plan.compressed_workload(work, model, choice)
+        compressed = plan.predict(work_c, compute, ranks, network, node_link,
+                                  args.ranks_per_node, input_s, args.queue_hours,
+                                  args.setup_hours, costs)
+        line_c = plan.verdict(compressed, args.setup_hours, args.queue_hours)
+        change = plan.compression_verdict(rows, compressed, work_c.compressed_as,
+                                          args.setup_hours, args.queue_hours)
     memory = _memory_per_rank(args, device)
     mode_rows = _modes(args, config, model, dataset, work, ranks, network, node_link, memory)
     print(f"mpidl plan: {config.model.name}, {work.params:,} parameters "
@@ -308,6 +329,16 @@ def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
               f"{memory / 1e9:.3g} GB per rank (activations not counted), "
               "communication per step\n" + format_modes(mode_rows))
     print(f"\nverdict: {line}")
+    if compressed is not None:
+        wire = sum(work_c.messages) if work_c.messages is not None else work.grad_bytes // 2
+        print(f"\nwith --compression {work_c.compressed_as}: {wire / 1e6:.3g} MB on the wire "
+              f"per step instead of {work.grad_bytes / 1e6:.3g}"
+              + (f" in {len(work_c.messages)} allreduces, {work_c.extra_compute_s * 1e3:.3g} "
+                 "ms of compression compute per step (measured here), the first "
+                 f"{work_c.uncompressed_steps} steps uncompressed"
+                 if work_c.messages is not None else "") + "\n")
+        print(plan.format_table(compressed))
+        print(f"\nverdict with --compression {work_c.compressed_as}: {line_c}\n{change}")
     noise = run["noise_scale"] if run else None
     if noise is not None:
         print("\n" + format_noise(noise, run["per_rank"], ranks))
@@ -324,6 +355,13 @@ def _plan(argv: Sequence[str], probe: Probe | None = None) -> int:
                "overlap_share": costs.overlap_share, "overlap_from": costs.overlap_from,
                "fixed_s": costs.fixed_s, "fixed_from": costs.fixed_from, "cores": args.cores,
                "best_ranks": best.ranks}
+        if compressed is not None:
+            doc["compression"] = {
+                "how": work_c.compressed_as, "messages": list(work_c.messages or []),
+                "extra_compute_s": work_c.extra_compute_s,
+                "uncompressed_steps": work_c.uncompressed_steps,
+                "rows": [r.as_dict() for r in compressed], "verdict": line_c,
+                "change": change}
         if noise is not None:
             doc["noise_scale"] = {"value": noise, "per_rank_batch": run["per_rank"],
                                   "critical_ranks": critical_ranks(noise, run["per_rank"]),

@@ -52,6 +52,7 @@ from mpidl.optim import clip_grad_norm_
 from mpidl.optim.layerwise import TensorNorms
 from mpidl.parallel import agreement
 from mpidl.parallel.buckets import Bucket, build_buckets
+from mpidl.parallel.compression_choice import PowerSGDOptions, parse_compression
 from mpidl.parallel.layerwise import whole_tensor_norms
 from mpidl.parallel.sparse import SparseTables
 from mpidl.parallel.syncbn import convert_sync_batchnorm
@@ -81,7 +82,11 @@ class DataParallel:
             Multi-node networks may prefer larger; measure with benchmarks/gradsync.py.
         compression: None, "float16" or "bfloat16": the dtype gradients travel in.
             With ``hierarchical``, only between the node leaders (the network); the
-            node-local reduce and broadcast stay in full precision.
+            node-local reduce and broadcast stay in full precision. Or a
+            :class:`~mpidl.parallel.PowerSGDOptions` (any value
+            :func:`~mpidl.parallel.parse_compression` reads, "powersgd:4" too): each
+            gradient matrix travels as a rank-r approximation with error feedback
+            (:mod:`mpidl.parallel.powersgd`), without ``hierarchical``.
         hierarchical: node-local reduce, allreduce among node leaders, node-local
             broadcast (pass an int to group that many consecutive ranks per "node").
         sparse_embeddings: exchange only touched rows of embedding tables whose
@@ -140,7 +145,10 @@ class DataParallel:
         if grad_dtype not in (None, "float32"):
             raise ValueError(f"grad_dtype={grad_dtype!r}: use None (the parameters' dtype) "
                              "or 'float32'")
-        if compression is not None and compression not in wire.WIRE_DTYPES:
+        if isinstance(compression, str) and compression not in wire.WIRE_DTYPES:
+            compression = parse_compression(compression)  # ValueError naming the choices
+        if compression is not None and not isinstance(compression, PowerSGDOptions) \
+                and compression not in wire.WIRE_DTYPES:
             raise ValueError(f"compression={compression!r}: use None or one of {wire.WIRE_DTYPES}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
@@ -171,7 +179,7 @@ class DataParallel:
         # would sum them in the tables' dtype, and MPI has no bfloat16.
         self.grad_dtype = None if grad_dtype is None else numpy.dtype(grad_dtype)
         self.sparse = [p for p in params if sparse_embeddings and self.grad_dtype is None
-                       and _is_row_sparse(model, p)]
+                       and is_row_sparse(model, p)]
         dense = [p for p in params if not any(p is s for s in self.sparse)]
         self._piece_bytes = int(bucket_mb * 2**20)
         self.buckets: list[Bucket] = build_buckets(dense, self._piece_bytes, self.grad_dtype)
@@ -189,7 +197,8 @@ class DataParallel:
         flats = [b.flat for b in every]
         self.transport = choose_transport(
             comm, flats, piece_bytes=self._piece_bytes, compression=self.compression,
-            hierarchical=hierarchical, overlap=self.overlap, shared_memory=shared_memory)
+            hierarchical=hierarchical, overlap=self.overlap, shared_memory=shared_memory,
+            shapes=[[tuple(p.data.shape) for p in b.params] for b in every])
         rows = [None] * len(self.buckets) + [p.data.shape[0] for p in self.sparse]
         for b, flat in zip(every, self.transport.bind(flats, rows)):
             if flat is not b.flat:
@@ -401,7 +410,7 @@ class DataParallel:
 _WRAPPERS: "weakref.WeakValueDictionary[int, DataParallel]" = weakref.WeakValueDictionary()
 
 
-def _is_row_sparse(model: Any, p: Tensor) -> bool:
+def is_row_sparse(model: Any, p: Tensor) -> bool:
     """Whether ``p`` is only ever an embedding table (so its gradient is row-sparse).
 
     A table tied to a dense use (an output projection sharing the embedding weight)

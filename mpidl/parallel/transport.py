@@ -13,6 +13,8 @@ so neither branches on how the bytes move:
   in that format (:mod:`mpidl.parallel.compression`); parameters are never compressed.
 - :class:`HierarchicalTransport`: node-local reduce, leaders' allreduce (16 bits there
   only, with compression), node-local broadcast.
+- :class:`~mpidl.parallel.powersgd.PowerSGDTransport`: each gradient matrix travels as a
+  rank-r approximation with error feedback (PowerSGD; its own module).
 - :class:`WindowTransport`: the buckets live in an MPI-3 shared-memory window of the
   node and each rank sums its share out of the others' copies (:mod:`mpidl.comm.shared`):
   3x one MPI allreduce's throughput on one node (benchmarks/README.md).
@@ -295,12 +297,27 @@ def _shm_free_bytes() -> int | None:
 def choose_transport(comm: Any, flats: Sequence[Any], *, piece_bytes: int,
                      compression: str | None = None, hierarchical: bool | int = False,
                      overlap: bool = False, shared_memory: bool | None = None,
-                     owner: str = "DataParallel") -> Transport:
+                     owner: str = "DataParallel",
+                     shapes: Sequence[Sequence[tuple[int, ...]]] | None = None) -> Transport:
     """The transport for these buckets and options, the same on every rank. Collective.
 
-    ``shared_memory``: None uses the window exactly when it can be used, True raises
-    if it cannot (naming why), False never uses it.
+    ``compression``: None, a wire dtype, or
+    :class:`~mpidl.parallel.compression_choice.PowerSGDOptions` (which needs ``shapes``:
+    per flat, its members' shapes). ``shared_memory``: None uses the window exactly when
+    it can be used, True raises if it cannot (naming why), False never uses it.
     """
+    # Here: powersgd builds on this module's Transport.
+    from mpidl.parallel.compression_choice import PowerSGDOptions
+    from mpidl.parallel.powersgd import PowerSGDTransport
+
+    lowrank = isinstance(compression, PowerSGDOptions)
+    if lowrank and hierarchical:
+        raise ValueError(f"{owner}(compression={compression}, hierarchical=...): PowerSGD "
+                         "sums over one flat group; drop one of them")
+    if lowrank and shapes is None:
+        raise ValueError(f"{owner}(compression={compression}): PowerSGD compresses whole "
+                         "gradient matrices, which only DataParallel's buckets hold; use "
+                         "None, 'float16' or 'bfloat16' here")
     why_not = shared_memory_excluded(comm, flats, compression, hierarchical, overlap)
     if shared_memory and why_not:
         raise ValueError(f"{owner}(shared_memory=True): {why_not}")
@@ -311,6 +328,8 @@ def choose_transport(comm: Any, flats: Sequence[Any], *, piece_bytes: int,
     if hierarchical:
         per_node = None if hierarchical is True else int(hierarchical)
         return HierarchicalTransport(comm, piece_bytes, per_node, compression)
+    if lowrank:
+        return PowerSGDTransport(comm, piece_bytes, compression, shapes)
     if compression is not None:
         return CompressedTransport(comm, piece_bytes, compression)
     return MpiTransport(comm, piece_bytes)

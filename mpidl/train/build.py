@@ -27,6 +27,7 @@ from mpidl.nn import init
 from mpidl.nn.recompute import set_recompute
 from mpidl.parallel import DataParallel, ShardedDataParallel, convert_sync_batchnorm
 from mpidl.train.config import Config, ConfigError
+from mpidl.train.config_checks import compression_of
 from mpidl.train.evaluation import evaluation_loader
 from mpidl.train.layout import Layout, plan_layout
 from mpidl.train.log import Logger
@@ -225,6 +226,7 @@ def build_run(config: Config, comm: Any, data_dir: str, log: Logger | None = Non
     def wrap(module: Any, replicas: Any) -> Any:
         """The wrapper that averages ``module``'s gradients over ``replicas``."""
         options = {} if config.bucket_mb is None else {"bucket_mb": config.bucket_mb}
+        options["compression"] = compression_of(config)
         if config.precision != "fp32":  # half parameters, their gradients in fp32
             module.half_(precision_dtype(config.precision))
             options["grad_dtype"] = "float32"

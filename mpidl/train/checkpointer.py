@@ -33,6 +33,7 @@ from mpidl.comm import DistributedError
 from mpidl.comm.ledger import patience
 from mpidl.parallel import holdings as hold
 from mpidl.parallel import tensor, zero_state
+from mpidl.parallel.powersgd_state import PowerSGDState, powersgd_state
 from mpidl.parallel.zero import ShardedDataParallel
 from mpidl.train import checkpoint as ckpt
 from mpidl.train import pieces, sharded
@@ -68,6 +69,9 @@ class Checkpointer:
         # The single-rank optimizer's parameter order, and every tensor of the model.
         self.order = [n for n, _ in model.named_parameters()]
         self.buffers = [n for n, _ in model.named_buffers()]
+        # State of the gradient exchange itself (PowerSGD's error feedback), or None:
+        # saved and loaded beside the optimizer's (choose_checkpointer sets it).
+        self.compression: PowerSGDState | None = None
 
     def holdings(self) -> tuple[list[hold.Held], list[hold.HeldInt]]:
         """This rank's records of the model and optimizer. Not collective."""
@@ -86,6 +90,9 @@ class Checkpointer:
             DistributedError: on every rank, when a rank could not write (naming it).
         """
         held, ints = self.holdings()
+        if self.compression is not None:
+            more, more_ints = self.compression.holdings()
+            held, ints = held + more, ints + more_ints
         mine = [h for h in held if h.owner and h.count and h.read() is not None]
         rows, error, written = [], None, None
         # The parts share a filesystem (as a rule): each rank checks there is room for
@@ -172,6 +179,14 @@ class Checkpointer:
                 except (CheckpointError, OSError) as e:
                     error = ("corrupt", str(e))
                 self._agree(error)
+                if self.compression is not None:
+                    try:
+                        read += self.compression.load(source, pieces.load)
+                    except (KeyError, ValueError) as e:
+                        error = ("optimizer", "compression state: " + _first_line(e))
+                    except (CheckpointError, OSError) as e:
+                        error = ("corrupt", str(e))
+                    self._agree(error)
         finally:
             if source is not None:
                 source.close()
@@ -351,6 +366,11 @@ def choose_checkpointer(comm: Any, layout: Any, wrapper: Any, model: Any,
         return PipelineCheckpointer(comm, layout, layout.pipeline, optimizer)
     zero = isinstance(wrapper, ShardedDataParallel)
     grid = layout is not None and layout.grid is not None
+    compression = powersgd_state(wrapper)
+    if compression is not None and not (zero or grid):  # the config refuses the others
+        chosen = ReplicatedCheckpointer(comm, model, optimizer)
+        chosen.compression = compression
+        return chosen
     if grid:
         return (GridZeroCheckpointer(comm, layout, wrapper, optimizer) if zero
                 else GridCheckpointer(comm, layout, model, optimizer))

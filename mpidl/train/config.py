@@ -189,6 +189,14 @@ class Config:
     #                                          re-fetching each step's activations)
     overlap: Optional[bool] = None           # bucket allreduces during backward; none: on
     #                                          when the ranks span several nodes
+    # Gradients on the wire (mpidl.parallel.compression_choice): none, fp16, bf16, or
+    # powersgd:R, a rank-R approximation with error feedback (data parallelism only);
+    # PowerSGD's uncompressed first steps, warm start and error feedback as PyTorch's
+    # start_powerSGD_iter, warm_start, use_error_feedback (and their defaults)
+    compression: str = "none"
+    start_powersgd_iter: int = 1000
+    powersgd_warm_start: bool = True
+    powersgd_error_feedback: bool = True
     # -- run directory, checkpoints, logging
     run_dir: str = ""                        # "" = runs/<task>-<model>-<time>
     resume: Union[bool, str] = "auto"        # auto | true | false | PATH (see resume docs)

@@ -63,6 +63,7 @@ def validate(config: Any) -> None:
     if not 0.0 <= config.warmup_fraction < 1.0:
         raise ConfigError(f"config key 'warmup_fraction' must be in [0, 1), "
                           f"got {config.warmup_fraction}")
+    check_compression(config)
     if not config.model.name:
         raise ConfigError("config key 'model.name' is empty; name a model, e.g. --model=bow")
     d = config.data
@@ -85,4 +86,38 @@ def validate(config: Any) -> None:
                                   f"generated language corpus, got {getattr(d, key)}")
 
 
-__all__ = ["validate"]
+def compression_of(config: Any) -> Any:
+    """The run's parsed ``compression`` (None, a wire dtype or PowerSGD's options);
+    ConfigError naming the value and the choices."""
+    # Here: mpidl.parallel loads numpy, which the way to the train command's signal
+    # handlers must not (tests/unit/test_imports.py).
+    from mpidl.parallel.compression_choice import parse_compression
+
+    try:
+        return parse_compression(config.compression,
+                                 start_powerSGD_iter=config.start_powersgd_iter,
+                                 warm_start=config.powersgd_warm_start,
+                                 use_error_feedback=config.powersgd_error_feedback)
+    except ValueError as e:
+        raise ConfigError(f"config key 'compression' (--compression): {e}") from None
+
+
+def check_compression(config: Any) -> None:
+    """PowerSGD where its state is checkpointed: whole-model data parallelism."""
+    if config.start_powersgd_iter < 0:
+        raise ConfigError(f"config key 'start_powersgd_iter' must be >= 0 (steps exchanged "
+                          f"uncompressed first), got {config.start_powersgd_iter}")
+    if compression_of(config) is None or isinstance(compression_of(config), str):
+        return  # none, or 16 bits on the wire: every layout takes those
+    split = [f"--{k.replace('_', '-')}={v}" for k, v, plain in (
+        ("zero", config.zero, 0), ("tensor_parallel", config.tensor_parallel, 1),
+        ("pipeline_parallel", config.pipeline_parallel, 1),
+        ("sequence_parallel", config.sequence_parallel, "none")) if v != plain]
+    if split:
+        raise ConfigError(f"--compression={config.compression} with {', '.join(split)}: "
+                          "PowerSGD compresses whole-model data parallelism's gradients "
+                          "(its error feedback is checkpointed there only); use "
+                          "--compression=fp16 or bf16 with ZeRO or a model split")
+
+
+__all__ = ["compression_of", "validate"]

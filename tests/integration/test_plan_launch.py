@@ -93,3 +93,19 @@ def test_plan_names_a_missing_profile_and_a_bad_rank_list(tmp_path):
     assert result.returncode == 2 and "no network profile 'carrier-pigeon'" in result.stderr
     result = mpiexec(1, [sys.executable, "-m", "mpidl", "plan", "--ranks", "0,2"], timeout=60)
     assert result.returncode == 2 and "--ranks: '0,2': rank counts >= 1" in result.stderr
+
+
+def test_plan_prices_powersgd_beside_the_uncompressed_exchange(tmp_path, cache):
+    out = tmp_path / "plan.json"
+    result = _run(1, "plan", "--ranks", "1,2", "--network", "10gbe", "--step-time", "0.05",
+                  "--compression", "powersgd:2", "--start-powersgd-iter=10",
+                  "--json", str(out), *SMALL, f"--data.cache-dir={cache}")
+    doc = json.loads(out.read_text())
+    low = doc["compression"]
+    assert low["how"] == "powersgd:2" and low["uncompressed_steps"] == 10
+    assert [r["ranks"] for r in low["rows"]] == [1, 2]
+    assert low["rows"][0]["step_s"] == doc["rows"][0]["step_s"]  # one rank: no exchange
+    assert sum(low["messages"]) > 0 and low["extra_compute_s"] > 0
+    assert "with --compression powersgd:2: " in result.stdout
+    assert f"verdict with --compression powersgd:2: {low['verdict']}" in result.stdout
+    assert low["change"] in result.stdout and low["change"].startswith("--compression")
