@@ -101,10 +101,12 @@ def describe(model: str, tokens: bool, scores: Any, model_score: Any, epochs: in
     beside the ``model``'s ``model_score``; ``tokens``: the data is token ids."""
     inputs = "token counts" if tokens else "features"
     kind = "logistic regression" if key == "test_accuracy" else "least squares"
-    theirs = f"{model_score:.4f}" if isinstance(model_score, float) else str(model_score)
+    def shown(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, (int, float)) else "-"  # R² of one test row: none
+
     return (f"baseline: linear model ({kind} on {inputs}), {epochs} epochs in "
-            f"{seconds:.1f} s: {label} {scores.record.get(key):.4f} (the {model}: "
-            f"{theirs}; --baseline=off skips this)")
+            f"{seconds:.1f} s: {label} {shown(scores.record.get(key))} (the {model}: "
+            f"{shown(model_score)}; --baseline=off skips this)")
 
 
 __all__ = ["LINEAR_LR", "MAX_VALUES", "baseline_config", "describe", "fit_baseline", "wanted"]
