@@ -121,3 +121,15 @@ def test_a_table_gets_an_mlp_sized_to_it_unless_sizes_are_given(tmp_path):
     config, notes = _fit([f"--data={data}", "--model.sizes=[13,8,3]"])
     assert config.model.kwargs["sizes"] == [13, 8, 3]
     assert not any(n.startswith("mlp sizes") for n in notes)
+
+
+@pytest.mark.parametrize("rows, model", [(400, "linear"), (1400, "mlp")])
+def test_a_small_regression_table_gets_the_linear_model(tmp_path, rows, model):
+    out = str(tmp_path / "data")
+    x = numpy.random.default_rng(0).standard_normal((rows, 10)).astype(numpy.float32)
+    write_shards(out, {"x": x, "y": x[:, 0] * 2.0}, test_fraction=0.25, labels=None)
+    config, notes = _fit([f"--data={out}"])
+    assert config.model.name == model
+    if model == "linear":  # 300 training rows: fewer than LINEAR_ROWS; its own rate
+        assert "regression targets, 300 training rows: fewer than 1000" in notes[0]
+        assert config.lr == 1e-2
