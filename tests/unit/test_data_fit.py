@@ -4,8 +4,7 @@ import pytest
 
 from mpidl.data.writer import write_shards, write_text_shards
 from mpidl.train.config import load_config
-from mpidl.train.data_fit import (MAX_EPOCHS, MIN_STEPS, epochs_for, fit_to_data, mlp_width,
-                                  sets)
+from mpidl.train.data_fit import MAX_EPOCHS, MIN_STEPS, epochs_for, fit_to_data, sets
 
 
 def _arrays(tmp_path, shape, dtype=numpy.float32, rows=40):
@@ -103,24 +102,6 @@ def test_the_linear_model_gets_its_own_rate_unless_one_is_given(tmp_path):
     assert config.lr == 1e-2 and any(n.startswith("lr 0.01") for n in notes)
     config, _ = _fit([f"--data={data}", "--model=linear", "--lr=3e-3"])
     assert config.lr == 3e-3
-
-
-@pytest.mark.parametrize("rows, width", [
-    (0, 64), (398, 64), (512, 64), (1617, 128), (4000, 256), (8191, 512), (8192, 1024),
-    (60000, 1024),
-])
-def test_the_mlp_width_follows_the_train_split_size(rows, width):
-    assert mlp_width(rows) == width
-
-
-def test_a_table_gets_an_mlp_sized_to_it_unless_sizes_are_given(tmp_path):
-    data = _arrays(tmp_path, (13,), rows=200)   # 150 train rows, 3 classes
-    config, notes = _fit([f"--data={data}"])
-    assert config.model.kwargs["sizes"] == [13, 64, 64, 3]
-    assert "mlp sizes [13, 64, 64, 3] (hidden width for 150 training samples" in notes[1]
-    config, notes = _fit([f"--data={data}", "--model.sizes=[13,8,3]"])
-    assert config.model.kwargs["sizes"] == [13, 8, 3]
-    assert not any(n.startswith("mlp sizes") for n in notes)
 
 
 @pytest.mark.parametrize("rows, model", [(400, "linear"), (1400, "mlp")])
