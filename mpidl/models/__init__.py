@@ -7,6 +7,8 @@ name           model                                                         par
 ``bow``        EmbeddingBag(20000, 128, mean) -> 256 -> ReLU -> 2            2,593,538
 ``transformer`` vocab 8000, learned positions, seq 128, d 128, 2 pre-LN      1,437,186
                layers (4 heads, FFN 512, GELU), mean-pool -> 2
+``linear``     logistic regression on token counts or feature vectors       (by data)
+               (linear regression for float targets), zero start
 ``gpt``        small causal language model, tied embeddings                  (by config)
 ``cnn``        2-D: 3 x {conv 3x3, batch norm, max pool 2, ReLU}             94,186
                (32, 64, 128 channels), global average pool -> linear
@@ -32,6 +34,7 @@ from typing import Any
 from mpidl.models.cnn import CNN
 from mpidl.models.cosmoflow import CosmoFlow
 from mpidl.models.gpt import GPT
+from mpidl.models.linear import LinearModel
 from mpidl.models.mlp import MLP
 from mpidl.models.textclf import BagOfWords, TransformerClassifier
 
@@ -91,8 +94,17 @@ def cosmoflow(in_shape: tuple = (4, 32, 32, 32), outputs: int = 4, standardize: 
     return CosmoFlow(in_shape, outputs, **_standardized(standardize, kwargs))
 
 
-MODELS = {"mlp": mlp, "bow": bow, "transformer": transformer, "gpt": gpt, "cnn": cnn,
-          "cosmoflow": cosmoflow}
+def linear(classes: int | None = None, outputs: int | None = None, standardize: bool = True,
+           **kwargs: Any) -> LinearModel:
+    """Logistic regression on token counts (``vocab=``) or on feature vectors
+    (``in_shape=``), linear regression for float targets (see :class:`LinearModel`);
+    ``standardize``: use the data's statistics (feature inputs, regression targets)."""
+    return LinearModel(classes=classes, outputs=outputs,
+                       **_standardized(standardize, kwargs))
+
+
+MODELS = {"mlp": mlp, "linear": linear, "bow": bow, "transformer": transformer, "gpt": gpt,
+          "cnn": cnn, "cosmoflow": cosmoflow}
 
 
 def build(name: str, **kwargs: Any) -> Any:
@@ -102,5 +114,5 @@ def build(name: str, **kwargs: Any) -> Any:
     return MODELS[name](**kwargs)
 
 
-__all__ = ["mlp", "bow", "transformer", "gpt", "cnn", "cosmoflow", "build", "MODELS",
-           "MLP", "BagOfWords", "TransformerClassifier", "GPT", "CNN", "CosmoFlow"]
+__all__ = ["mlp", "linear", "bow", "transformer", "gpt", "cnn", "cosmoflow", "build", "MODELS",
+           "MLP", "LinearModel", "BagOfWords", "TransformerClassifier", "GPT", "CNN", "CosmoFlow"]

@@ -32,21 +32,45 @@ class BagOfWords(Module):
         hidden: width of the hidden layer.
         classes: number of classes.
         pad_id: the padding token id, left out of the mean, or None.
+        pooling: "mean" (the reference) or "sum" of the token embeddings.
+        embed_std: the embedding table starts as N(0, embed_std²); 1 is PyTorch's
+            default and the reference's, ``mpidl train`` passes 0.1 for a text dataset
+            (:func:`mpidl.train.model.model_options` says why).
         seed, rng, dtype: see :mod:`mpidl.nn.init`; float32 by default.
     """
 
     def __init__(self, vocab: int = 20000, dim: int = 128, hidden: int = 256, classes: int = 2,
-                 pad_id: int | None = None, *, seed: int | None = None,
+                 pad_id: int | None = None, pooling: str = "mean", embed_std: float = 1.0,
+                 *, seed: int | None = None,
                  rng: numpy.random.Generator | None = None, dtype: Any = None) -> None:
         super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"BagOfWords: pooling={pooling!r}; choose one of {POOLINGS}")
         rng = init.make_rng(seed, rng)
-        self.pad_id = pad_id
-        self.embed = EmbeddingBag(vocab, dim, padding_idx=pad_id, rng=rng, dtype=dtype)
+        self.pad_id, self.pooling = pad_id, pooling
+        self.embed = EmbeddingBag(vocab, dim, padding_idx=pad_id, std=embed_std, rng=rng,
+                                  dtype=dtype)
         self.fc1 = Linear(dim, hidden, rng=rng, dtype=dtype)
         self.fc2 = Linear(hidden, classes, rng=rng, dtype=dtype)
 
     def forward(self, ids: Any) -> Tensor:
-        return self.fc2(F.relu(self.fc1(self.embed(ids))))
+        return self.fc2(F.relu(self.fc1(bag_pool(self.embed, ids, self.pad_id, self.pooling))))
+
+
+POOLINGS = ("mean", "sum")
+
+
+def bag_pool(embed: EmbeddingBag, ids: Any, pad_id: int | None, pooling: str) -> Tensor:
+    """``embed``'s mean over each row's real tokens (``pooling="mean"``), or their sum:
+    the mean times the number of real tokens (``"sum"``), ``(B, L)`` -> ``(B, dim)``."""
+    pooled = embed(ids)  # (B, D)
+    if pooling == "mean":
+        return pooled
+    ids = as_input(ids)
+    xp = get_array_module(ids)
+    n = ids.shape[-1] if pad_id is None else (ids != pad_id).sum(axis=-1)
+    n = xp.asarray(n, dtype=embed.weight.data.dtype).reshape(-1, 1)  # (B, 1), constant
+    return F.mul(pooled, n)
 
 
 class TransformerClassifier(Module):

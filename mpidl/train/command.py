@@ -60,18 +60,24 @@ def _resolve(argv: Sequence[str], comm) -> tuple[object | None, int]:
     # lazy: the signal handlers come before heavy imports (see the module's note)
     from mpidl.backend import precision_problem
     from mpidl.train.config import ConfigError, load_config, split_args
+    from mpidl.train.data_fit import fit_to_data
     from mpidl.train.model_keys import check_model
 
-    config, error = None, None
+    config, error, chosen = None, None, []
     try:
         preset, overrides = split_args(argv)
         config = load_config(preset, overrides)
+        # a user's dataset with no preset: the model and epochs follow it (data_fit)
+        chosen = fit_to_data(config, preset, overrides)
         check_model(config)
         error = precision_problem(config.backend, config.precision)  # CuPy's bf16 (#48)
     except ConfigError as e:
         error = str(e)
     if _config_error(comm, error):
         return None, EXIT_CONFIG
+    if comm.rank == 0:
+        for line in chosen:
+            print(f"mpidl train: {line}", flush=True)
     return config, 0
 
 
@@ -223,7 +229,29 @@ def _train(argv: Sequence[str], comm, preempt) -> int:
     preempt.check(comm, "loading the checkpoint to resume from")
     # Only now, with the resume accepted, does the run directory change.
     trainer.begin(text, corrupt=plan.corrupt, previous=plan.previous)
-    return trainer.fit(preempt)
+    code = trainer.fit(preempt)
+    if code == 0 and trainer.step >= trainer.total_steps and not preempt.is_set:
+        _baseline(config, comm, data_dir, trainer)
+    return code
+
+
+def _baseline(config, comm, data_dir: str, trainer) -> None:
+    """Where ``--baseline auto`` and the data is small: the linear model's test score
+    beside the model's (:mod:`mpidl.train.baseline`). Collective."""
+    # lazy: the signal handlers come before heavy imports (see the module's note)
+    from mpidl.train import baseline
+
+    if trainer.last_evaluation is None or not baseline.wanted(config, trainer.train_set):
+        return
+    scores, epochs, seconds = baseline.fit_baseline(config, comm, data_dir,
+                                                    len(trainer.train_set))
+    key, label = trainer.objective.final_scores[0]
+    if comm.rank == 0:
+        tokens = trainer.train_set.features["x"].dtype.kind in "iu" and \
+            bool(trainer.train_set.vocab)
+        print(baseline.describe(config.model.name, tokens, scores,
+                                trainer.last_evaluation.record.get(key), epochs, seconds,
+                                key, label), flush=True)
 
 
 def _plan(config, run_dir: str, comm, bad=()):

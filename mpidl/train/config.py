@@ -210,6 +210,11 @@ class Config:
     # Seconds a collective may wait before the watchdog ends the job with a report of
     # every rank (mpidl.comm.watchdog); none: MPIDL_TIMEOUT, else 600; 0: off.
     timeout: Optional[float] = None
+    # At the end, train the linear model (logistic regression on token counts or on
+    # standardised features) on the same splits and print its test score beside the
+    # model's, when the train split is small enough to fit it in seconds ("auto";
+    # mpidl.train.baseline); "off": never
+    baseline: str = choices("auto", "off", default="auto")
 
     def scaled_lr(self) -> float:
         """``lr`` (or the optimizer's) scaled from ``base_batch`` to ``global_batch`` by

@@ -103,6 +103,7 @@ class Trainer:
         self.timer = StepTimer(timeline=self.timeline, clock=device_clock(self.xp))
         self.train_step = TrainStep(run, self.log, self.timer, self.checkpoints.last)
         self.resumed_from: ckpt.Checkpoint | None = None
+        self.last_evaluation: Evaluation | None = None  # this run's latest, if any
 
     @property
     def skipped_steps(self) -> int:
@@ -275,6 +276,7 @@ class Trainer:
     def _evaluate_epoch(self, epoch: int, say: Any) -> None:
         """Evaluate on the test split, record it and ``say`` it. Collective."""
         result = self.evaluate()
+        self.last_evaluation = result
         self.metrics.write(kind="eval", epoch=epoch, step=self.step, **result.record)
         say(f"epoch {epoch}: {result.line}")
 

@@ -155,17 +155,19 @@ COVERED = {
         Covered((IT + "test_predict.py::test_predict_on_an_array_file_matches_eval",)),
     r"mpiexec -n \d mpidl train --data=data/imdb --epochs=3":
         Covered((IT + "test_train.py::test_real_review_sentences_shard_and_train_through_the_cli",)),
-    r"mpiexec -n \d mpidl train --data=data/reviews --epochs=10 --run-dir=runs/reviews":
-        Covered((IT + "test_own_data.py::test_real_review_sentences_train_well_with_no_model_options",)),
+    r"mpiexec -n \d mpidl train --data=data/reviews --run-dir=runs/reviews":
+        Covered((IT + "test_baselines.py::test_the_defaults_reach_scikit_learn_on_the_sentences_and_a_table",
+                 UNIT + "test_data_fit.py::test_token_ids_get_the_bag_of_words_and_enough_epochs")),
     r"mpiexec -n \d mpidl eval runs/reviews":
         Covered((IT + "test_train.py::test_eval_command_scores_the_latest_checkpoint",)),
     r"mpidl predict runs/reviews new\.txt":
         Covered((IT + "test_predict.py::test_predict_prints_a_label_and_a_probability_per_line",)),
-    r"mpiexec -n \d mpidl train --data=data/arrays --model=mlp .*":
-        Covered((IT + "test_own_data.py::test_a_dense_dataset_of_64_features_and_7_classes_trains_with_the_plain_mlp",)),
+    r"mpiexec -n \d mpidl train --data=data/arrays --run-dir=runs/arrays":
+        Covered((IT + "test_own_data.py::test_a_dense_dataset_of_64_features_and_7_classes_trains_with_the_plain_mlp",
+                 UNIT + "test_data_fit.py::test_the_model_follows_the_kind_of_feature_data")),
     r"mpidl predict runs/arrays rows\.npz --json":
         Covered((IT + "test_predict.py::test_predict_on_an_array_file_matches_eval",)),
-    r"mpiexec -n \d mpidl train --data=data/wine --model=mlp":
+    r"mpiexec -n \d mpidl train --data=data/wine --model=mlp --epochs=3":
         Covered((IT + "test_own_data.py::test_a_real_table_with_columns_in_different_units_trains_with_the_mlp",)),
     r"srun --mpi=pmix mpidl train --data=data/vol --model=cosmoflow --epochs=10":
         Covered((IT + "test_science.py::test_the_cosmology_task_learns_the_spectra_of_gaussian_random_fields",

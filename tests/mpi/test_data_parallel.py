@@ -14,7 +14,7 @@ import pytest
 from mpidl.comm import DistributedError, split_counts
 import mpidl.functions as F
 from mpidl.functions import softmax_cross_entropy
-from mpidl.models import bow, mlp, transformer
+from mpidl.models import bow, linear, mlp, transformer
 from mpidl.nn import Linear, Module, Parameter
 from mpidl.optim import SGD, AdamW
 from mpidl.parallel import DataParallel
@@ -40,14 +40,25 @@ def small_bow(dtype="float64", vocab=500):
     return bow(vocab=vocab, dim=8, hidden=8, classes=3, seed=7, dtype=dtype)
 
 
+def small_linear_tokens(dtype="float64"):
+    """Logistic regression on the token counts of a vocabulary of VOCAB, 0 the padding."""
+    return linear(vocab=VOCAB, classes=3, pad_id=0, seed=7, dtype=dtype)
+
+
+def small_linear_features(dtype="float64"):
+    """Logistic regression on 12 standardised features (the data's statistics made up)."""
+    stats = (numpy.linspace(-1, 1, 12), numpy.linspace(0.5, 2, 12))
+    return linear(in_shape=(12,), classes=3, input_stats=stats, seed=7, dtype=dtype)
+
+
 def batches(kind, steps, global_batch, seed=0, vocab=VOCAB):
     """The same global batches on every rank (a function of the seed only)."""
     rng = numpy.random.default_rng(seed)
     for _ in range(steps):
         if kind == "mlp":
             x = rng.standard_normal((global_batch, 12))
-        else:
-            x = rng.integers(1, vocab, size=(global_batch, SEQ))
+        else:  # "padded": some ids are the padding id 0, which the counts leave out
+            x = rng.integers(0 if kind == "padded" else 1, vocab, size=(global_batch, SEQ))
         yield x, rng.integers(0, 3, size=global_batch)
 
 
@@ -84,7 +95,9 @@ def make_opt(kind, params):
         AdamW(params, lr=0.01, weight_decay=0.01)
 
 
-@pytest.mark.parametrize("model_fn, kind", [(small_mlp, "mlp"), (small_transformer, "tokens")])
+@pytest.mark.parametrize("model_fn, kind", [(small_mlp, "mlp"), (small_transformer, "tokens"),
+                                             (small_linear_tokens, "padded"),
+                                             (small_linear_features, "mlp")])
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_n_ranks_match_one_rank_with_the_global_batch(comm, model_fn, kind, optim, overlap):

@@ -425,3 +425,72 @@ def test_conv_models_moved_to_cupy_give_the_numpy_outputs_and_gradients(name):
         results.append([out.data] + [p.grad for p in model.parameters()] + model.buffers())
     for a, b in zip(*results):
         assert allclose(b, a)
+
+
+def _counts(ids, vocab, pad_id):
+    """The ``(B, vocab)`` count matrix of ``ids`` with ``pad_id`` left out, by hand."""
+    out = numpy.zeros((len(ids), vocab))
+    for row, bag in zip(out, ids):
+        for i in bag:
+            if i != pad_id:
+                row[i] += 1
+    return out
+
+
+def test_the_linear_model_on_tokens_is_counts_times_a_table_plus_a_bias():
+    # The independent reference: the count matrix a user gives scikit-learn, times the
+    # weights; its gradient is counts^T @ dlogits (padding and repeats included).
+    rng = numpy.random.default_rng(3)
+    model = models.linear(vocab=12, classes=3, pad_id=0, dtype=F64)
+    assert not model.embed.weight.data.any() and not model.bias.data.any()  # a zero start
+    model.embed.weight.data[...] = rng.standard_normal((12, 3))
+    model.bias.data[...] = rng.standard_normal(3)
+    ids = numpy.array([[4, 4, 7, 0, 0], [0, 0, 0, 0, 0], [1, 11, 3, 3, 3]])
+    counts = _counts(ids, 12, 0)
+    logits = model(ids)
+    assert allclose(logits.data, counts @ model.embed.weight.data + model.bias.data)
+    g = rng.standard_normal((3, 3))
+    F.sum(F.mul(logits, g)).backward()
+    assert allclose(model.embed.weight.grad, counts.T @ g)
+    assert allclose(model.bias.grad, g.sum(axis=0))
+
+
+def test_the_linear_model_on_features_standardises_then_applies_one_layer():
+    rng = numpy.random.default_rng(4)
+    mean, std = rng.standard_normal(5), rng.uniform(0.5, 3, 5)
+    model = models.linear(in_shape=(5,), outputs=2, input_stats=(mean, std),
+                          target_stats=([10.0, -1.0], [2.0, 0.5]), dtype=F64)
+    model.weight.data[...] = rng.standard_normal((5, 2))
+    x = rng.standard_normal((4, 5)) * 7
+    expected = ((x - mean) / std) @ model.weight.data * [2.0, 0.5] + [10.0, -1.0]
+    assert allclose(model(x).data, expected)
+    raw = models.linear(in_shape=(5,), outputs=2, input_stats=(mean, std), standardize=False)
+    assert raw.inputs is None and raw.targets is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"vocab": 5, "in_shape": (3,), "classes": 2}, "give exactly one"),
+    ({"vocab": 5}, "number of classes or outputs"),
+    ({"vocab": 5, "classes": 2, "outputs": 3}, "disagree"),
+])
+def test_the_linear_model_says_which_arguments_are_missing_or_contradict(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        models.linear(**kwargs)
+
+
+def test_sum_pooling_is_the_mean_times_the_real_tokens():
+    ids = numpy.array([[5, 7, 7, 0, 0, 0]])
+    mean = models.bow(vocab=30, dim=4, hidden=5, pad_id=0, seed=1, dtype=F64)
+    total = models.bow(vocab=30, dim=4, hidden=5, pad_id=0, pooling="sum", seed=1, dtype=F64)
+    table = mean.embed.weight.data
+    bag = table[[5, 7, 7]].sum(axis=0)[None]  # (1, D): the three real tokens' rows summed
+    assert allclose(total(ids).data, total.fc2(F.relu(total.fc1(bag))).data)
+    assert not allclose(total(ids).data, mean(ids).data)
+    with pytest.raises(ValueError, match="pooling='max'"):
+        models.bow(vocab=30, pooling="max")
+
+
+def test_the_bag_of_words_embedding_starts_at_the_given_scale():
+    small = models.bow(vocab=2000, dim=16, embed_std=0.1, seed=0).embed.weight.data
+    assert 0.09 < small.std() < 0.11
+    assert 0.9 < models.bow(vocab=2000, dim=16, seed=0).embed.weight.data.std() < 1.1
