@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import re
 
-from hpc.sbatch import _ENV_BEGIN, _ENV_END, Profile, RenderError, Request, _env_block
+from hpc.sbatch import Profile, RenderError, Request, _env_block, split_template
 
 # PBS walltime: [[HH:]MM:]SS, no days.
 _WALLTIME = re.compile(r"\d+(:\d{2}){0,2}")
@@ -87,25 +87,8 @@ def render(template: str, profile: Profile, req: Request, env_sh: str,
     if req.time is not None and not _WALLTIME.fullmatch(req.time):
         raise RenderError(f"--time {req.time!r} is not a PBS walltime: use HH:MM:SS "
                           f"(e.g. 01:30:00; PBS takes no days)")
-    lines = template.splitlines()
-    if not lines or not lines[0].startswith("#!"):
-        raise RenderError(f"{template_name}: the first line must be a shebang (#!/bin/bash)")
-    header_end = next((i for i, line in enumerate(lines)
-                       if line.strip() and not line.lstrip().startswith("#")), len(lines))
-    directives: dict[str, str] = {}
-    positions: dict[str, int] = {}
-    for i, line in enumerate(lines[:header_end]):
-        if line.startswith("#PBS"):
-            key, value = _parse(line)
-            directives[key], positions[key] = value, i
-    if not positions:
-        raise RenderError(f"{template_name}: no #PBS lines before the first command")
-    try:
-        begin = next(i for i, line in enumerate(lines) if line.startswith(_ENV_BEGIN))
-        end = next(i for i, line in enumerate(lines) if line.startswith(_ENV_END))
-    except StopIteration:
-        raise RenderError(f"{template_name}: no '{_ENV_BEGIN}' ... '{_ENV_END}' block to "
-                          f"replace with env.sh and the profile") from None
+    lines, directives, positions, begin, end = split_template(template, template_name,
+                                                              "#PBS", _parse)
 
     header: list[str] = list(lines[:begin])
     added: list[str] = []

@@ -316,6 +316,34 @@ def _env_block(profile: Profile, req: Request, env_sh: str,
     return lines + body + [_ENV_END]
 
 
+def split_template(template: str, template_name: str, prefix: str,
+                   parse: Any) -> tuple[list[str], dict, dict[str, int], int, int]:
+    """A batch template's lines, its directives (``prefix`` lines before the first
+    command, each read by ``parse(line) -> (key, value)``) with their line numbers, and
+    the first and last line of its ``# >>> env`` block; RenderError naming the template
+    when it lacks a shebang, directives or the block. Slurm's and PBS's templates alike."""
+    lines = template.splitlines()
+    if not lines or not lines[0].startswith("#!"):
+        raise RenderError(f"{template_name}: the first line must be a shebang (#!/bin/bash)")
+    header_end = next((i for i, line in enumerate(lines)
+                       if line.strip() and not line.lstrip().startswith("#")), len(lines))
+    directives: dict = {}
+    positions: dict[str, int] = {}
+    for i, line in enumerate(lines[:header_end]):
+        if line.startswith(prefix):
+            key, value = parse(line)
+            directives[key], positions[key] = value, i
+    if not positions:
+        raise RenderError(f"{template_name}: no {prefix} lines before the first command")
+    try:
+        begin = next(i for i, line in enumerate(lines) if line.startswith(_ENV_BEGIN))
+        end = next(i for i, line in enumerate(lines) if line.startswith(_ENV_END))
+    except StopIteration:
+        raise RenderError(f"{template_name}: no '{_ENV_BEGIN}' ... '{_ENV_END}' block to "
+                          f"replace with env.sh and the profile") from None
+    return lines, directives, positions, begin, end
+
+
 def render(template: str, profile: Profile, req: Request, env_sh: str,
            template_name: str = "template") -> str:
     """Render ``template`` (the text of a ``slurm/*.sbatch``) for ``profile``.
@@ -337,25 +365,8 @@ def render(template: str, profile: Profile, req: Request, env_sh: str,
     if req.time is not None and not _TIME.fullmatch(req.time):
         raise RenderError(f"--time {req.time!r} is not a Slurm time: use MINUTES, "
                           f"HH:MM:SS or DAYS-HH:MM:SS (e.g. 01:30:00)")
-    lines = template.splitlines()
-    if not lines or not lines[0].startswith("#!"):
-        raise RenderError(f"{template_name}: the first line must be a shebang (#!/bin/bash)")
-    header_end = next((i for i, line in enumerate(lines)
-                       if line.strip() and not line.lstrip().startswith("#")), len(lines))
-    directives: dict[str, str | None] = {}
-    positions: dict[str, int] = {}
-    for i, line in enumerate(lines[:header_end]):
-        if line.startswith("#SBATCH"):
-            option, value = _parse_directive(line)
-            directives[option], positions[option] = value, i
-    if not positions:
-        raise RenderError(f"{template_name}: no #SBATCH lines before the first command")
-    try:
-        begin = next(i for i, line in enumerate(lines) if line.startswith(_ENV_BEGIN))
-        end = next(i for i, line in enumerate(lines) if line.startswith(_ENV_END))
-    except StopIteration:
-        raise RenderError(f"{template_name}: no '{_ENV_BEGIN}' ... '{_ENV_END}' block to "
-                          f"replace with env.sh and the profile") from None
+    lines, directives, positions, begin, end = split_template(
+        template, template_name, "#SBATCH", _parse_directive)
 
     settings = _settings(directives, profile, req)
     header: list[str | None] = list(lines[:begin])
