@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -171,6 +172,8 @@ def test_an_existing_plot_or_profile_needs_force_before_the_sweep(tmp_path, monk
         assert exc.value.code == 2
         assert f"{path} already exists; name another file, or pass --force" in \
             capsys.readouterr().err
+        if argv[0] == "--plot" and importlib.util.find_spec("matplotlib") is None:
+            continue  # refused for the file first; with --force, for the missing extra
         assert bench.parse_args([*argv, "--force"]).force
     assert (tmp_path / "network" / "mine.toml").read_text() == "kept"
 
