@@ -90,8 +90,8 @@ def epochs_for(samples: int, global_batch: int, at_least: int) -> int:
 def fit_to_data(config: Config, preset: str | None, overrides: Sequence[str]) -> list[str]:
     """Set ``config``'s model and epochs from its dataset where the command line leaves
     them open (the module docstring); returns what was chosen, a line each. Reads the
-    train split's manifest only; a dataset that cannot be read is left to the trainer
-    to report (nothing is chosen)."""
+    train split's manifest only; a dataset that cannot be read, or has no training
+    samples, is left to the trainer to report (nothing is chosen)."""
     if preset is not None or not config.data.path:
         return []
     # Here: config parsing stays free of the data package until a dataset is named.
@@ -101,8 +101,8 @@ def fit_to_data(config: Config, preset: str | None, overrides: Sequence[str]) ->
         manifest = read_manifest(os.path.join(config.data.path, "train"))
     except (DataError, OSError):
         return []
-    if "x" not in manifest.features:
-        return []
+    if "x" not in manifest.features or manifest.num_samples == 0:
+        return []  # the trainer says what is wrong with it, before anything is chosen
     notes = []
     if not sets(overrides, "model"):
         x = manifest.features["x"]

@@ -20,6 +20,8 @@ paper does. A rank's squared norm is one dot product per parameter in backward's
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Iterable
 
 from mpidl.autograd import Tensor
@@ -66,8 +68,9 @@ class NoiseScale:
     @property
     def value(self) -> float | None:
         """The smoothed ``B_simple``, or None."""
-        if self.signal is None or not self.signal > 0:
-            return None
+        if self.signal is None or not self.signal > 0 or not math.isfinite(self.signal) \
+                or not math.isfinite(self.trace):
+            return None  # a diverging run's overflowed norms: no estimate
         return self.trace / self.signal
 
     def state_dict(self) -> dict[str, float]:

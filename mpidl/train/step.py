@@ -159,7 +159,8 @@ class TrainStep:
         noise = ()
         if run.local_grads is not None:
             norm = run.dp.grad_norm() if run.config.zero else grad_norm(params)
-            noise = (run.local_grads.take_raw(), 0.0 if norm is None else norm * norm)
+            with numpy.errstate(over="ignore", invalid="ignore"):  # the guard speaks
+                noise = (run.local_grads.take_raw(), 0.0 if norm is None else norm * norm)
         values = read_values(run.xp, run.xp.isfinite(loss), grads_finite(params), *noise)
         loss_finite, finite = bool(values[0]), bool(values[1]) and bool(values[0])
         preempted, nonfinite, bad_loss = run.comm.agree_each(
@@ -186,7 +187,10 @@ class TrainStep:
         if run.config.clip_grad_norm:
             run.layout.clip_grad_norm_(run.dp, run.config.clip_grad_norm)
         if run.local_grads is not None:  # the squares read above, scaled by the loss scale
-            self._measure_noise(float(values[2]), float(values[3]) / scale ** 2, scale)
+            # A finite step's squares can still overflow (a diverging run): the noise scale
+            # then has no value, and the non-finite guard, not NumPy, says what happened.
+            with numpy.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                self._measure_noise(float(values[2]), float(values[3]) / scale ** 2, scale)
         run.optimizer.lr = learning_rate(run.config, step, run.total_steps)
         run.optimizer.step()
         run.optimizer.zero_grad()

@@ -71,6 +71,16 @@ def test_an_unreadable_dataset_chooses_nothing_and_is_left_to_the_trainer(tmp_pa
     assert (config.model.name, config.epochs, notes) == ("bow", 2, [])
 
 
+def test_a_dataset_without_training_samples_chooses_nothing(tmp_path):
+    # left to the trainer, which names the split that has none ("has no samples")
+    out = str(tmp_path / "data")
+    write_shards(out, {"x": numpy.zeros((0, 8), numpy.int32), "y": numpy.zeros(0, numpy.int64)},
+                 test_arrays={"x": numpy.zeros((4, 8), numpy.int32),
+                              "y": numpy.zeros(4, numpy.int64)})
+    config, notes = _fit([f"--data={out}"])
+    assert (config.model.name, config.epochs, notes) == ("bow", 2, [])
+
+
 def test_the_generated_corpus_keeps_the_presets_choices():
     config, notes = _fit([])
     assert (config.model.name, config.epochs, notes) == ("bow", 2, [])
